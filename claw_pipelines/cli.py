@@ -1,0 +1,101 @@
+"""`claw`: the command line of the lakehouse (DESIGN §9). Errors are one line, not a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from claw_pipelines.settings import ClawSettings
+
+
+class CliError(Exception):
+    """An error to report to the user as one line."""
+
+
+def _settings(args: argparse.Namespace) -> ClawSettings:
+    return ClawSettings().with_overrides(lake_uri=getattr(args, "lake", None))
+
+
+def _cmd_gateway(args: argparse.Namespace) -> None:
+    from gateway.serve import serve_gateway
+
+    serve_gateway(_settings(args), host=args.host, port=args.port)
+
+
+def _cmd_sim_llm(args: argparse.Namespace) -> None:
+    from claw_pipelines.simulation.sim_llm import serve
+
+    serve(host=args.host, port=args.port, seed=args.seed, latency_ms=args.latency_ms)
+
+
+def _cmd_keys_create(args: argparse.Namespace) -> None:
+    from gateway.auth import create_key
+
+    key, line = create_key(args.tenant)
+    if args.file:
+        with open(args.file, "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+        print(f"added tenant {args.tenant!r} to {args.file}", file=sys.stderr)
+    else:
+        print(f"hash line for CLAW_API_KEYS_FILE: {line}", file=sys.stderr)
+    print(key)
+
+
+def _cmd_demo(args: argparse.Namespace) -> None:
+    from claw_pipelines.demo import run_demo
+
+    run_demo(_settings(args), workdir=args.workdir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every verb."""
+    parser = argparse.ArgumentParser(prog="claw", description=__doc__)
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def verb(name: str, handler: Callable[[argparse.Namespace], None], help: str):
+        sub = verbs.add_parser(name, help=help, description=help)
+        sub.add_argument("--lake", help="lake URI (overrides CLAW_LAKE_URI)")
+        sub.set_defaults(handler=handler)
+        return sub
+
+    gw = verb("gateway", _cmd_gateway, "run the ingestion gateway and OpenAI-compatible proxy")
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=8080)
+
+    sim = verb("sim-llm", _cmd_sim_llm, "run the bundled simulated OpenAI-compatible model")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=8000)
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--latency-ms", type=float, default=0.0)
+
+    keys = verbs.add_parser("keys", help="manage gateway API keys")
+    key_verbs = keys.add_subparsers(dest="keys_verb", required=True, metavar="ACTION")
+    create = key_verbs.add_parser("create", help="mint a key for a tenant; prints it once")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--file", help="append the key's hash to this keys file")
+    create.set_defaults(handler=_cmd_keys_create)
+
+    demo = verb("demo", _cmd_demo, "one end-to-end run on simulated agents, then a summary")
+    demo.add_argument("--workdir", help="where to keep logs (default: a temp dir)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `claw` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except KeyboardInterrupt:
+        return 130
+    except CliError as exc:
+        print(f"claw: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # one clear line for users; tracebacks stay in logs
+        print(f"claw: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""Size bounds every wire record is validated against (one place, so docs and errors agree)."""
+
+INT32_MAX = 2**31 - 1
+MAX_SEQUENCE_TOKENS = 1_048_576
+MAX_STEPS_PER_REQUEST = 4_096
+MAX_UID_CHARS = 256
+MAX_LABEL_CHARS = 128
+MAX_TEXT_CHARS = 1_048_576
+MAX_METADATA_BYTES = 65_536
+MAX_METADATA_DEPTH = 16
+UID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=\-]*$"
+LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"

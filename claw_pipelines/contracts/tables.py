@@ -1,0 +1,209 @@
+"""Table names and Arrow schemas of every lake table (DESIGN §5), declared once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+BRONZE_EVENTS = "bronze/events"
+SILVER_STEPS = "silver/steps"
+SILVER_FEEDBACK = "silver/feedback"
+SILVER_TRAJECTORIES = "silver/trajectories"
+GOLD_LINEAGE = "gold/lineage"
+GOLD_CONSUMPTION = "gold/consumption"
+GOLD_DATASETS_PREFIX = "gold/datasets"
+GOLD_TREES_PREFIX = "gold/trees"
+
+RECORD_KINDS = ("step", "chat_completion", "completion", "feedback", "event", "trajectory_complete")
+STEP_KINDS = ("step", "chat_completion", "completion")
+TOKEN_SOURCES = ("upstream", "local", "client")
+
+UTC_MICROS = pa.timestamp("us", tz="UTC")
+TOKEN_LIST = pa.list_(pa.int32())
+LOGPROB_LIST = pa.list_(pa.float32())
+MASK_LIST = pa.list_(pa.int8())
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A lake table: its path under the lake root, Arrow schema and partition columns."""
+
+    name: str
+    schema: pa.Schema
+    partition_by: tuple[str, ...] = field(default_factory=tuple)
+    description: str = ""
+
+
+# Step fields lifted out of the JSON payload into typed columns so silver reads them fast.
+BRONZE_STEP_COLUMNS = pa.schema(
+    [
+        ("trajectory_uid", pa.string()),
+        ("prompt_uid", pa.string()),
+        ("step_index", pa.int64()),
+        ("policy_version", pa.int64()),
+        ("token_source", pa.string()),
+        ("prompt_ids", TOKEN_LIST),
+        ("response_ids", TOKEN_LIST),
+        ("rollout_log_probs", LOGPROB_LIST),
+        ("response_mask", MASK_LIST),
+        ("reward", pa.float64()),
+        ("is_last", pa.bool_()),
+        ("finish_reason", pa.string()),
+        ("model", pa.string()),
+    ]
+)
+
+BRONZE_EVENTS_SPEC = TableSpec(
+    BRONZE_EVENTS,
+    pa.schema(
+        [
+            pa.field("event_id", pa.string(), nullable=False),
+            pa.field("kind", pa.string(), nullable=False),
+            pa.field("tenant", pa.string(), nullable=False),
+            pa.field("received_at", UTC_MICROS, nullable=False),
+            pa.field("ingest_date", pa.date32(), nullable=False),
+            pa.field("gateway_id", pa.string(), nullable=False),
+            pa.field("batch_seq", pa.int64(), nullable=False),
+            pa.field("schema_version", pa.int32(), nullable=False),
+            pa.field("payload", pa.string(), nullable=False),
+            *BRONZE_STEP_COLUMNS,
+        ]
+    ),
+    partition_by=("ingest_date",),
+    description="One accepted request record, as the gateway acknowledged it.",
+)
+
+SILVER_STEPS_SPEC = TableSpec(
+    SILVER_STEPS,
+    pa.schema(
+        [
+            pa.field("step_key", pa.string(), nullable=False),
+            pa.field("trajectory_uid", pa.string(), nullable=False),
+            pa.field("step_index", pa.int64(), nullable=False),
+            ("prompt_uid", pa.string()),
+            ("prompt_id", pa.string()),
+            ("response_id", pa.string()),
+            ("prompt_ids", TOKEN_LIST),
+            ("response_ids", TOKEN_LIST),
+            ("rollout_log_probs", LOGPROB_LIST),
+            ("response_mask", MASK_LIST),
+            ("policy_version", pa.int64()),
+            ("model", pa.string()),
+            ("token_source", pa.string()),
+            ("finish_reason", pa.string()),
+            ("is_last", pa.bool_()),
+            ("tenant", pa.string()),
+            ("source_kind", pa.string()),
+            ("created_at", UTC_MICROS),
+            ("metadata", pa.string()),
+            ("event_id", pa.string()),
+        ]
+    ),
+    description="One step: state (prompt ids), action (response ids) and provenance.",
+)
+
+SILVER_FEEDBACK_SPEC = TableSpec(
+    SILVER_FEEDBACK,
+    pa.schema(
+        [
+            pa.field("feedback_id", pa.string(), nullable=False),
+            ("step_key", pa.string()),
+            ("trajectory_uid", pa.string()),
+            ("kind", pa.string()),
+            ("value_number", pa.float64()),
+            ("value_text", pa.string()),
+            ("value_json", pa.string()),
+            ("source", pa.string()),
+            ("annotator", pa.string()),
+            ("tenant", pa.string()),
+            ("created_at", UTC_MICROS),
+            ("received_at", UTC_MICROS),
+            ("origin_kind", pa.string()),
+            ("event_id", pa.string()),
+        ]
+    ),
+    description="One reward or feedback fact; append-only, superseded by rule, never updated.",
+)
+
+SILVER_TRAJECTORIES_SPEC = TableSpec(
+    SILVER_TRAJECTORIES,
+    pa.schema(
+        [
+            pa.field("trajectory_uid", pa.string(), nullable=False),
+            ("prompt_uid", pa.string()),
+            ("tenant", pa.string()),
+            ("status", pa.string()),
+            ("num_steps", pa.int64()),
+            ("step_keys", pa.list_(pa.string())),
+            ("resolved_return", pa.float64()),
+            ("min_policy_version", pa.int64()),
+            ("max_policy_version", pa.int64()),
+            ("first_seen_at", UTC_MICROS),
+            ("last_seen_at", UTC_MICROS),
+        ]
+    ),
+    description="One trajectory: its steps, status and resolved return.",
+)
+
+GOLD_LINEAGE_SPEC = TableSpec(
+    GOLD_LINEAGE,
+    pa.schema(
+        [
+            pa.field("dataset", pa.string(), nullable=False),
+            pa.field("dataset_version", pa.int64(), nullable=False),
+            ("spec_json", pa.string()),
+            ("spec_hash", pa.string()),
+            ("source_versions", pa.string()),
+            ("code_version", pa.string()),
+            ("rows", pa.int64()),
+            ("steps", pa.int64()),
+            ("raw_tokens", pa.int64()),
+            ("tree_tokens", pa.int64()),
+            ("saved_tokens", pa.int64()),
+            ("token_ratio", pa.float64()),
+            ("written_at", UTC_MICROS),
+        ]
+    ),
+    description="One gold dataset version and everything it was built from.",
+)
+
+GOLD_CONSUMPTION_SPEC = TableSpec(
+    GOLD_CONSUMPTION,
+    pa.schema(
+        [
+            pa.field("consumer", pa.string(), nullable=False),
+            pa.field("dataset", pa.string(), nullable=False),
+            pa.field("dataset_version", pa.int64(), nullable=False),
+            ("policy_version", pa.int64()),
+            ("batch_index", pa.int64()),
+            ("step_keys", pa.list_(pa.string())),
+            ("consumed_at", UTC_MICROS),
+        ]
+    ),
+    description="One batch pulled by a trainer, with the exact dataset version.",
+)
+
+TABLES: dict[str, TableSpec] = {
+    spec.name: spec
+    for spec in (
+        BRONZE_EVENTS_SPEC,
+        SILVER_STEPS_SPEC,
+        SILVER_FEEDBACK_SPEC,
+        SILVER_TRAJECTORIES_SPEC,
+        GOLD_LINEAGE_SPEC,
+        GOLD_CONSUMPTION_SPEC,
+    )
+}
+
+
+def gold_dataset_table(name: str) -> str:
+    """Table path of the gold dataset `name`."""
+    return f"{GOLD_DATASETS_PREFIX}/{name}"
+
+
+def gold_tree_table(name: str) -> str:
+    """Table path of the merged prefix trees of dataset `name`."""
+    return f"{GOLD_TREES_PREFIX}/{name}"

@@ -1,0 +1,156 @@
+"""The lake: the only module that builds table URIs and storage options and reads/writes Delta."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
+
+from claw_pipelines.contracts.tables import TABLES, TableSpec
+from claw_pipelines.settings import REMOTE_SCHEMES, ClawSettings
+
+COMMIT_METADATA_KEY = "claw"
+
+
+def conform(data: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Select and cast `data` to `schema`; absent nullable columns become nulls."""
+    columns = []
+    for field in schema:
+        if field.name in data.column_names:
+            columns.append(data.column(field.name).cast(field.type))
+        elif field.nullable:
+            columns.append(pa.nulls(data.num_rows, field.type))
+        else:
+            raise ValueError(f"column {field.name!r} is required by the table schema")
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+class Lake:
+    """A lake root (local path or object-store URI) and the Delta tables beneath it."""
+
+    def __init__(self, uri: str, storage_options: Mapping[str, str] | None = None) -> None:
+        self.is_remote = uri.startswith(REMOTE_SCHEMES)
+        self.uri = uri.rstrip("/") if self.is_remote else str(Path(uri).expanduser().resolve())
+        self.storage_options = dict(storage_options or {})
+
+    @classmethod
+    def from_settings(cls, settings: ClawSettings | None = None) -> Lake:
+        """The lake named by `CLAW_LAKE_URI` and `CLAW_STORAGE_OPTIONS`."""
+        settings = settings or ClawSettings()
+        return cls(settings.lake_uri, settings.storage_options)
+
+    def __repr__(self) -> str:
+        return f"Lake({self.uri!r})"
+
+    # -- naming -----------------------------------------------------------------------------
+    def table_uri(self, name: str) -> str:
+        """URI of table `name` (e.g. "bronze/events")."""
+        if not name or name.startswith("/") or ".." in name.split("/"):
+            raise ValueError(f"invalid table name {name!r}")
+        return f"{self.uri}/{name}"
+
+    def _options(self) -> dict[str, str] | None:
+        return self.storage_options or None
+
+    # -- metadata ---------------------------------------------------------------------------
+    def exists(self, name: str) -> bool:
+        """Whether table `name` has been created."""
+        return DeltaTable.is_deltatable(self.table_uri(name), storage_options=self._options())
+
+    def open(self, name: str, version: int | None = None) -> DeltaTable:
+        """The Delta table `name`, at `version` when given (time travel)."""
+        return DeltaTable(self.table_uri(name), version=version, storage_options=self._options())
+
+    def version(self, name: str) -> int | None:
+        """Current version of table `name`, or None when it does not exist."""
+        try:
+            return self.open(name).version()
+        except TableNotFoundError:
+            return None
+
+    def ensure(self, spec: TableSpec | str) -> DeltaTable:
+        """Create the table with its declared schema if it is missing; return it."""
+        spec = TABLES[spec] if isinstance(spec, str) else spec
+        try:
+            return self.open(spec.name)
+        except TableNotFoundError:
+            pass
+        try:
+            return DeltaTable.create(
+                self.table_uri(spec.name),
+                schema=spec.schema,
+                mode="ignore",
+                partition_by=list(spec.partition_by) or None,
+                name=spec.name.replace("/", "_"),
+                description=spec.description,
+                storage_options=self._options(),
+            )
+        except CommitFailedError:  # another process created it first
+            return self.open(spec.name)
+
+    def transaction_version(self, name: str, app_id: str) -> int | None:
+        """Latest transaction version committed by `app_id` to table `name`."""
+        try:
+            return self.open(name).transaction_version(app_id)
+        except TableNotFoundError:
+            return None
+
+    def commit_metadata(self, name: str, version: int | None = None) -> dict[str, Any]:
+        """The claw metadata stored with a commit (the latest one by default)."""
+        table = self.open(name)
+        target = table.version() if version is None else version
+        for entry in table.history():
+            if entry.get("version") == target:
+                raw = entry.get(COMMIT_METADATA_KEY)
+                return json.loads(raw) if isinstance(raw, str) else dict(raw or {})
+        return {}
+
+    # -- writes -----------------------------------------------------------------------------
+    def append(
+        self,
+        spec: TableSpec | str,
+        data: pa.Table,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        transaction: tuple[str, int] | None = None,
+    ) -> int:
+        """Append rows in one commit, conformed to the schema; return the new table version.
+
+        `transaction` = (app_id, version) is recorded in the same commit, so a writer can ask
+        `transaction_version` after a crash whether the batch already landed.
+        """
+        spec = TABLES[spec] if isinstance(spec, str) else spec
+        table = self.ensure(spec)
+        custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
+        txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
+        write_deltalake(
+            table,
+            conform(data, spec.schema),
+            mode="append",
+            partition_by=list(spec.partition_by) or None,
+            commit_properties=CommitProperties(custom_metadata=custom, app_transactions=txns),
+        )
+        table.update_incremental()
+        return table.version()
+
+    # -- reads ------------------------------------------------------------------------------
+    def scan(self, name: str, version: int | None = None) -> pl.LazyFrame:
+        """A lazy polars scan of table `name` (at `version` when given)."""
+        return pl.scan_delta(
+            self.table_uri(name), version=version, storage_options=self._options()
+        )
+
+    def read(
+        self, name: str, version: int | None = None, columns: list[str] | None = None
+    ) -> pl.DataFrame:
+        """Read table `name` into polars (optionally some columns, at a version)."""
+        frame = self.scan(name, version)
+        if columns is not None:
+            frame = frame.select(columns)
+        return frame.collect()

@@ -1,0 +1,74 @@
+"""Settings from the environment (`CLAW_` prefix, optional `.env`); embedded defaults run locally."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REMOTE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://")
+
+
+def default_gateway_id() -> str:
+    """A stable id for this host's gateway: it names its WAL and its Delta transactions."""
+    return "gw-" + re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:60]
+
+
+class ClawSettings(BaseSettings):
+    """Every knob of the lakehouse; read once at start-up."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CLAW_", env_file=".env", extra="ignore", frozen=True
+    )
+
+    lake_uri: str = Field("./lake", description="local path or s3:// gs:// az:// URI")
+    storage_options: dict[str, str] = Field(
+        default_factory=dict, description="JSON object passed to delta-rs object stores"
+    )
+    upstream_url: str | None = Field(None, description="OpenAI base URL of the inference server")
+    tokenizer: str | None = Field(None, description="path to a Hugging Face tokenizer.json")
+    api_keys: str | None = Field(
+        None, description="'key=tenant,key2=tenant2'; keys may be given as sha256:<hex> hashes"
+    )
+    api_keys_file: Path | None = Field(None, description="file of 'sha256:<hex> tenant' lines")
+
+    gateway_id: str = Field(default_factory=default_gateway_id)
+    wal_dir: Path | None = Field(None, description="default: <lake>/_wal when the lake is local")
+    flush_interval_ms: int = Field(250, ge=1, le=60_000)
+    flush_max_records: int = Field(8_192, ge=1)
+    flush_max_bytes: int = Field(64 * 2**20, ge=1)
+    wal_max_backlog_bytes: int = Field(1 * 2**30, ge=1)
+    max_body_bytes: int = Field(32 * 2**20, ge=1)
+    dedup_capacity: int = Field(500_000, ge=0, description="recent event_ids kept for retries")
+
+    @field_validator("gateway_id")
+    @classmethod
+    def _gateway_id_is_a_safe_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", value):
+            raise ValueError("use letters, digits, '.', '_' and '-' (it names files)")
+        return value
+
+    @property
+    def lake_is_remote(self) -> bool:
+        """True when the lake lives in an object store."""
+        return self.lake_uri.startswith(REMOTE_SCHEMES)
+
+    @property
+    def resolved_wal_dir(self) -> Path:
+        """Directory of this gateway's write-ahead log."""
+        if self.wal_dir is not None:
+            base = self.wal_dir
+        elif self.lake_is_remote:
+            base = Path.home() / ".cache" / "claw" / "wal"
+        else:
+            base = Path(self.lake_uri.removeprefix("file://")) / "_wal"
+        return base / self.gateway_id
+
+    def with_overrides(self, **values: Any) -> ClawSettings:
+        """A copy with some fields replaced (CLI flags over the environment)."""
+        values = {k: v for k, v in values.items() if v is not None}
+        return self.model_copy(update=values) if values else self

@@ -1,0 +1,1 @@
+"""Simulated model and agents for demos and tests (honest test doubles)."""
