@@ -38,6 +38,7 @@ class Lake:
         self.is_remote = uri.startswith(REMOTE_SCHEMES)
         self.uri = uri.rstrip("/") if self.is_remote else str(Path(uri).expanduser().resolve())
         self.storage_options = dict(storage_options or {})
+        self._writers: dict[str, DeltaTable] = {}
 
     @classmethod
     def from_settings(cls, settings: ClawSettings | None = None) -> Lake:
@@ -126,7 +127,9 @@ class Lake:
         `transaction_version` after a crash whether the batch already landed.
         """
         spec = TABLES[spec] if isinstance(spec, str) else spec
-        table = self.ensure(spec)
+        table = self._writers.get(spec.name)
+        if table is None:
+            table = self._writers[spec.name] = self.ensure(spec)
         custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
         txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
         write_deltalake(
@@ -142,9 +145,7 @@ class Lake:
     # -- reads ------------------------------------------------------------------------------
     def scan(self, name: str, version: int | None = None) -> pl.LazyFrame:
         """A lazy polars scan of table `name` (at `version` when given)."""
-        return pl.scan_delta(
-            self.table_uri(name), version=version, storage_options=self._options()
-        )
+        return pl.scan_delta(self.table_uri(name), version=version, storage_options=self._options())
 
     def read(
         self, name: str, version: int | None = None, columns: list[str] | None = None

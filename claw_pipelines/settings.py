@@ -1,4 +1,4 @@
-"""Settings from the environment (`CLAW_` prefix, optional `.env`); embedded defaults run locally."""
+"""Settings from the environment (`CLAW_` prefix, optional `.env`); defaults run locally."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The Claw gateway: durable ingestion and an OpenAI-compatible proxy (FastAPI)."""

@@ -1,0 +1,101 @@
+"""Request dependencies: app-state accessors, the tenant from the API key, JSON bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Annotated, TypeVar
+
+from fastapi import Depends, Header, Request
+from pydantic import BaseModel, ValidationError
+
+from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN
+from gateway.auth import DEFAULT_TENANT, KeyRing, presented_key
+from gateway.errors import ApiError, from_pydantic
+from gateway.landing import Landing
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+BODY_READ_TIMEOUT_S = 30.0
+_UID = re.compile(UID_PATTERN)
+
+
+def get_landing(request: Request) -> Landing:
+    """The app's landing service."""
+    return request.app.state.landing
+
+
+def get_tenant(
+    request: Request,
+    authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
+    x_api_key: Annotated[str | None, Header(include_in_schema=False)] = None,
+) -> str:
+    """The tenant of the presented API key (401 when missing or unknown)."""
+    keys: KeyRing = request.app.state.keys
+    if not keys.enabled:
+        return DEFAULT_TENANT
+    key = presented_key(authorization, x_api_key)
+    if key is None:
+        raise ApiError(
+            401,
+            "missing API key: send 'Authorization: Bearer <key>'",
+            code="missing_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    tenant = keys.tenant_for(key)
+    if tenant is None:
+        raise ApiError(
+            401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+        )
+    return tenant
+
+
+def get_idempotency_key(
+    idempotency_key: Annotated[
+        str | None, Header(description="event_id for the record (key:i in a batch)")
+    ] = None,
+) -> str | None:
+    """The `Idempotency-Key` header, validated like an event_id."""
+    if idempotency_key is not None and not (
+        len(idempotency_key) <= MAX_UID_CHARS - 8 and _UID.match(idempotency_key)
+    ):
+        raise ApiError(
+            422,
+            "Idempotency-Key: use letters, digits and ._:@+=- (at most 248 characters)",
+            param="Idempotency-Key",
+            code="invalid_header",
+        )
+    return idempotency_key
+
+
+LandingDep = Annotated[Landing, Depends(get_landing)]
+TenantDep = Annotated[str, Depends(get_tenant)]
+IdempotencyKeyDep = Annotated[str | None, Depends(get_idempotency_key)]
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, bounded in size (413) and in time (408)."""
+    limit = request.app.state.settings.max_body_bytes
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(
+                        413, f"body exceeds the limit of {limit} bytes", code="body_too_large"
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, "body not received in time", code="body_timeout") from None
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, model: type[ModelT], *, optional: bool = False) -> ModelT:
+    """Validate the JSON body against `model` (422 names the field)."""
+    body = await read_body(request)
+    if optional and not body.strip():
+        body = b"{}"
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None

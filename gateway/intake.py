@@ -1,0 +1,75 @@
+"""Turn validated wire models into bronze records and land them (no FastAPI here)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+from claw_pipelines.contracts.ids import new_event_id
+from claw_pipelines.contracts.wire import Accepted, Step
+from gateway.errors import ApiError
+from gateway.landing import Landing, Overloaded
+from gateway.records import TOKEN_FIELDS, BronzeRecord, typed_arrays
+
+_TOKEN_FIELD_SET = set(TOKEN_FIELDS)
+
+
+def now_us() -> int:
+    """Current UTC time in microseconds."""
+    return time.time_ns() // 1000
+
+
+def event_ids_for(models: Sequence[BaseModel], idempotency_key: str | None) -> list[str]:
+    """Each record's event_id: from the body, else the Idempotency-Key header, else new."""
+    ids = []
+    for position, model in enumerate(models):
+        event_id = getattr(model, "event_id", None)
+        if event_id is None and idempotency_key is not None:
+            event_id = idempotency_key if len(models) == 1 else f"{idempotency_key}:{position}"
+        ids.append(event_id or new_event_id())
+    return ids
+
+
+def step_records(
+    steps: Sequence[Step],
+    tenant: str,
+    idempotency_key: str | None = None,
+    *,
+    kind: str = "step",
+    token_source: str = "client",
+) -> list[BronzeRecord]:
+    """Bronze records of white-box steps: token arrays typed, the rest as JSON payload."""
+    received = now_us()
+    records = []
+    for step, event_id in zip(steps, event_ids_for(steps, idempotency_key), strict=True):
+        step.event_id = event_id
+        payload = step.model_dump_json(exclude=_TOKEN_FIELD_SET).encode()
+        arrays = typed_arrays([getattr(step, name) for name in TOKEN_FIELDS])
+        records.append(
+            BronzeRecord(event_id, kind, tenant, received, payload, token_source, *arrays)
+        )
+    return records
+
+
+def fact_record(
+    model: BaseModel, kind: str, tenant: str, idempotency_key: str | None = None
+) -> BronzeRecord:
+    """The bronze record of a feedback, event or trajectory completion."""
+    (event_id,) = event_ids_for([model], idempotency_key)
+    model.event_id = event_id
+    return BronzeRecord(event_id, kind, tenant, now_us(), model.model_dump_json().encode())
+
+
+async def accept(landing: Landing, records: list[BronzeRecord]) -> Accepted:
+    """Land records durably and answer; overload becomes 503 with Retry-After."""
+    try:
+        _written, duplicates = await landing.land(records)
+    except Overloaded as exc:
+        raise ApiError(
+            503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after)}
+        ) from None
+    return Accepted(
+        accepted=len(records), duplicates=duplicates, event_ids=[r.event_id for r in records]
+    )

@@ -1,0 +1,57 @@
+"""The gateway application: `create_app()` builds it; the lifespan owns its long-lived parts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+import claw_pipelines
+from claw_pipelines.lake import Lake
+from claw_pipelines.settings import ClawSettings
+from gateway.auth import KeyRing
+from gateway.errors import install_error_handlers
+from gateway.landing import Landing
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import BodyGuard, RequestMetrics
+from gateway.openapi import install_openapi
+from gateway.routes import claw_r1, ingest, ops
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: ClawSettings | None = None) -> FastAPI:
+    """A gateway app for `settings` (default: from the environment)."""
+    settings = settings or ClawSettings()
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        landing = Landing(settings, Lake.from_settings(settings), metrics)
+        app.state.landing = landing
+        await landing.start()
+        log.info("gateway %s ready; lake %s", settings.gateway_id, landing.lake.uri)
+        try:
+            yield
+        finally:
+            await landing.stop()
+
+    app = FastAPI(
+        title="Claw gateway",
+        version=claw_pipelines.__version__,
+        description="Durable ingestion of agent LLM interactions for RL, and an "
+        "OpenAI-compatible proxy. A 2xx means the record survives a crash.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.keys = KeyRing.from_settings(settings)
+    install_error_handlers(app)
+    install_openapi(app)
+    for module in (ingest, claw_r1, ops):
+        app.include_router(module.router)
+    app.add_middleware(BodyGuard, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=metrics)
+    return app

@@ -1,0 +1,176 @@
+"""Bronze records: what an accepted request becomes, its WAL frame, and a batch as Arrow."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from claw_pipelines.contracts.tables import (
+    BRONZE_EVENTS_SPEC,
+    BRONZE_STEP_COLUMNS,
+    SCHEMA_VERSION,
+)
+
+TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "response_mask")
+_ARRAY_DTYPES = (np.int32, np.int32, np.float32, np.int8)
+_NULL_LEN = 0xFFFFFFFF
+_PREFIX = struct.Struct("<II")  # body length, crc32(body)
+_U32 = struct.Struct("<I")
+_US_PER_DAY = 86_400_000_000
+
+# Scalar step fields decoded from the (small) JSON payload into typed columns at flush time.
+_SCALAR_COLUMNS = [f for f in BRONZE_STEP_COLUMNS if f.name not in (*TOKEN_FIELDS, "token_source")]
+_SCALAR_STRUCT = pl.Struct(
+    {f.name: pl.from_arrow(pa.array([], f.type)).dtype for f in _SCALAR_COLUMNS}
+)
+
+
+@dataclass(slots=True)
+class BronzeRecord:
+    """One accepted record: envelope, JSON payload, and its token arrays lifted out typed.
+
+    The payload is the canonical JSON of the record as accepted, except that the per-token
+    arrays (TOKEN_FIELDS) live in typed columns of the same bronze row.
+    """
+
+    event_id: str
+    kind: str
+    tenant: str
+    received_us: int
+    payload: bytes
+    token_source: str | None = None
+    prompt_ids: np.ndarray | None = None
+    response_ids: np.ndarray | None = None
+    rollout_log_probs: np.ndarray | None = None
+    response_mask: np.ndarray | None = None
+
+    def arrays(self) -> tuple[np.ndarray | None, ...]:
+        """The token arrays in TOKEN_FIELDS order."""
+        return (self.prompt_ids, self.response_ids, self.rollout_log_probs, self.response_mask)
+
+    @property
+    def size(self) -> int:
+        """Approximate bytes this record holds in memory and in the WAL."""
+        return len(self.payload) + sum(a.nbytes for a in self.arrays() if a is not None) + 128
+
+
+def typed_arrays(values: Sequence[Sequence[float] | None]) -> list[np.ndarray | None]:
+    """Convert validated per-token lists into the typed arrays a record holds."""
+    return [
+        None if v is None else np.asarray(v, dtype=dtype)
+        for v, dtype in zip(values, _ARRAY_DTYPES, strict=True)
+    ]
+
+
+# -- WAL frames -----------------------------------------------------------------------------
+
+
+def encode_frame(record: BronzeRecord) -> bytes:
+    """Serialize a record as one checksummed, length-prefixed WAL frame."""
+    header = json.dumps(
+        [record.event_id, record.kind, record.tenant, record.received_us, record.token_source],
+        separators=(",", ":"),
+    ).encode()
+    parts = [_U32.pack(len(header)), header, _U32.pack(len(record.payload)), record.payload]
+    for array in record.arrays():
+        if array is None:
+            parts.append(_U32.pack(_NULL_LEN))
+        else:
+            parts.append(_U32.pack(len(array)))
+            parts.append(array.tobytes())
+    body = b"".join(parts)
+    return _PREFIX.pack(len(body), zlib.crc32(body)) + body
+
+
+def decode_frames(buffer: bytes) -> tuple[list[BronzeRecord], int]:
+    """Decode consecutive frames; stop at the first torn or corrupt one.
+
+    Returns the records and the number of valid bytes (a torn tail was never acknowledged).
+    """
+    records: list[BronzeRecord] = []
+    view = memoryview(buffer)
+    offset = 0
+    while offset + _PREFIX.size <= len(buffer):
+        length, crc = _PREFIX.unpack_from(buffer, offset)
+        start, end = offset + _PREFIX.size, offset + _PREFIX.size + length
+        if end > len(buffer) or zlib.crc32(view[start:end]) != crc:
+            break
+        records.append(_decode_body(view[start:end]))
+        offset = end
+    return records, offset
+
+
+def _decode_body(body: memoryview) -> BronzeRecord:
+    pos = 0
+
+    def take(n: int) -> memoryview:
+        nonlocal pos
+        chunk = body[pos : pos + n]
+        pos += n
+        return chunk
+
+    (header_len,) = _U32.unpack(take(4))
+    event_id, kind, tenant, received_us, token_source = json.loads(bytes(take(header_len)))
+    (payload_len,) = _U32.unpack(take(4))
+    payload = bytes(take(payload_len))
+    arrays: list[np.ndarray | None] = []
+    for dtype in _ARRAY_DTYPES:
+        (n,) = _U32.unpack(take(4))
+        if n == _NULL_LEN:
+            arrays.append(None)
+        else:
+            itemsize = np.dtype(dtype).itemsize
+            arrays.append(np.frombuffer(bytes(take(n * itemsize)), dtype=dtype))
+    return BronzeRecord(event_id, kind, tenant, received_us, payload, token_source, *arrays)
+
+
+# -- Arrow ----------------------------------------------------------------------------------
+
+
+def _list_column(arrays: list[np.ndarray | None], dtype: np.dtype, arrow_type) -> pa.Array:
+    lengths = np.fromiter((0 if a is None else len(a) for a in arrays), np.int32, len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    present = [a for a in arrays if a is not None]
+    values = np.concatenate(present) if present else np.empty(0, dtype=dtype)
+    is_null = np.fromiter((a is None for a in arrays), bool, len(arrays))
+    return pa.ListArray.from_arrays(
+        pa.array(offsets), pa.array(values.astype(dtype, copy=False)), mask=pa.array(is_null)
+    ).cast(arrow_type)
+
+
+def to_bronze_table(records: Sequence[BronzeRecord], gateway_id: str, batch_seq: int) -> pa.Table:
+    """One micro-batch of records as a `bronze/events` Arrow table (vectorized per column)."""
+    n = len(records)
+    received = np.fromiter((r.received_us for r in records), np.int64, n)
+    payloads = [r.payload.decode() for r in records]
+    scalars = (
+        pl.Series("payload", payloads).str.json_decode(_SCALAR_STRUCT).struct.unnest().to_arrow()
+    )
+    columns: dict[str, pa.Array] = {
+        "event_id": pa.array([r.event_id for r in records], pa.string()),
+        "kind": pa.array([r.kind for r in records], pa.string()),
+        "tenant": pa.array([r.tenant for r in records], pa.string()),
+        "received_at": pa.array(received, pa.timestamp("us", tz="UTC")),
+        "ingest_date": pa.array((received // _US_PER_DAY).astype(np.int32), pa.date32()),
+        "gateway_id": pa.array([gateway_id] * n, pa.string()),
+        "batch_seq": pa.array(np.full(n, batch_seq, np.int64)),
+        "schema_version": pa.array(np.full(n, SCHEMA_VERSION, np.int32)),
+        "payload": pa.array(payloads, pa.string()),
+        "token_source": pa.array([r.token_source for r in records], pa.string()),
+    }
+    for field in _SCALAR_COLUMNS:
+        columns[field.name] = scalars.column(field.name).cast(field.type)
+    fields = {f.name: f.type for f in BRONZE_STEP_COLUMNS}
+    for i, name in enumerate(TOKEN_FIELDS):
+        column = [r.arrays()[i] for r in records]
+        columns[name] = _list_column(column, np.dtype(_ARRAY_DTYPES[i]), fields[name])
+    schema = BRONZE_EVENTS_SPEC.schema
+    return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)

@@ -1,0 +1,1 @@
+"""HTTP routers of the gateway: thin, they parse, call the serving objects, answer."""

@@ -1,0 +1,46 @@
+"""Run the gateway under uvicorn, refusing to expose an unauthenticated gateway."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+import uvicorn
+
+from claw_pipelines.settings import ClawSettings
+from gateway.auth import KeyRing
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` binds only the loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class InsecureBind(Exception):
+    """A non-loopback bind was asked for with no API keys configured."""
+
+
+def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8080) -> None:
+    """Serve the gateway until SIGINT/SIGTERM, then flush everything to bronze."""
+    if not KeyRing.from_settings(settings).enabled and not is_loopback(host):
+        raise InsecureBind(
+            f"refusing to bind {host}: no API keys configured (set CLAW_API_KEYS or "
+            "CLAW_API_KEYS_FILE, or bind 127.0.0.1)"
+        )
+    from gateway.main import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=30,
+        limit_concurrency=4096,
+        timeout_keep_alive=30,
+    )
