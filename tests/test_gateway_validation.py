@@ -177,7 +177,7 @@ def test_body_limit_and_backlog_bound(tmp_path):
         assert_error(second, 503, words=["backlog"])
         assert second.headers["retry-after"] == "2"
         assert httpx.get(gw.url + "/readyz").status_code == 503
-        assert gw.stop() == 0
+        assert gw.stop() in (0, -15)  # uvicorn re-raises SIGTERM after its graceful exit
     rows = bronze(tmp_path / "lake")
     assert rows["event_id"].to_list() == first.json()["event_ids"]  # flushed at shutdown
 
