@@ -117,7 +117,10 @@ def test_bundled_tokenizer_is_small_with_its_special_tokens() -> None:
 def test_template_renders_tools_tool_calls_and_content_parts() -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "12 + 7?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "12 + 7?"}],
+        },
         {
             "role": "assistant",
             "content": None,
@@ -143,9 +146,9 @@ def test_template_renders_tools_tool_calls_and_content_parts() -> None:
     assert text.count("Be brief.") == 1
     # dict arguments render like their JSON string; no generation prompt when not asked
     messages[2]["tool_calls"][0]["function"]["arguments"] = {"expression": "12 + 7"}
-    assert render_chat(messages, tools=[CALCULATOR], add_generation_prompt=False) == text.removesuffix(
-        "<|im_start|>assistant\n"
-    )
+    assert render_chat(
+        messages, tools=[CALCULATOR], add_generation_prompt=False
+    ) == text.removesuffix("<|im_start|>assistant\n")
     assert render_chat(QUESTION, template="{{ messages[0].content | upper }}") == "WHAT IS 12 + 7?"
 
 
@@ -163,7 +166,9 @@ def test_models_and_health_say_simulated(base_url: str) -> None:
     with httpx.Client(base_url=base_url.removesuffix("/v1")) as http:
         assert http.get("/health").status_code == 200
         models = http.get("/v1/models").json()
-    assert [(m["id"], m["owned_by"]) for m in models["data"]] == [("claw-sim-llm", "claw-simulated")]
+    assert [(m["id"], m["owned_by"]) for m in models["data"]] == [
+        ("claw-sim-llm", "claw-simulated")
+    ]
 
 
 def test_chat_is_deterministic_and_token_ids_decode_to_content(client: openai.OpenAI) -> None:
@@ -278,12 +283,21 @@ def test_max_tokens_truncates_with_finish_reason_length(client: openai.OpenAI) -
 def test_completions_take_token_id_prompts(base_url: str) -> None:
     ids = encode("Compute 3 * 4 =")
     with httpx.Client(base_url=base_url) as http:
-        by_text = http.post("/completions", json={"prompt": "Compute 3 * 4 =", "return_token_ids": True})
+        by_text = http.post(
+            "/completions", json={"prompt": "Compute 3 * 4 =", "return_token_ids": True}
+        )
         many = http.post(
             "/completions",
-            json={"prompt": [ids, encode("Hello")], "n": 2, "logprobs": 2, "return_token_ids": True},
+            json={
+                "prompt": [ids, encode("Hello")],
+                "n": 2,
+                "logprobs": 2,
+                "return_token_ids": True,
+            },
         )
-        streamed = http.post("/completions", json={"prompt": ids, "stream": True, "return_token_ids": True})
+        streamed = http.post(
+            "/completions", json={"prompt": ids, "stream": True, "return_token_ids": True}
+        )
     text_choice = by_text.json()["choices"][0]
     assert by_text.json()["prompt_token_ids"] == ids == text_choice["prompt_token_ids"]
     choices = many.json()["choices"]
@@ -298,7 +312,7 @@ def test_completions_take_token_id_prompts(base_url: str) -> None:
     assert events[-1] == "[DONE]"
     parts = [json.loads(e)["choices"][0] for e in events[:-1]]
     assert "".join(p["text"] for p in parts) == text_choice["text"]
-    assert sum((p["token_ids"] for p in parts), []) == text_choice["token_ids"]
+    assert [i for p in parts for i in p["token_ids"]] == text_choice["token_ids"]
     assert parts[0]["prompt_token_ids"] == ids and parts[-1]["finish_reason"] == "stop"
 
 
@@ -307,10 +321,17 @@ def test_errors_use_the_openai_envelope(client: openai.OpenAI, base_url: str) ->
         _chat(client, n=0)
     assert caught.value.body["param"] == "n"
     with httpx.Client(base_url=base_url) as http:
-        bad_json = http.post("/chat/completions", content=b"{", headers={"content-type": "application/json"})
-        bad_part = http.post("/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+        bad_json = http.post(
+            "/chat/completions", content=b"{", headers={"content-type": "application/json"}
+        )
+        bad_part = http.post(
+            "/chat/completions",
+            json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        )
         bad_ids = http.post("/completions", json={"prompt": [1, 10**9]})
-        unknown = http.post("/chat/completions", json={"messages": QUESTION, "vendor_knob": {"x": 1}})
+        unknown = http.post(
+            "/chat/completions", json={"messages": QUESTION, "vendor_knob": {"x": 1}}
+        )
     for response in (bad_json, bad_part, bad_ids):
         assert response.status_code == 400
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
@@ -324,7 +345,9 @@ def test_latency_is_spread_without_blocking_the_server() -> None:
             started = time.monotonic()
             body = {"messages": QUESTION, "stream": True}
             calls = [http.post("/chat/completions", json=body) for _ in range(4)]
-            answers = await asyncio.gather(*calls, http.post("/chat/completions", json={"messages": QUESTION}))
+            answers = await asyncio.gather(
+                *calls, http.post("/chat/completions", json={"messages": QUESTION})
+            )
             return time.monotonic() - started, sum(r.status_code == 200 for r in answers)
 
     with sim_server(latency_ms=300) as url:

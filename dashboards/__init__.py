@@ -1,0 +1,1 @@
+"""Streamlit dashboard of the data lifecycle (reads only the lake)."""
