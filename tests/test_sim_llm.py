@@ -182,7 +182,7 @@ def test_chat_is_deterministic_and_token_ids_decode_to_content(client: openai.Op
     assert decode(choice.token_ids[-1:]) == "<|im_end|>"
     assert first.usage.prompt_tokens == len(first.prompt_token_ids)
     assert first.usage.completion_tokens == len(choice.token_ids)
-    assert "19" in choice.message.content or any(ch.isdigit() for ch in choice.message.content)
+    assert any(ch.isdigit() for ch in choice.message.content)  # an arithmetic answer
 
 
 def test_seed_decides_the_answer() -> None:

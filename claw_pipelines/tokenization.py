@@ -1,0 +1,197 @@
+"""The bundled byte-level BPE tokenizer and the ChatML chat template (pure: no servers).
+
+Any text round-trips: `decode(encode(text)) == text`. The chat template renders an assistant
+tool call exactly as the simulated model emits it, so a response's token ids reappear verbatim
+inside the next turn's prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+__all__ = [
+    "DEFAULT_CHAT_TEMPLATE",
+    "END_OF_TEXT",
+    "IM_END",
+    "IM_START",
+    "SPECIAL_TOKENS",
+    "TOOL_CALL_END",
+    "TOOL_CALL_START",
+    "decode",
+    "encode",
+    "encode_chat",
+    "load_tokenizer",
+    "render_chat",
+    "render_tool_call",
+    "token_bytes",
+]
+
+END_OF_TEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END, TOOL_CALL_START, TOOL_CALL_END)
+DEFAULT_SYSTEM_WITH_TOOLS = "You are a helpful assistant."
+
+DEFAULT_CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages and messages[0].role == 'system' %}{{- messages[0].content }}
+{%- else %}{{- default_system }}{% endif %}
+{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' ~ (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and ' }}
+{{- 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' }}
+{{- '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' ~ message.content }}
+{%- for call in message.tool_calls or [] %}
+{%- set fn = call.function if call.function is defined else call %}
+{%- if message.content or not loop.first %}{{- '\\n' }}{% endif %}
+{{- '<tool_call>\\n{\"name\": ' ~ (fn.name | tojson) ~ ', \"arguments\": ' }}
+{%- if fn.arguments is string %}{{- fn.arguments }}{% else %}{{- fn.arguments | tojson }}{% endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif not (loop.first and tools and message.role == 'system') %}
+{{- '<|im_start|>' ~ message.role ~ '\\n' ~ message.content ~ '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{% endif %}
+"""
+
+# GPT-2's printable stand-ins for the 256 byte values (the ByteLevel pre-tokenizer alphabet).
+_PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
+_BYTE_OF_CHAR = {chr(b): b for b in _PRINTABLE} | {
+    chr(256 + n): b for n, b in enumerate(b for b in range(256) if b not in _PRINTABLE)
+}
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    """JSON as Hugging Face chat templates expect it (no HTML escaping, keys in order)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+@lru_cache(maxsize=16)
+def _compiled(template: str) -> Any:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template)
+
+
+@lru_cache(maxsize=8)
+def _load(path: str | None) -> Tokenizer:
+    if path is None:
+        shipped = resources.files("claw_pipelines").joinpath("assets", "tokenizer.json")
+        return Tokenizer.from_str(shipped.read_text(encoding="utf-8"))
+    return Tokenizer.from_file(path)
+
+
+def load_tokenizer(path: str | None = None) -> Tokenizer:
+    """The tokenizer at `path` (a Hugging Face tokenizer.json), default the bundled one; cached."""
+    return _load(path)
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as text: a string, None, or a list of OpenAI text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise ValueError(f"unsupported content part: {str(part)[:80]}")
+        return "\n".join(texts)
+    raise ValueError(f"unsupported message content of type {type(content).__name__}")
+
+
+def render_chat(
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    template: str | None = None,
+) -> str:
+    """Render OpenAI-style chat messages (and tools) to a prompt string with a Jinja template."""
+    normalized = [
+        {**message, "content": _content_text(message.get("content"))} for message in messages
+    ]
+    return _compiled(template or DEFAULT_CHAT_TEMPLATE).render(
+        messages=normalized,
+        tools=tools or None,
+        add_generation_prompt=add_generation_prompt,
+        default_system=DEFAULT_SYSTEM_WITH_TOOLS,
+        bos_token="",
+        eos_token=IM_END,
+    )
+
+
+def render_tool_call(name: str, arguments: str) -> str:
+    """The text of one tool call as the default template renders it (`arguments` is JSON)."""
+    return (
+        f'{TOOL_CALL_START}\n{{"name": {_tojson(name)}, "arguments": {arguments}}}\n{TOOL_CALL_END}'
+    )
+
+
+def encode(text: str, tokenizer: Tokenizer | None = None) -> list[int]:
+    """Token ids of `text`; special-token strings in it become their special ids."""
+    return (tokenizer or load_tokenizer()).encode(text, add_special_tokens=False).ids
+
+
+def decode(
+    ids: Sequence[int], tokenizer: Tokenizer | None = None, skip_special_tokens: bool = False
+) -> str:
+    """Text of token ids; by default the exact inverse of `encode` (special tokens kept)."""
+    return (tokenizer or load_tokenizer()).decode(
+        list(ids), skip_special_tokens=skip_special_tokens
+    )
+
+
+def encode_chat(
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    tokenizer: Tokenizer | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Prompt token ids of a chat: `encode(render_chat(...))`."""
+    return encode(render_chat(messages, tools, add_generation_prompt), tokenizer)
+
+
+@lru_cache(maxsize=8)
+def _token_bytes(tokenizer: Tokenizer) -> tuple[bytes, ...]:
+    added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+    table = []
+    for token_id in range(tokenizer.get_vocab_size()):
+        if token_id in added:
+            table.append(added[token_id].encode("utf-8"))
+            continue
+        piece = tokenizer.id_to_token(token_id) or ""
+        table.append(bytes(_BYTE_OF_CHAR.get(char, 0x3F) for char in piece))
+    return tuple(table)
+
+
+def token_bytes(tokenizer: Tokenizer | None = None) -> tuple[bytes, ...]:
+    """The raw bytes of every token id of a byte-level tokenizer (index = id); cached."""
+    return _token_bytes(tokenizer or load_tokenizer())
