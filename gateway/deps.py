@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Annotated, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
-from fastapi import Depends, Header, Request
+from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN
@@ -19,21 +20,22 @@ BODY_READ_TIMEOUT_S = 30.0
 _UID = re.compile(UID_PATTERN)
 
 
-def get_landing(request: Request) -> Landing:
-    """The app's landing service."""
-    return request.app.state.landing
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is writing and how: the tenant (from the API key) and the Idempotency-Key."""
+
+    tenant: str
+    idempotency_key: str | None
+    landing: Landing
 
 
-def get_tenant(
-    request: Request,
-    authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
-    x_api_key: Annotated[str | None, Header(include_in_schema=False)] = None,
-) -> str:
+def tenant_of(request: Request) -> str:
     """The tenant of the presented API key (401 when missing or unknown)."""
     keys: KeyRing = request.app.state.keys
     if not keys.enabled:
         return DEFAULT_TENANT
-    key = presented_key(authorization, x_api_key)
+    headers = request.headers
+    key = presented_key(headers.get("authorization"), headers.get("x-api-key"))
     if key is None:
         raise ApiError(
             401,
@@ -49,27 +51,32 @@ def get_tenant(
     return tenant
 
 
-def get_idempotency_key(
-    idempotency_key: Annotated[
-        str | None, Header(description="event_id for the record (key:i in a batch)")
-    ] = None,
-) -> str | None:
+def idempotency_key_of(request: Request) -> str | None:
     """The `Idempotency-Key` header, validated like an event_id."""
-    if idempotency_key is not None and not (
-        len(idempotency_key) <= MAX_UID_CHARS - 8 and _UID.match(idempotency_key)
-    ):
+    value = request.headers.get("idempotency-key")
+    if value is not None and not (len(value) <= MAX_UID_CHARS - 8 and _UID.match(value)):
         raise ApiError(
             422,
             "Idempotency-Key: use letters, digits and ._:@+=- (at most 248 characters)",
             param="Idempotency-Key",
             code="invalid_header",
         )
-    return idempotency_key
+    return value
 
 
-LandingDep = Annotated[Landing, Depends(get_landing)]
-TenantDep = Annotated[str, Depends(get_tenant)]
-IdempotencyKeyDep = Annotated[str | None, Depends(get_idempotency_key)]
+def caller_of(request: Request) -> Caller:
+    """Authenticate a write and read its options (a plain call: FastAPI's dependency
+    resolution costs more than the work on this hot path)."""
+    return Caller(tenant_of(request), idempotency_key_of(request), request.app.state.landing)
+
+
+IDEMPOTENCY_HEADER_DOC = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "description": "event_id of the record (`key:i` for the i-th record of a batch)",
+    "schema": {"type": "string", "maxLength": MAX_UID_CHARS - 8, "pattern": UID_PATTERN},
+}
 
 
 async def read_body(request: Request) -> bytes:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import logging
+import threading
 import time
 
 import polars as pl
@@ -15,8 +15,8 @@ from claw_pipelines.lake import Lake
 from claw_pipelines.settings import ClawSettings
 from gateway.idempotency import IdempotencyIndex
 from gateway.metrics import GatewayMetrics
-from gateway.records import BronzeRecord, to_bronze_table
-from gateway.wal import Segment, WalUnavailable, WriteAheadLog
+from gateway.records import BronzeRecord, encode_frame, to_bronze_table
+from gateway.wal import Segment, WalUnavailable, Write, WriteAheadLog
 
 log = logging.getLogger(__name__)
 MAX_RETRY_DELAY = 5.0
@@ -31,20 +31,23 @@ class Overloaded(Exception):
 
 
 class Landing:
-    """The durable path of every record: idempotency, WAL group commit, bronze micro-batches."""
+    """The durable path of every record: idempotency, WAL group commit, bronze micro-batches.
+
+    Threads: the event loop admits requests; the WAL writer thread fsyncs groups; the flusher
+    thread seals WAL segments and commits them to `bronze/events`.
+    """
 
     def __init__(self, settings: ClawSettings, lake: Lake, metrics: GatewayMetrics) -> None:
         self.settings = settings
         self.lake = lake
         self.metrics = metrics
         self.gateway_id = settings.gateway_id
-        self.wal = WriteAheadLog(settings.resolved_wal_dir)
-        self.wal.on_group = self._after_group
+        self.wal = WriteAheadLog(settings.resolved_wal_dir, self._group_done)
         self.index = IdempotencyIndex(settings.dedup_capacity)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._sealed: list[Segment] = []
-        self._writes: set[asyncio.Task[None]] = set()
-        self._kick = asyncio.Event()
-        self._flusher: asyncio.Task[None] | None = None
+        self._kick = threading.Event()
+        self._flusher: threading.Thread | None = None
         self._stopping = False
         self.ready = False
         self.last_flush_error: str | None = None
@@ -53,11 +56,22 @@ class Landing:
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         """Take the WAL, land what a previous process left in it, then accept records."""
+        self._loop = asyncio.get_running_loop()
+        next_seq = await asyncio.to_thread(self._recover)
+        self.wal.start(next_seq)
+        self._flusher = threading.Thread(
+            target=self._flush_loop, name="claw-bronze-flusher", daemon=True
+        )
+        self._flusher.start()
+        self.ready = True
+        self._update_gauges()
+
+    def _recover(self) -> int:
         self.wal.lock()
         self.lake.ensure(BRONZE_EVENTS_SPEC)
         leftovers = self.wal.recover()
         landed_seq = self.lake.transaction_version(BRONZE_EVENTS, self.gateway_id) or 0
-        await asyncio.to_thread(self._load_recent_event_ids)
+        self._load_recent_event_ids()
         for segment in leftovers:
             self.index.remember(r.event_id for r in segment.records)
             self.wal.sealed_backlog_bytes += segment.nbytes
@@ -66,26 +80,25 @@ class Landing:
         self._sealed.extend(leftovers)
         if leftovers:
             log.info("replaying %d WAL segments", len(leftovers))
-            await asyncio.to_thread(self._land_sealed_blocking, True)
-        next_seq = max([landed_seq, *(s.seq for s in leftovers)]) + 1
-        self.wal.start(next_seq)
-        self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
-        self.ready = True
-        self._update_gauges()
+            self._land_sealed_blocking(verify=True)
+        return max([landed_seq, *(s.seq for s in leftovers)]) + 1
 
     async def stop(self) -> None:
         """Graceful shutdown: refuse new records, land everything durable, release the WAL."""
         self.ready = False
-        last = await self.wal.close()
-        if last is not None:
-            self._sealed.append(last)
+        await asyncio.to_thread(self._stop_blocking)
+
+    def _stop_blocking(self) -> None:
+        last = self.wal.close()
         self._stopping = True
         self._kick.set()
         if self._flusher is not None:
-            await self._flusher
+            self._flusher.join()
+        if last is not None:
+            self._sealed.append(last)
         if self._sealed:
             try:
-                await asyncio.to_thread(self._land_sealed_blocking, True)
+                self._land_sealed_blocking(verify=True)
             except Exception:
                 log.exception(
                     "could not land %d WAL segments; they replay on next start", len(self._sealed)
@@ -103,19 +116,21 @@ class Landing:
                 f"write-ahead log backlog is {backlog} bytes, over its bound; retry shortly",
                 retry_after=2,
             )
-        ids = [r.event_id for r in records]
-        fresh_positions, waits = self.index.claim(ids)
+        fresh_positions, waits = self.index.claim([r.event_id for r in records])
         fresh = [records[i] for i in fresh_positions]
         if fresh:
-            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.index.begin([r.event_id for r in fresh], future)
-            # The write finishes on its own even if this request is cancelled meanwhile.
-            task = asyncio.get_running_loop().create_task(self._write(fresh, future))
-            self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
+            future = self._loop.create_future()
+            fresh_ids = [r.event_id for r in fresh]
+            self.index.begin(fresh_ids, future)
+            try:
+                self.wal.submit(Write(fresh, b"".join(encode_frame(r) for r in fresh), future))
+            except WalUnavailable as exc:
+                self.index.finish(fresh_ids, ok=False)
+                raise Overloaded(str(exc), retry_after=1) from exc
             waits.append(future)
         for waited in waits:
             try:
+                # shielded: a cancelled request never cancels a write others may wait on
                 await asyncio.shield(waited)
             except WalUnavailable as exc:
                 raise Overloaded(str(exc), retry_after=5) from exc
@@ -124,50 +139,55 @@ class Landing:
             self.metrics.duplicates.inc(duplicates)
         return len(fresh), duplicates
 
-    async def _write(self, fresh: list[BronzeRecord], future: asyncio.Future[None]) -> None:
-        ids = [r.event_id for r in fresh]
-        try:
-            await self.wal.append(fresh)
-        except WalUnavailable as exc:
-            self.index.finish(ids, ok=False)
+    def _group_done(self, group: list[Write], error: BaseException | None, seconds: float):
+        """WAL writer thread: a group is durable (or failed); finish it on the loop."""
+        if error is None:
+            self.metrics.wal_sync_seconds.observe(seconds)
+            self.metrics.wal_group_records.observe(sum(len(w.records) for w in group))
+            s = self.settings
+            if (
+                self.wal.current_records >= s.flush_max_records
+                or self.wal.current_bytes >= s.flush_max_bytes
+            ):
+                self._kick.set()
+        else:
             self.metrics.rejected.labels("wal").inc()
-            future.set_exception(exc)
-            future.exception()  # marked retrieved; every waiter re-raises it
-            return
-        self.index.finish(ids, ok=True)
-        future.set_result(None)
-        for record in fresh:
-            self.metrics.records.labels(record.kind).inc()
+        self._loop.call_soon_threadsafe(self._finish_group, group, error)
 
-    def _after_group(self, records: int, seconds: float) -> None:
-        self.metrics.wal_sync_seconds.observe(seconds)
-        self.metrics.wal_group_records.observe(records)
-        s = self.settings
-        if self.wal.current_records >= s.flush_max_records or self.wal.current_bytes >= (
-            s.flush_max_bytes
-        ):
-            self._kick.set()
+    def _finish_group(self, group: list[Write], error: BaseException | None) -> None:
+        kinds: dict[str, int] = {}
+        for write in group:
+            self.index.finish([r.event_id for r in write.records], ok=error is None)
+            future: asyncio.Future[None] = write.token
+            if future.done():
+                continue
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+            for record in write.records:
+                kinds[record.kind] = kinds.get(record.kind, 0) + 1
+        for kind, count in kinds.items():
+            self.metrics.records.labels(kind).inc(count)
 
     # -- the flush path ---------------------------------------------------------------------
-    async def _flush_loop(self) -> None:
+    def _flush_loop(self) -> None:
         interval = self.settings.flush_interval_ms / 1000
         delay = 0.0
         while not self._stopping:
-            timeout = delay if delay else max(0.002, interval - self.wal.current_age)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), timeout)
+            self._kick.wait(delay or max(0.002, interval - self.wal.current_age))
             self._kick.clear()
             if self._stopping:
                 return
             full = self.wal.current_records >= self.settings.flush_max_records
             if full or self.wal.current_age >= interval:
-                segment = await self.wal.seal()
+                segment = self.wal.seal()
                 if segment is not None:
                     self._sealed.append(segment)
             if not self._sealed:
                 continue
             try:
-                await asyncio.to_thread(self._land_sealed_blocking, delay > 0)
+                self._land_sealed_blocking(verify=delay > 0)
                 delay = 0.0
                 self.last_flush_error = None
             except Exception as exc:

@@ -12,10 +12,13 @@ REF = "#/components/schemas/{model}"
 _BODY_MODELS: dict[str, type[BaseModel]] = {}
 
 
-def json_body(model: type[BaseModel], required: bool = True) -> dict[str, Any]:
-    """`openapi_extra` documenting `model` as the JSON request body."""
+def json_body(
+    model: type[BaseModel], required: bool = True, parameters: list[dict] | None = None
+) -> dict[str, Any]:
+    """`openapi_extra` documenting `model` as the JSON request body (and extra parameters)."""
     _BODY_MODELS[model.__name__] = model
-    return {
+    extra: dict[str, Any] = {"parameters": parameters} if parameters else {}
+    return extra | {
         "requestBody": {
             "required": required,
             "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},

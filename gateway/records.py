@@ -19,7 +19,8 @@ from claw_pipelines.contracts.tables import (
 )
 
 TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "response_mask")
-_ARRAY_DTYPES = (np.int32, np.int32, np.float32, np.int8)
+_ARRAY_DTYPES = (np.dtype("<i4"), np.dtype("<i4"), np.dtype("<f4"), np.dtype("i1"))
+_STRUCT_CODES = ("i", "i", "f", "b")
 _NULL_LEN = 0xFFFFFFFF
 _PREFIX = struct.Struct("<II")  # body length, crc32(body)
 _U32 = struct.Struct("<I")
@@ -37,7 +38,8 @@ class BronzeRecord:
     """One accepted record: envelope, JSON payload, and its token arrays lifted out typed.
 
     The payload is the canonical JSON of the record as accepted, except that the per-token
-    arrays (TOKEN_FIELDS) live in typed columns of the same bronze row.
+    arrays (TOKEN_FIELDS) live in typed columns of the same bronze row. Here they are packed
+    little-endian bytes (int32, int32, float32, int8), or None when absent.
     """
 
     event_id: str
@@ -46,47 +48,58 @@ class BronzeRecord:
     received_us: int
     payload: bytes
     token_source: str | None = None
-    prompt_ids: np.ndarray | None = None
-    response_ids: np.ndarray | None = None
-    rollout_log_probs: np.ndarray | None = None
-    response_mask: np.ndarray | None = None
+    prompt_ids: bytes | None = None
+    response_ids: bytes | None = None
+    rollout_log_probs: bytes | None = None
+    response_mask: bytes | None = None
 
-    def arrays(self) -> tuple[np.ndarray | None, ...]:
-        """The token arrays in TOKEN_FIELDS order."""
+    def arrays(self) -> tuple[bytes | None, ...]:
+        """The packed token arrays in TOKEN_FIELDS order."""
         return (self.prompt_ids, self.response_ids, self.rollout_log_probs, self.response_mask)
 
-    @property
-    def size(self) -> int:
-        """Approximate bytes this record holds in memory and in the WAL."""
-        return len(self.payload) + sum(a.nbytes for a in self.arrays() if a is not None) + 128
+    def array(self, field: str) -> np.ndarray | None:
+        """One token array as numpy (a view on the packed bytes)."""
+        packed = getattr(self, field)
+        if packed is None:
+            return None
+        return np.frombuffer(packed, dtype=_ARRAY_DTYPES[TOKEN_FIELDS.index(field)])
 
 
-def typed_arrays(values: Sequence[Sequence[float] | None]) -> list[np.ndarray | None]:
-    """Convert validated per-token lists into the typed arrays a record holds."""
+def typed_arrays(values: Sequence[Sequence[float] | None]) -> list[bytes | None]:
+    """Pack validated per-token lists (in TOKEN_FIELDS order) as little-endian bytes."""
     return [
-        None if v is None else np.asarray(v, dtype=dtype)
-        for v, dtype in zip(values, _ARRAY_DTYPES, strict=True)
+        None if v is None else struct.pack(f"<{len(v)}{code}", *v)
+        for v, code in zip(values, _STRUCT_CODES, strict=True)
     ]
 
 
 # -- WAL frames -----------------------------------------------------------------------------
 
 
+def frame(body: bytes) -> bytes:
+    """Length-prefix and checksum an encoded record (done on the WAL writer thread)."""
+    return _PREFIX.pack(len(body), zlib.crc32(body)) + body
+
+
 def encode_frame(record: BronzeRecord) -> bytes:
     """Serialize a record as one checksummed, length-prefixed WAL frame."""
+    return frame(encode_record(record))
+
+
+def encode_record(record: BronzeRecord) -> bytes:
+    """Serialize a record (the frame body, before its checksum)."""
     header = json.dumps(
         [record.event_id, record.kind, record.tenant, record.received_us, record.token_source],
         separators=(",", ":"),
     ).encode()
     parts = [_U32.pack(len(header)), header, _U32.pack(len(record.payload)), record.payload]
-    for array in record.arrays():
-        if array is None:
+    for packed in record.arrays():
+        if packed is None:
             parts.append(_U32.pack(_NULL_LEN))
         else:
-            parts.append(_U32.pack(len(array)))
-            parts.append(array.tobytes())
-    body = b"".join(parts)
-    return _PREFIX.pack(len(body), zlib.crc32(body)) + body
+            parts.append(_U32.pack(len(packed)))
+            parts.append(packed)
+    return b"".join(parts)
 
 
 def decode_frames(buffer: bytes) -> tuple[list[BronzeRecord], int]:
@@ -120,29 +133,26 @@ def _decode_body(body: memoryview) -> BronzeRecord:
     event_id, kind, tenant, received_us, token_source = json.loads(bytes(take(header_len)))
     (payload_len,) = _U32.unpack(take(4))
     payload = bytes(take(payload_len))
-    arrays: list[np.ndarray | None] = []
-    for dtype in _ARRAY_DTYPES:
+    arrays: list[bytes | None] = []
+    for _ in TOKEN_FIELDS:
         (n,) = _U32.unpack(take(4))
-        if n == _NULL_LEN:
-            arrays.append(None)
-        else:
-            itemsize = np.dtype(dtype).itemsize
-            arrays.append(np.frombuffer(bytes(take(n * itemsize)), dtype=dtype))
+        arrays.append(None if n == _NULL_LEN else bytes(take(n)))
     return BronzeRecord(event_id, kind, tenant, received_us, payload, token_source, *arrays)
 
 
 # -- Arrow ----------------------------------------------------------------------------------
 
 
-def _list_column(arrays: list[np.ndarray | None], dtype: np.dtype, arrow_type) -> pa.Array:
-    lengths = np.fromiter((0 if a is None else len(a) for a in arrays), np.int32, len(arrays))
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    present = [a for a in arrays if a is not None]
-    values = np.concatenate(present) if present else np.empty(0, dtype=dtype)
-    is_null = np.fromiter((a is None for a in arrays), bool, len(arrays))
+def _list_column(packed: list[bytes | None], dtype: np.dtype, arrow_type) -> pa.Array:
+    """A list column from per-row packed arrays: one concatenation, no per-value work."""
+    n = len(packed)
+    nbytes = np.fromiter((0 if p is None else len(p) for p in packed), np.int64, n)
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(nbytes // dtype.itemsize, out=offsets[1:])
+    values = np.frombuffer(b"".join(p for p in packed if p is not None), dtype=dtype)
+    is_null = np.fromiter((p is None for p in packed), bool, n)
     return pa.ListArray.from_arrays(
-        pa.array(offsets), pa.array(values.astype(dtype, copy=False)), mask=pa.array(is_null)
+        pa.array(offsets), pa.array(values), mask=pa.array(is_null)
     ).cast(arrow_type)
 
 
@@ -170,7 +180,7 @@ def to_bronze_table(records: Sequence[BronzeRecord], gateway_id: str, batch_seq:
         columns[field.name] = scalars.column(field.name).cast(field.type)
     fields = {f.name: f.type for f in BRONZE_STEP_COLUMNS}
     for i, name in enumerate(TOKEN_FIELDS):
-        column = [r.arrays()[i] for r in records]
-        columns[name] = _list_column(column, np.dtype(_ARRAY_DTYPES[i]), fields[name])
+        column = [getattr(r, name) for r in records]
+        columns[name] = _list_column(column, _ARRAY_DTYPES[i], fields[name])
     schema = BRONZE_EVENTS_SPEC.schema
     return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)

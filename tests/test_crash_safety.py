@@ -24,18 +24,26 @@ def make_request(rng: random.Random) -> tuple[str, dict, list[str]]:
         steps = []
         for index in range(rng.randint(1, 3)):
             n = rng.randint(1, 50)
-            steps.append({
-                "trajectory_uid": trajectory, "step_index": index,
-                "prompt_ids": [rng.randrange(50_000) for _ in range(rng.randint(1, 400))],
-                "response_ids": [rng.randrange(50_000) for _ in range(n)],
-                "rollout_log_probs": [-rng.random() for _ in range(n)],
-                "event_id": uuid.uuid4().hex,
-            })
+            steps.append(
+                {
+                    "trajectory_uid": trajectory,
+                    "step_index": index,
+                    "prompt_ids": [rng.randrange(50_000) for _ in range(rng.randint(1, 400))],
+                    "response_ids": [rng.randrange(50_000) for _ in range(n)],
+                    "rollout_log_probs": [-rng.random() for _ in range(n)],
+                    "event_id": uuid.uuid4().hex,
+                }
+            )
         return "/v1/steps", {"steps": steps}, [s["event_id"] for s in steps]
     event_id = uuid.uuid4().hex
     if choice < 0.8:
-        body = {"target": {"trajectory_uid": "t"}, "kind": "reward", "value": rng.random(),
-                "source": "rule", "event_id": event_id}
+        body = {
+            "target": {"trajectory_uid": "t"},
+            "kind": "reward",
+            "value": rng.random(),
+            "source": "rule",
+            "event_id": event_id,
+        }
         return "/v1/feedback", body, [event_id]
     return "/v1/events", {"type": "tick", "event_id": event_id}, [event_id]
 

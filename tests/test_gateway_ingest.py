@@ -66,17 +66,37 @@ def test_steps_land_in_bronze_with_typed_token_columns(gateway):
 
 def test_feedback_events_and_completion_land(gateway):
     responses = [
-        post(gateway, "/v1/feedback", {
-            "target": {"step_key": "traj-1:1"}, "kind": "reward", "value": 1,
-            "source": "rule",
-        }),
-        post(gateway, "/v1/feedback", {
-            "target": {"trajectory_uid": "traj-1"}, "kind": "label", "value": "helpful",
-            "source": "human", "annotator": "ann-7", "created_at": "2026-11-29T10:00:00Z",
-        }),
-        post(gateway, "/v1/events", {
-            "type": "user_edit", "trajectory_uid": "traj-1", "payload": {"chars": 12},
-        }),
+        post(
+            gateway,
+            "/v1/feedback",
+            {
+                "target": {"step_key": "traj-1:1"},
+                "kind": "reward",
+                "value": 1,
+                "source": "rule",
+            },
+        ),
+        post(
+            gateway,
+            "/v1/feedback",
+            {
+                "target": {"trajectory_uid": "traj-1"},
+                "kind": "label",
+                "value": "helpful",
+                "source": "human",
+                "annotator": "ann-7",
+                "created_at": "2026-11-29T10:00:00Z",
+            },
+        ),
+        post(
+            gateway,
+            "/v1/events",
+            {
+                "type": "user_edit",
+                "trajectory_uid": "traj-1",
+                "payload": {"chars": 12},
+            },
+        ),
         post(gateway, "/v1/trajectories/traj-1/complete", {"reward": 0.5}),
         httpx.post(gateway.url + "/v1/trajectories/traj-2/complete", timeout=10),
     ]
@@ -110,10 +130,18 @@ def test_retry_with_same_event_id_is_acknowledged_and_stored_once(gateway):
     first, second = post(gateway, "/v1/steps", body), post(gateway, "/v1/steps", body)
     assert first.status_code == second.status_code == 200
     assert second.json() == {"accepted": 1, "duplicates": 1, "event_ids": ["client-evt-1"]}
-    header = post(gateway, "/v1/steps", {"steps": [step("idem-traj", 1), step("idem-traj", 2)]},
-                  **{"Idempotency-Key": "batch-77"})
-    again = post(gateway, "/v1/steps", {"steps": [step("idem-traj", 1), step("idem-traj", 2)]},
-                 **{"Idempotency-Key": "batch-77"})
+    header = post(
+        gateway,
+        "/v1/steps",
+        {"steps": [step("idem-traj", 1), step("idem-traj", 2)]},
+        **{"Idempotency-Key": "batch-77"},
+    )
+    again = post(
+        gateway,
+        "/v1/steps",
+        {"steps": [step("idem-traj", 1), step("idem-traj", 2)]},
+        **{"Idempotency-Key": "batch-77"},
+    )
     assert header.json()["event_ids"] == ["batch-77:0", "batch-77:1"]
     assert again.json()["duplicates"] == 2
     wait_landed(gateway.lake, ["client-evt-1", "batch-77:0", "batch-77:1"])
@@ -141,8 +169,13 @@ def test_health_readiness_and_metrics(gateway):
 def test_openapi_documents_every_route_and_its_errors(gateway):
     schema = httpx.get(gateway.url + "/openapi.json").json()
     paths = schema["paths"]
-    for path in ("/v1/steps", "/v1/feedback", "/v1/events",
-                 "/v1/trajectories/{trajectory_uid}/complete", "/submit_steps"):
+    for path in (
+        "/v1/steps",
+        "/v1/feedback",
+        "/v1/events",
+        "/v1/trajectories/{trajectory_uid}/complete",
+        "/submit_steps",
+    ):
         post_op = paths[path]["post"]
         assert {"200", "400", "401", "413", "415", "422", "503"} <= set(post_op["responses"])
         assert post_op["description"] or post_op["summary"]

@@ -43,8 +43,39 @@ STEP_CASES = [
     ({"trajectory_uid": "x" * 300}, "steps[0].trajectory_uid", "at most 256"),
     ({"colour": "red"}, "steps[0].colour", "Extra inputs"),
     ({"tenant": "someone-else"}, "steps[0].tenant", "Extra inputs"),
-    ({"metadata": {"a": {"b": {"c": {"d": {"e": {"f": {"g": {"h": {"i": {"j": {"k": {
-        "l": {"m": {"n": {"o": {"p": {"q": 1}}}}}}}}}}}}}}}}}}, "steps[0].metadata", "nested"),
+    (
+        {
+            "metadata": {
+                "a": {
+                    "b": {
+                        "c": {
+                            "d": {
+                                "e": {
+                                    "f": {
+                                        "g": {
+                                            "h": {
+                                                "i": {
+                                                    "j": {
+                                                        "k": {
+                                                            "l": {
+                                                                "m": {"n": {"o": {"p": {"q": 1}}}}
+                                                            }
+                                                        }
+                                                    }
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        },
+        "steps[0].metadata",
+        "nested",
+    ),
     ({"metadata": {"blob": "x" * 70_000}}, "steps[0].metadata", "bytes of JSON"),
 ]
 
@@ -58,8 +89,9 @@ def test_invalid_step_field_is_named(gateway, change, param, words):
 def test_missing_field_and_empty_batch_are_named(gateway):
     body = step()
     del body["trajectory_uid"]
-    assert_error(post(gateway, "/v1/steps", {"steps": [body]}), 422, "steps[0].trajectory_uid",
-                 ["required"])
+    assert_error(
+        post(gateway, "/v1/steps", {"steps": [body]}), 422, "steps[0].trajectory_uid", ["required"]
+    )
     assert_error(post(gateway, "/v1/steps", {"steps": []}), 422, "steps", ["at least 1"])
     assert_error(post(gateway, "/v1/steps", {}), 422, "steps", ["required"])
 
@@ -95,13 +127,18 @@ def test_path_and_header_fields_are_named(gateway):
 
 
 def test_malformed_json_and_wrong_content_type(gateway):
-    raw = httpx.post(gateway.url + "/v1/steps", content=b'{"steps": [', timeout=5,
-                     headers={"content-type": "application/json"})
+    raw = httpx.post(
+        gateway.url + "/v1/steps",
+        content=b'{"steps": [',
+        timeout=5,
+        headers={"content-type": "application/json"},
+    )
     assert_error(raw, 400, words=["not valid JSON"])
     form = httpx.post(gateway.url + "/v1/steps", data={"steps": "1"}, timeout=5)
     assert_error(form, 415, "Content-Type")
-    text = httpx.post(gateway.url + "/v1/events", content=b"{}", timeout=5,
-                      headers={"content-type": "text/plain"})
+    text = httpx.post(
+        gateway.url + "/v1/events", content=b"{}", timeout=5, headers={"content-type": "text/plain"}
+    )
     assert_error(text, 415, "Content-Type")
 
 
@@ -125,8 +162,12 @@ def test_server_survives_hostile_bodies(gateway):
         b'{"type": "' + b"\\u0000" * 10 + b'"}',
     ]
     for body in hostile:
-        response = httpx.post(gateway.url + "/v1/steps", content=body, timeout=10,
-                              headers={"content-type": "application/json"})
+        response = httpx.post(
+            gateway.url + "/v1/steps",
+            content=body,
+            timeout=10,
+            headers={"content-type": "application/json"},
+        )
         assert response.status_code in (400, 422), (body[:40], response.text[:200])
         assert "error" in response.json()
     assert httpx.get(gateway.url + "/healthz").status_code == 200
@@ -136,8 +177,9 @@ def test_auth_missing_and_wrong_keys_are_refused(secured_gateway):
     gw = secured_gateway
     body = {"type": "session_started"}
     assert_error(post(gw, "/v1/events", body), 401, words=["missing API key"])
-    assert_error(post(gw, "/v1/events", body, Authorization="Bearer nope"), 401,
-                 words=["invalid API key"])
+    assert_error(
+        post(gw, "/v1/events", body, Authorization="Bearer nope"), 401, words=["invalid API key"]
+    )
     assert_error(post(gw, "/v1/events", body, **{"X-API-Key": "nope"}), 401)
     assert httpx.get(gw.url + "/healthz").status_code == 200
 
@@ -150,14 +192,19 @@ def test_tenant_comes_from_the_key_never_the_body(secured_gateway):
     rows = wait_landed(gw.lake, a.json()["event_ids"] + b.json()["event_ids"])
     tenants = dict(zip(rows["event_id"], rows["tenant"], strict=True))
     assert tenants == {a.json()["event_ids"][0]: "tenant-a", b.json()["event_ids"][0]: "tenant-b"}
-    spoof = post(gw, "/v1/steps", {"steps": [step(tenant="tenant-b")]},
-                 Authorization=f"Bearer {TEST_KEY}")
+    spoof = post(
+        gw, "/v1/steps", {"steps": [step(tenant="tenant-b")]}, Authorization=f"Bearer {TEST_KEY}"
+    )
     assert_error(spoof, 422, "steps[0].tenant")
 
 
 def test_body_limit_and_backlog_bound(tmp_path):
-    limited = GatewayProcess(tmp_path / "lake", CLAW_MAX_BODY_BYTES="4096",
-                             CLAW_WAL_MAX_BACKLOG_BYTES="1", CLAW_FLUSH_INTERVAL_MS="60000")
+    limited = GatewayProcess(
+        tmp_path / "lake",
+        CLAW_MAX_BODY_BYTES="4096",
+        CLAW_WAL_MAX_BACKLOG_BYTES="1",
+        CLAW_FLUSH_INTERVAL_MS="60000",
+    )
     with limited as gw:
         big = {"steps": [step(prompt_ids=list(range(3000)))]}
         assert_error(post(gw, "/v1/steps", big), 413, words=["4096"])
@@ -168,8 +215,12 @@ def test_body_limit_and_backlog_bound(tmp_path):
                 yield b"1,"
             yield b"1]}]}"
 
-        streamed = httpx.post(gw.url + "/v1/steps", content=chunked(), timeout=10,
-                              headers={"content-type": "application/json"})
+        streamed = httpx.post(
+            gw.url + "/v1/steps",
+            content=chunked(),
+            timeout=10,
+            headers={"content-type": "application/json"},
+        )
         assert_error(streamed, 413)
         first = post(gw, "/v1/events", {"type": "a"})
         assert first.status_code == 200
@@ -184,9 +235,20 @@ def test_body_limit_and_backlog_bound(tmp_path):
 
 def test_refuses_non_loopback_bind_without_keys(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "claw_pipelines.cli", "gateway", "--host", "0.0.0.0",
-         "--lake", str(tmp_path / "lake")],
-        capture_output=True, text=True, cwd=REPO, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "claw_pipelines.cli",
+            "gateway",
+            "--host",
+            "0.0.0.0",
+            "--lake",
+            str(tmp_path / "lake"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
     )
     assert result.returncode == 1

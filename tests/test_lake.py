@@ -21,14 +21,21 @@ from tests.servers import GatewayProcess, free_port, wait_until
 def events(ids: list[str]) -> pa.Table:
     now = dt.datetime.now(dt.UTC)
     n = len(ids)
-    return pa.table({
-        "event_id": ids, "kind": ["event"] * n, "tenant": ["t"] * n,
-        "received_at": pa.array([now] * n, pa.timestamp("us", tz="UTC")),
-        "ingest_date": [now.date()] * n, "gateway_id": ["g"] * n, "batch_seq": [1] * n,
-        "schema_version": [1] * n, "payload": ["{}"] * n,
-        # large types (as polars produces them) are conformed to the declared schema
-        "prompt_ids": pa.array([[1, 2]] * n, pa.large_list(pa.int64())),
-    })
+    return pa.table(
+        {
+            "event_id": ids,
+            "kind": ["event"] * n,
+            "tenant": ["t"] * n,
+            "received_at": pa.array([now] * n, pa.timestamp("us", tz="UTC")),
+            "ingest_date": [now.date()] * n,
+            "gateway_id": ["g"] * n,
+            "batch_seq": [1] * n,
+            "schema_version": [1] * n,
+            "payload": ["{}"] * n,
+            # large types (as polars produces them) are conformed to the declared schema
+            "prompt_ids": pa.array([[1, 2]] * n, pa.large_list(pa.int64())),
+        }
+    )
 
 
 def exercise(lake: Lake) -> None:
@@ -36,10 +43,10 @@ def exercise(lake: Lake) -> None:
     lake.ensure(BRONZE_EVENTS_SPEC)
     assert lake.version(BRONZE_EVENTS) == 0
     assert lake.open(BRONZE_EVENTS).metadata().partition_columns == ["ingest_date"]
-    v1 = lake.append(BRONZE_EVENTS, events(["a", "b"]), metadata={"batch": 1},
-                     transaction=("gw-x", 1))
-    v2 = lake.append(BRONZE_EVENTS, events(["c"]), metadata={"batch": 2},
-                     transaction=("gw-x", 2))
+    v1 = lake.append(
+        BRONZE_EVENTS, events(["a", "b"]), metadata={"batch": 1}, transaction=("gw-x", 1)
+    )
+    v2 = lake.append(BRONZE_EVENTS, events(["c"]), metadata={"batch": 2}, transaction=("gw-x", 2))
     assert (v1, v2) == (1, 2)
     assert lake.transaction_version(BRONZE_EVENTS, "gw-x") == 2
     assert lake.transaction_version(BRONZE_EVENTS, "someone-else") is None
@@ -67,8 +74,11 @@ def s3_server(tmp_path_factory):
     """A local S3-compatible server (moto) with one bucket."""
     moto = shutil.which("moto_server", path=str(Path(sys.executable).parent))
     port = free_port()
-    proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [moto, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _answers(url), 30, what="moto server")
@@ -89,9 +99,12 @@ def _answers(url: str) -> bool:
 
 def s3_options(url: str) -> dict[str, str]:
     return {
-        "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-        "AWS_ALLOW_HTTP": "true", "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
+        "AWS_ENDPOINT_URL": url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
     }
 
 
@@ -103,8 +116,11 @@ def test_s3_lake_round_trip_and_time_travel(s3_server):
 @pytest.mark.s3
 def test_gateway_lands_in_an_s3_lake(s3_server, tmp_path):
     uri = "s3://claw-lake/gateway"
-    env = {"CLAW_STORAGE_OPTIONS": json.dumps(s3_options(s3_server)),
-           "CLAW_WAL_DIR": str(tmp_path / "wal"), "CLAW_FLUSH_INTERVAL_MS": "50"}
+    env = {
+        "CLAW_STORAGE_OPTIONS": json.dumps(s3_options(s3_server)),
+        "CLAW_WAL_DIR": str(tmp_path / "wal"),
+        "CLAW_FLUSH_INTERVAL_MS": "50",
+    }
     server = GatewayProcess(tmp_path / "unused", **env)
     server.env["CLAW_LAKE_URI"] = uri
     server.log_path = tmp_path / "gateway.log"

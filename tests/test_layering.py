@@ -34,6 +34,7 @@ def test_importing_a_layer_loads_nothing_it_must_not(module, forbidden):
         f"bad = [m for m in sys.modules if m.split('.')[0] in {forbidden!r} or m in {forbidden!r}]\n"
         "print(','.join(sorted(bad)))\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
-                            text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "", f"{module} imported {result.stdout.strip()}"

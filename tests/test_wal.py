@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
-import asyncio
+import threading
 
 import numpy as np
 import pytest
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS_SPEC
-from gateway.records import BronzeRecord, decode_frames, encode_frame, to_bronze_table, typed_arrays
-from gateway.wal import WalUnavailable, WriteAheadLog
+from gateway.records import (
+    BronzeRecord,
+    decode_frames,
+    encode_frame,
+    to_bronze_table,
+    typed_arrays,
+)
+from gateway.wal import WalUnavailable, Write, WriteAheadLog
 
 
 def record(i: int, with_tokens: bool = True) -> BronzeRecord:
     arrays = typed_arrays([[1, 2, i], [i], [-0.5], None]) if with_tokens else [None] * 4
     payload = f'{{"trajectory_uid":"t{i}","step_index":{i}}}'.encode()
-    return BronzeRecord(f"e{i}", "step" if with_tokens else "event", "ten", 1_700_000_000_000_000,
-                        payload, "client" if with_tokens else None, *arrays)
+    return BronzeRecord(
+        f"e{i}",
+        "step" if with_tokens else "event",
+        "ten",
+        1_700_000_000_000_000,
+        payload,
+        "client" if with_tokens else None,
+        *arrays,
+    )
 
 
 def test_frames_round_trip_and_stop_at_a_torn_tail():
@@ -25,8 +38,8 @@ def test_frames_round_trip_and_stop_at_a_torn_tail():
     decoded, valid = decode_frames(data + encode_frame(record(9))[:-3])
     assert valid == len(data)
     assert [r.event_id for r in decoded] == [r.event_id for r in records]
-    assert decoded[0].prompt_ids.tolist() == [1, 2, 0] and decoded[1].prompt_ids is None
-    assert decoded[2].rollout_log_probs.dtype == np.float32
+    assert decoded[0].array("prompt_ids").tolist() == [1, 2, 0] and decoded[1].prompt_ids is None
+    assert decoded[2].array("rollout_log_probs").dtype == np.float32
 
 
 def test_a_corrupt_frame_ends_the_readable_log():
@@ -47,39 +60,41 @@ def test_bronze_batch_matches_the_contract_schema():
 
 
 def test_group_commit_covers_concurrent_appends_with_few_fsyncs(tmp_path):
-    async def scenario():
-        wal = WriteAheadLog(tmp_path / "wal")
-        wal.lock()
-        groups = []
-        wal.on_group = lambda n, seconds: groups.append(n)
-        wal.start(next_seq=1)
-        await asyncio.gather(*(wal.append([record(i)]) for i in range(200)))
-        sealed = await wal.seal()
-        await wal.close()
-        return groups, sealed
+    groups: list[int] = []
+    all_done = threading.Event()
 
-    groups, sealed = asyncio.run(scenario())
-    assert sum(groups) == 200
-    assert len(groups) < 200  # requests waiting together share one fsync
+    def on_group_done(group, error, seconds):
+        assert error is None
+        groups.append(sum(len(w.records) for w in group))
+        if sum(groups) == 200:
+            all_done.set()
+
+    wal = WriteAheadLog(tmp_path / "wal", on_group_done)
+    wal.lock()
+    wal.start(next_seq=1)
+    for i in range(200):
+        wal.submit(Write([record(i)], encode_frame(record(i))))
+    assert all_done.wait(10)
+    sealed = wal.seal()
+    wal.close()
+    assert len(groups) < 200  # writes queued together share one fsync
     assert sealed.seq == 1 and len(sealed.records) == 200
     on_disk, _ = decode_frames(sealed.path.read_bytes())
-    assert sorted(r.event_id for r in on_disk) == sorted(f"e{i}" for i in range(200))
+    assert [r.event_id for r in on_disk] == [f"e{i}" for i in range(200)]
 
 
 def test_second_process_cannot_take_the_same_wal(tmp_path):
-    first = WriteAheadLog(tmp_path / "wal")
+    first = WriteAheadLog(tmp_path / "wal", lambda *a: None)
     first.lock()
     with pytest.raises(RuntimeError, match="in use by another gateway"):
-        WriteAheadLog(tmp_path / "wal").lock()
+        WriteAheadLog(tmp_path / "wal", lambda *a: None).lock()
 
 
-def test_closed_wal_refuses_appends(tmp_path):
-    async def scenario():
-        wal = WriteAheadLog(tmp_path / "wal")
-        wal.lock()
-        wal.start(next_seq=1)
-        await wal.close()
-        with pytest.raises(WalUnavailable):
-            await wal.append([record(0)])
-
-    asyncio.run(scenario())
+def test_closed_wal_refuses_writes_and_leaves_no_empty_segment(tmp_path):
+    wal = WriteAheadLog(tmp_path / "wal", lambda *a: None)
+    wal.lock()
+    wal.start(next_seq=1)
+    assert wal.close() is None
+    with pytest.raises(WalUnavailable):
+        wal.submit(Write([record(0)], encode_frame(record(0))))
+    assert not list((tmp_path / "wal").glob("*.wal"))

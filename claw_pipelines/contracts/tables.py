@@ -35,6 +35,7 @@ class TableSpec:
     schema: pa.Schema
     partition_by: tuple[str, ...] = field(default_factory=tuple)
     description: str = ""
+    append_heavy: bool = False  # written in many small commits: cheap parquet encoding
 
 
 # Step fields lifted out of the JSON payload into typed columns so silver reads them fast.
@@ -74,6 +75,7 @@ BRONZE_EVENTS_SPEC = TableSpec(
     ),
     partition_by=("ingest_date",),
     description="One accepted request record, as the gateway acknowledged it.",
+    append_heavy=True,
 )
 
 SILVER_STEPS_SPEC = TableSpec(
