@@ -1,11 +1,15 @@
-"""Landing: records become durable in the WAL, then land in `bronze/events` in micro-batches."""
+"""Landing: records become durable in the WAL before the ack; a flusher process lands them."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import json
 import logging
-import threading
+import os
+import subprocess
+import sys
 import time
 
 import polars as pl
@@ -13,13 +17,22 @@ import polars as pl
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
 from claw_pipelines.lake import Lake
 from claw_pipelines.settings import ClawSettings
+from gateway.flusher import FLUSHER_LOCK, STATUS_FILE
 from gateway.idempotency import IdempotencyIndex
 from gateway.metrics import GatewayMetrics
-from gateway.records import BronzeRecord, encode_frame, to_bronze_table
-from gateway.wal import Segment, WalUnavailable, Write, WriteAheadLog
+from gateway.records import BronzeRecord, encode_frame
+from gateway.wal import (
+    SEALED_SUFFIX,
+    WalUnavailable,
+    Write,
+    WriteAheadLog,
+    read_segment,
+    segment_seq,
+    take_lock,
+)
 
 log = logging.getLogger(__name__)
-MAX_RETRY_DELAY = 5.0
+FLUSHER_STOP_TIMEOUT_S = 60.0
 
 
 class Overloaded(Exception):
@@ -30,11 +43,21 @@ class Overloaded(Exception):
         self.retry_after = retry_after
 
 
-class Landing:
-    """The durable path of every record: idempotency, WAL group commit, bronze micro-batches.
+def settings_env(settings: ClawSettings) -> dict[str, str]:
+    """The environment that gives a child process exactly these settings."""
+    env = {}
+    for name, value in settings.model_dump(exclude_none=True).items():
+        env[f"CLAW_{name.upper()}"] = json.dumps(value) if isinstance(value, dict) else str(value)
+    env["CLAW_WAL_DIR"] = str(settings.resolved_wal_dir.parent)
+    return env
 
-    Threads: the event loop admits requests; the WAL writer thread fsyncs groups; the flusher
-    thread seals WAL segments and commits them to `bronze/events`.
+
+class Landing:
+    """The durable path of every record: idempotency, WAL group commit, sealing for bronze.
+
+    The event loop admits requests and commits WAL groups; every `flush_interval_ms` it seals
+    the open segment; the flusher process (gateway.flusher) lands sealed segments in
+    `bronze/events`, so Parquet encoding and lake latency never hold this process's GIL.
     """
 
     def __init__(self, settings: ClawSettings, lake: Lake, metrics: GatewayMetrics) -> None:
@@ -42,74 +65,88 @@ class Landing:
         self.lake = lake
         self.metrics = metrics
         self.gateway_id = settings.gateway_id
-        self.wal = WriteAheadLog(settings.resolved_wal_dir, self._group_done)
+        self.wal = WriteAheadLog(settings.resolved_wal_dir)
+        self.wal.on_group = self._after_group
         self.index = IdempotencyIndex(settings.dedup_capacity)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._sealed: list[Segment] = []
-        self._kick = threading.Event()
-        self._flusher: threading.Thread | None = None
-        self._stopping = False
+        self.flusher: subprocess.Popen | None = None
+        self._sealer: asyncio.Task[None] | None = None
+        self._sealed_bytes = 0
         self.ready = False
-        self.last_flush_error: str | None = None
-        self.landed_batches = 0
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        """Take the WAL, land what a previous process left in it, then accept records."""
-        self._loop = asyncio.get_running_loop()
+        """Take the WAL, start the flusher (it lands what a crash left), accept records."""
         next_seq = await asyncio.to_thread(self._recover)
         self.wal.start(next_seq)
-        self._flusher = threading.Thread(
-            target=self._flush_loop, name="claw-bronze-flusher", daemon=True
-        )
-        self._flusher.start()
+        self._spawn_flusher()
+        self.backlog()
+        self._sealer = asyncio.get_running_loop().create_task(self._seal_periodically())
         self.ready = True
-        self._update_gauges()
 
     def _recover(self) -> int:
         self.wal.lock()
         self.lake.ensure(BRONZE_EVENTS_SPEC)
-        leftovers = self.wal.recover()
-        landed_seq = self.lake.transaction_version(BRONZE_EVENTS, self.gateway_id) or 0
-        self._load_recent_event_ids()
-        for segment in leftovers:
-            self.index.remember(r.event_id for r in segment.records)
-            self.wal.sealed_backlog_bytes += segment.nbytes
-            self.wal.sealed_backlog_records += len(segment.records)
-            self.metrics.replayed_records.inc(len(segment.records))
-        self._sealed.extend(leftovers)
-        if leftovers:
-            log.info("replaying %d WAL segments", len(leftovers))
-            self._land_sealed_blocking(verify=True)
-        return max([landed_seq, *(s.seq for s in leftovers)]) + 1
+        # A flusher left by a killed gateway drains the WAL and exits; wait for it, so that
+        # every event id is either in bronze or in a segment when we read them below.
+        flusher_lock = take_lock(self.wal.directory / FLUSHER_LOCK, blocking=True)
+        try:
+            leftovers = self.wal.seal_leftovers()
+            self._load_recent_event_ids()
+            for path in leftovers:
+                records = read_segment(path)
+                self.index.remember(r.event_id for r in records)
+                self.metrics.replayed_records.inc(len(records))
+            landed = self.lake.transaction_version(BRONZE_EVENTS, self.gateway_id) or 0
+        finally:
+            os.close(flusher_lock)
+        return max([landed, *(segment_seq(p) for p in leftovers)]) + 1
+
+    def _spawn_flusher(self) -> None:
+        # Its own session: a Ctrl-C in the terminal stops the gateway, which then closes the
+        # flusher's stdin; the flusher drains the WAL and exits.
+        self.flusher = subprocess.Popen(
+            [sys.executable, "-m", "gateway.flusher"],
+            stdin=subprocess.PIPE,
+            env={**os.environ, **settings_env(self.settings)},
+            start_new_session=True,
+        )
 
     async def stop(self) -> None:
-        """Graceful shutdown: refuse new records, land everything durable, release the WAL."""
+        """Graceful shutdown: refuse new records, seal the WAL, let the flusher land it all."""
         self.ready = False
-        await asyncio.to_thread(self._stop_blocking)
-
-    def _stop_blocking(self) -> None:
-        last = self.wal.close()
-        self._stopping = True
-        self._kick.set()
-        if self._flusher is not None:
-            self._flusher.join()
-        if last is not None:
-            self._sealed.append(last)
-        if self._sealed:
+        if self._sealer is not None:
+            self._sealer.cancel()
+        self.wal.close()
+        if self.flusher is not None and self.flusher.poll() is None:
+            self.flusher.stdin.close()
             try:
-                self._land_sealed_blocking(verify=True)
-            except Exception:
-                log.exception(
-                    "could not land %d WAL segments; they replay on next start", len(self._sealed)
-                )
+                await asyncio.to_thread(self.flusher.wait, FLUSHER_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.error("flusher did not finish; what it left replays on next start")
+                self.flusher.kill()
+
+    async def _seal_periodically(self) -> None:
+        """Seal the open segment once it is `flush_interval_ms` old; watch the flusher."""
+        interval = self.settings.flush_interval_ms / 1000
+        while True:
+            segment = self.wal.current
+            age = time.monotonic() - segment.opened_at if segment and segment.records else 0.0
+            await asyncio.sleep(max(0.002, interval - age))
+            segment = self.wal.current
+            if segment and segment.records and time.monotonic() - segment.opened_at >= interval:
+                self.wal.seal()
+            self.backlog()
+            if self.flusher is not None and self.flusher.poll() is not None:
+                log.error("bronze flusher exited (%s); restarting it", self.flusher.returncode)
+                self._spawn_flusher()
 
     # -- the ack path -----------------------------------------------------------------------
     async def land(self, records: list[BronzeRecord]) -> tuple[int, int]:
         """Make records durable; return (written, duplicates). Raises Overloaded."""
         if not self.ready:
             raise Overloaded("the gateway is starting or stopping", retry_after=1)
-        backlog = self.wal.sealed_backlog_bytes + self.wal.current_bytes
+        segment = self.wal.current
+        backlog = self._sealed_bytes + (segment.nbytes if segment else 0)
         if backlog > self.settings.wal_max_backlog_bytes:
             self.metrics.rejected.labels("backlog").inc()
             raise Overloaded(
@@ -119,14 +156,15 @@ class Landing:
         fresh_positions, waits = self.index.claim([r.event_id for r in records])
         fresh = [records[i] for i in fresh_positions]
         if fresh:
-            future = self._loop.create_future()
-            fresh_ids = [r.event_id for r in fresh]
-            self.index.begin(fresh_ids, future)
+            future = asyncio.get_running_loop().create_future()
+            self.index.begin([r.event_id for r in fresh], future)
+            frames = b"".join(encode_frame(r) for r in fresh)
             try:
-                self.wal.submit(Write(fresh, b"".join(encode_frame(r) for r in fresh), future))
+                self.wal.submit(Write(frames, len(fresh), future))
             except WalUnavailable as exc:
-                self.index.finish(fresh_ids, ok=False)
+                self.index.finish([r.event_id for r in fresh], ok=False)
                 raise Overloaded(str(exc), retry_after=1) from exc
+            future.add_done_callback(lambda done, batch=fresh: self._finished(batch, done))
             waits.append(future)
         for waited in waits:
             try:
@@ -139,103 +177,30 @@ class Landing:
             self.metrics.duplicates.inc(duplicates)
         return len(fresh), duplicates
 
-    def _group_done(self, group: list[Write], error: BaseException | None, seconds: float):
-        """WAL writer thread: a group is durable (or failed); finish it on the loop."""
-        if error is None:
-            self.metrics.wal_sync_seconds.observe(seconds)
-            self.metrics.wal_group_records.observe(sum(len(w.records) for w in group))
-            s = self.settings
-            if (
-                self.wal.current_records >= s.flush_max_records
-                or self.wal.current_bytes >= s.flush_max_bytes
-            ):
-                self._kick.set()
-        else:
+    def _finished(self, fresh: list[BronzeRecord], future: asyncio.Future[None]) -> None:
+        ok = not future.cancelled() and future.exception() is None
+        self.index.finish([r.event_id for r in fresh], ok=ok)
+        if not ok:
             self.metrics.rejected.labels("wal").inc()
-        self._loop.call_soon_threadsafe(self._finish_group, group, error)
-
-    def _finish_group(self, group: list[Write], error: BaseException | None) -> None:
+            return
         kinds: dict[str, int] = {}
-        for write in group:
-            self.index.finish([r.event_id for r in write.records], ok=error is None)
-            future: asyncio.Future[None] = write.token
-            if future.done():
-                continue
-            if error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error)
-            for record in write.records:
-                kinds[record.kind] = kinds.get(record.kind, 0) + 1
+        for record in fresh:
+            kinds[record.kind] = kinds.get(record.kind, 0) + 1
         for kind, count in kinds.items():
             self.metrics.records.labels(kind).inc(count)
 
-    # -- the flush path ---------------------------------------------------------------------
-    def _flush_loop(self) -> None:
-        interval = self.settings.flush_interval_ms / 1000
-        delay = 0.0
-        while not self._stopping:
-            self._kick.wait(delay or max(0.002, interval - self.wal.current_age))
-            self._kick.clear()
-            if self._stopping:
-                return
-            full = self.wal.current_records >= self.settings.flush_max_records
-            if full or self.wal.current_age >= interval:
-                segment = self.wal.seal()
-                if segment is not None:
-                    self._sealed.append(segment)
-            if not self._sealed:
-                continue
-            try:
-                self._land_sealed_blocking(verify=delay > 0)
-                delay = 0.0
-                self.last_flush_error = None
-            except Exception as exc:
-                self.metrics.flush_failures.inc()
-                self.last_flush_error = f"{type(exc).__name__}: {exc}"
-                delay = min(MAX_RETRY_DELAY, max(0.1, delay * 2))
-                log.warning("bronze commit failed (retrying in %.1fs): %s", delay, exc)
-            self._update_gauges()
+    def _after_group(self, records: int, seconds: float) -> None:
+        self.metrics.wal_sync_seconds.observe(seconds)
+        self.metrics.wal_group_records.observe(records)
+        segment = self.wal.current
+        s = self.settings
+        if segment is not None and (
+            segment.records >= s.flush_max_records or segment.nbytes >= s.flush_max_bytes
+        ):
+            self._sealed_bytes += segment.nbytes
+            self.wal.seal()
 
-    def _land_sealed_blocking(self, verify: bool) -> None:
-        """Land every sealed segment, oldest first, in commits bounded by flush_max_bytes.
-
-        With `verify`, batches the table already has (by transaction version) are skipped:
-        after a crash or a failed commit we cannot know whether the last commit landed.
-        """
-        while self._sealed:
-            chunk, size = [], 0
-            for segment in self._sealed:
-                if chunk and size + segment.nbytes > self.settings.flush_max_bytes:
-                    break
-                chunk.append(segment)
-                size += segment.nbytes
-            batch_seq = chunk[-1].seq
-            landed = (
-                self.lake.transaction_version(BRONZE_EVENTS, self.gateway_id) or 0 if verify else 0
-            )
-            pending = [s for s in chunk if s.seq > landed]
-            if pending:
-                records = [r for s in pending for r in s.records]
-                started = time.perf_counter()
-                table = to_bronze_table(records, self.gateway_id, batch_seq)
-                self.lake.append(
-                    BRONZE_EVENTS_SPEC,
-                    table,
-                    metadata={
-                        "gateway_id": self.gateway_id,
-                        "batch_seq": batch_seq,
-                        "records": len(records),
-                    },
-                    transaction=(self.gateway_id, batch_seq),
-                )
-                self.metrics.flush_seconds.observe(time.perf_counter() - started)
-                self.metrics.batch_records.observe(len(records))
-                self.landed_batches += 1
-            for segment in chunk:
-                self.wal.retire(segment)
-            del self._sealed[: len(chunk)]
-
+    # -- state ------------------------------------------------------------------------------
     def _load_recent_event_ids(self) -> None:
         """Remember event ids bronze received since yesterday, so retries stay idempotent."""
         if self.settings.dedup_capacity <= 0:
@@ -251,16 +216,30 @@ class Landing:
         )
         self.index.remember(recent["event_id"].to_list())
 
-    def _update_gauges(self) -> None:
-        self.metrics.wal_backlog_records.set(
-            self.wal.sealed_backlog_records + self.wal.current_records
-        )
-        self.metrics.wal_backlog_bytes.set(self.wal.sealed_backlog_bytes + self.wal.current_bytes)
-
     def backlog(self) -> dict[str, int]:
-        """Durable records and bytes not yet in bronze."""
-        self._update_gauges()
+        """Durable bytes not yet in bronze: sealed segments on disk plus the open one."""
+        sizes = []
+        for path in self.settings.resolved_wal_dir.glob(f"*{SEALED_SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):  # landed meanwhile
+                sizes.append(path.stat().st_size)
+        self._sealed_bytes = sum(sizes)
+        segment = self.wal.current
+        open_bytes = segment.nbytes if segment else 0
+        self.metrics.wal_backlog_bytes.set(self._sealed_bytes + open_bytes)
+        self.metrics.wal_sealed_segments.set(len(sizes))
+        self.metrics.wal_open_records.set(segment.records if segment else 0)
         return {
-            "records": self.wal.sealed_backlog_records + self.wal.current_records,
-            "bytes": self.wal.sealed_backlog_bytes + self.wal.current_bytes,
+            "bytes": self._sealed_bytes + open_bytes,
+            "sealed_segments": len(sizes),
+            "open_records": segment.records if segment else 0,
         }
+
+    def flusher_status(self) -> dict:
+        """What the flusher process last reported (commits, latency, errors), and liveness."""
+        try:
+            status = json.loads((self.settings.resolved_wal_dir / STATUS_FILE).read_text())
+        except (OSError, ValueError):
+            status = {}
+        status["alive"] = self.flusher is not None and self.flusher.poll() is None
+        self.metrics.record_flusher(status)
+        return status

@@ -21,21 +21,15 @@ class GatewayMetrics:
     """Counters, gauges and histograms the gateway exports at `/metrics`."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "claw_gateway_requests",
-            "HTTP requests by route and status",
-            ["route", "status"],
+            "claw_gateway_requests", "HTTP requests by route and status", ["route", "status"],
             registry=r,
-        )
+        )  # fmt: skip
         self.request_seconds = Histogram(
-            "claw_gateway_request_seconds",
-            "Request latency",
-            ["route"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
+            "claw_gateway_request_seconds", "Request latency", ["route"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.records = Counter(
             "claw_gateway_records", "Records made durable, by kind", ["kind"], registry=r
         )
@@ -45,44 +39,47 @@ class GatewayMetrics:
         self.rejected = Counter(
             "claw_gateway_rejected_requests", "Requests refused, by reason", ["reason"], registry=r
         )
-        self.wal_backlog_records = Gauge(
-            "claw_gateway_wal_backlog_records", "Durable records not yet in bronze", registry=r
-        )
         self.wal_backlog_bytes = Gauge(
-            "claw_gateway_wal_backlog_bytes", "WAL bytes not yet in bronze", registry=r
+            "claw_gateway_wal_backlog_bytes", "Durable WAL bytes not yet in bronze", registry=r
+        )
+        self.wal_sealed_segments = Gauge(
+            "claw_gateway_wal_sealed_segments", "Sealed WAL segments awaiting the flusher",
+            registry=r,
+        )  # fmt: skip
+        self.wal_open_records = Gauge(
+            "claw_gateway_wal_open_records", "Records in the open WAL segment", registry=r
         )
         self.wal_sync_seconds = Histogram(
-            "claw_gateway_wal_sync_seconds",
-            "Write + fsync of one commit group",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
+            "claw_gateway_wal_sync_seconds", "Durable write of one commit group",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.wal_group_records = Histogram(
-            "claw_gateway_wal_group_records",
-            "Records per fsync group",
-            buckets=SIZE_BUCKETS,
-            registry=r,
-        )
-        self.flush_seconds = Histogram(
-            "claw_gateway_flush_seconds",
-            "Latency of one bronze commit",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.batch_records = Histogram(
-            "claw_gateway_batch_records",
-            "Records per bronze commit",
-            buckets=SIZE_BUCKETS,
-            registry=r,
-        )
-        self.flush_failures = Counter(
-            "claw_gateway_flush_failures",
-            "Bronze commits that failed and will be retried",
-            registry=r,
-        )
+            "claw_gateway_wal_group_records", "Records per commit group",
+            buckets=SIZE_BUCKETS, registry=r,
+        )  # fmt: skip
         self.replayed_records = Counter(
-            "claw_gateway_replayed_records", "Records replayed from the WAL at start", registry=r
+            "claw_gateway_replayed_records", "Records found in the WAL at start", registry=r
         )
+        # Reported by the flusher process (gateway.flusher), refreshed on each scrape.
+        self.flusher = {
+            key: Gauge(f"claw_flusher_{name}", help_text, registry=r)
+            for key, name, help_text in (
+                ("alive", "up", "1 while the bronze flusher process runs"),
+                ("commits", "bronze_commits", "Bronze commits since the flusher started"),
+                ("records", "bronze_records", "Records landed since the flusher started"),
+                ("flush_seconds_total", "flush_seconds_total", "Seconds spent committing"),
+                ("last_flush_seconds", "last_flush_seconds", "Latency of the last commit"),
+                ("last_batch_records", "last_batch_records", "Records in the last commit"),
+                ("failures", "failures", "Commits that failed and were retried"),
+            )
+        }
+
+    def record_flusher(self, status: dict) -> None:
+        """Copy the flusher's last status into gauges."""
+        for key, gauge in self.flusher.items():
+            value = status.get(key)
+            if value is not None:
+                gauge.set(float(value))
 
     def render(self) -> bytes:
         """Prometheus text exposition."""

@@ -158,10 +158,12 @@ def test_health_readiness_and_metrics(gateway):
     for name in (
         'claw_gateway_requests_total{route="/v1/events",status="200"}',
         'claw_gateway_records_total{kind="event"}',
-        "claw_gateway_wal_backlog_records",
+        "claw_gateway_wal_backlog_bytes",
         "claw_gateway_wal_sync_seconds_bucket",
-        "claw_gateway_flush_seconds_bucket",
-        "claw_gateway_batch_records_bucket",
+        "claw_gateway_wal_group_records_bucket",
+        "claw_flusher_up 1.0",
+        "claw_flusher_last_flush_seconds",
+        "claw_flusher_last_batch_records",
     ):
         assert name in text, name
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import threading
+import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from gateway.records import (
     to_bronze_table,
     typed_arrays,
 )
-from gateway.wal import WalUnavailable, Write, WriteAheadLog
+from gateway.wal import WalUnavailable, Write, WriteAheadLog, read_segment
 
 
 def record(i: int, with_tokens: bool = True) -> BronzeRecord:
@@ -59,42 +60,71 @@ def test_bronze_batch_matches_the_contract_schema():
     assert str(rows[0]["ingest_date"]) == "2023-11-14"
 
 
-def test_group_commit_covers_concurrent_appends_with_few_fsyncs(tmp_path):
+def test_writes_queued_in_one_loop_iteration_share_one_durable_write(tmp_path):
     groups: list[int] = []
-    all_done = threading.Event()
 
-    def on_group_done(group, error, seconds):
-        assert error is None
-        groups.append(sum(len(w.records) for w in group))
-        if sum(groups) == 200:
-            all_done.set()
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal")
+        wal.on_group = lambda records, seconds: groups.append(records)
+        wal.lock()
+        wal.start(next_seq=1)
+        loop = asyncio.get_running_loop()
+        futures = []
+        for burst in range(4):  # four loop iterations, 50 writes each
+            for i in range(50):
+                future = loop.create_future()
+                futures.append(future)
+                wal.submit(Write(encode_frame(record(burst * 50 + i)), 1, future))
+            await asyncio.sleep(0)
+        await asyncio.gather(*futures)
+        sealed = wal.seal()
+        wal.close()
+        return sealed
 
-    wal = WriteAheadLog(tmp_path / "wal", on_group_done)
-    wal.lock()
-    wal.start(next_seq=1)
-    for i in range(200):
-        wal.submit(Write([record(i)], encode_frame(record(i))))
-    assert all_done.wait(10)
-    sealed = wal.seal()
-    wal.close()
-    assert len(groups) < 200  # writes queued together share one fsync
-    assert sealed.seq == 1 and len(sealed.records) == 200
-    on_disk, _ = decode_frames(sealed.path.read_bytes())
+    sealed = asyncio.run(scenario())
+    assert groups == [50, 50, 50, 50]
+    assert sealed.seq == 1 and sealed.records == 200 and sealed.path.suffix == ".wal"
+    on_disk = read_segment(sealed.path)
     assert [r.event_id for r in on_disk] == [f"e{i}" for i in range(200)]
 
 
 def test_second_process_cannot_take_the_same_wal(tmp_path):
-    first = WriteAheadLog(tmp_path / "wal", lambda *a: None)
+    first = WriteAheadLog(tmp_path / "wal")
     first.lock()
     with pytest.raises(RuntimeError, match="in use by another gateway"):
-        WriteAheadLog(tmp_path / "wal", lambda *a: None).lock()
+        WriteAheadLog(tmp_path / "wal").lock()
+
+
+def test_leftover_open_segments_are_sealed_on_recovery(tmp_path):
+    async def write_one():
+        wal = WriteAheadLog(tmp_path / "wal")
+        wal.lock()
+        wal.start(next_seq=7)
+        future = asyncio.get_running_loop().create_future()
+        wal.submit(Write(encode_frame(record(0)), 1, future))
+        await future
+        os.close(wal._lock_fd)  # the process "dies" here: no seal, no close
+
+    asyncio.run(write_one())
+    wal = WriteAheadLog(tmp_path / "wal")
+    wal.lock()
+    (leftover,) = wal.seal_leftovers()
+    assert leftover.name == f"{7:020d}.wal"
+    assert [r.event_id for r in read_segment(leftover)] == ["e0"]
 
 
 def test_closed_wal_refuses_writes_and_leaves_no_empty_segment(tmp_path):
-    wal = WriteAheadLog(tmp_path / "wal", lambda *a: None)
-    wal.lock()
-    wal.start(next_seq=1)
-    assert wal.close() is None
-    with pytest.raises(WalUnavailable):
-        wal.submit(Write([record(0)], encode_frame(record(0))))
-    assert not list((tmp_path / "wal").glob("*.wal"))
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal")
+        wal.lock()
+        wal.start(next_seq=1)
+        wal.close()
+        with pytest.raises(WalUnavailable):
+            wal.submit(
+                Write(encode_frame(record(0)), 1, asyncio.get_running_loop().create_future())
+            )
+
+    asyncio.run(scenario())
+    assert not list((tmp_path / "wal").glob("*.wal")) and not list(
+        (tmp_path / "wal").glob("*.open")
+    )

@@ -16,15 +16,20 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", responses={503: {"description": "Not ready: starting, stopping or stuck"}})
 async def readyz(request: Request) -> JSONResponse:
-    """Readiness: the WAL is open, replay is done and bronze commits succeed."""
+    """Readiness: the WAL is open, the flusher runs and the backlog is under its bound."""
     landing = request.app.state.landing
     backlog = landing.backlog()
-    ready = landing.ready and backlog["bytes"] <= landing.settings.wal_max_backlog_bytes
+    flusher = landing.flusher_status()
+    ready = (
+        landing.ready
+        and flusher["alive"]
+        and backlog["bytes"] <= landing.settings.wal_max_backlog_bytes
+    )
     body = {
         "status": "ready" if ready else "not_ready",
         "gateway_id": landing.gateway_id,
         "wal_backlog": backlog,
-        "last_flush_error": landing.last_flush_error,
+        "flusher": flusher,
     }
     return JSONResponse(body, status_code=200 if ready else 503)
 
@@ -32,7 +37,9 @@ async def readyz(request: Request) -> JSONResponse:
 @router.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     """Prometheus text: requests, records, WAL backlog, fsync and flush latency, batch sizes."""
-    request.app.state.landing.backlog()  # refresh gauges
+    landing = request.app.state.landing
+    landing.backlog()  # refresh gauges
+    landing.flusher_status()
     return Response(
         request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
     )

@@ -1,0 +1,103 @@
+"""A small closed-loop HTTP/1.1 load generator: keep-alive connections, pre-encoded requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class LoadResult:
+    """Throughput and latency of one run."""
+
+    requests: int = 0
+    errors: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+
+    def merge(self, other: LoadResult) -> None:
+        """Add another run's counts and latencies."""
+        self.requests += other.requests
+        self.errors += other.errors
+        self.seconds += other.seconds
+        self.latencies += other.latencies
+        for status, count in other.statuses.items():
+            self.statuses[status] = self.statuses.get(status, 0) + count
+
+    def summary(self) -> dict[str, float]:
+        """rps and latency percentiles in milliseconds."""
+        lat = np.asarray(self.latencies) * 1000 if self.latencies else np.zeros(1)
+        return {
+            "requests": self.requests,
+            "errors": self.errors,
+            "rps": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
+            "p50_ms": round(float(np.percentile(lat, 50)), 3),
+            "p99_ms": round(float(np.percentile(lat, 99)), 3),
+        }
+
+
+def encode_post(host: str, port: int, path: str, body: bytes, headers: dict | None = None) -> bytes:
+    """One keep-alive HTTP/1.1 POST request, ready to write."""
+    lines = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {host}:{port}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: keep-alive",
+    ]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return status, await reader.readexactly(length)
+
+
+async def run_load(
+    host: str,
+    port: int,
+    request: bytes,
+    *,
+    connections: int,
+    seconds: float,
+    warmup: float = 1.0,
+) -> LoadResult:
+    """Drive `connections` closed loops for `warmup + seconds`; count only after warm-up."""
+    result = LoadResult()
+    started = time.perf_counter()
+    measure_from = started + warmup
+    stop_at = measure_from + seconds
+
+    async def loop() -> None:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            while True:
+                sent = time.perf_counter()
+                if sent >= stop_at:
+                    return
+                writer.write(request)
+                status, _ = await _read_response(reader)
+                done = time.perf_counter()
+                if sent >= measure_from:
+                    result.statuses[status] = result.statuses.get(status, 0) + 1
+                    if status == 200:
+                        result.requests += 1
+                        result.latencies.append(done - sent)
+                    else:
+                        result.errors += 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(loop() for _ in range(connections)))
+    result.seconds = time.perf_counter() - measure_from
+    return result
