@@ -34,50 +34,15 @@ async def _refuse(send: Send, status: int, message: str, param: str | None, code
     await send({"type": "http.response.body", "body": body})
 
 
-class BodyGuard:
-    """Refuse a declared Content-Length over the limit (413) and non-JSON bodies (415)."""
+class GatewayMiddleware:
+    """Refuse a declared Content-Length over the limit (413) and non-JSON bodies (415)
+    before any parsing; count and time every request by route template and status."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: GatewayMetrics) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                return await _refuse(send, 400, "invalid Content-Length", None, "invalid_header")
-            if declared > self.max_body_bytes:
-                return await _refuse(
-                    send,
-                    413,
-                    f"body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes",
-                    None,
-                    "body_too_large",
-                )
-        content_type = headers.get(b"content-type", b"").decode("latin-1")
-        has_body = length not in (None, b"0") or b"transfer-encoding" in headers
-        if has_body and not _is_json(content_type):
-            return await _refuse(
-                send,
-                415,
-                f"Content-Type must be application/json, got {content_type!r}",
-                "Content-Type",
-                "unsupported_media_type",
-            )
-        return await self.app(scope, receive, send)
-
-
-class RequestMetrics:
-    """Count requests by route template and status; time them."""
-
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
-        self.app = app
         self.metrics = metrics
+        self._children: dict[tuple[str, int], tuple] = {}  # cached labelled metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -92,9 +57,50 @@ class RequestMetrics:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_status)
+            refusal = self._refusal(scope) if scope["method"] in BODY_METHODS else None
+            if refusal is not None:
+                await _refuse(send_with_status, *refusal)
+            else:
+                await self.app(scope, receive, send_with_status)
         finally:
-            route = scope.get("route")
-            name = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(name, str(status)).inc()
-            self.metrics.request_seconds.labels(name).observe(time.perf_counter() - started)
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            children = self._children.get((route, status))
+            if children is None:
+                children = self._children[(route, status)] = (
+                    self.metrics.requests.labels(route, str(status)),
+                    self.metrics.request_seconds.labels(route),
+                )
+            children[0].inc()
+            children[1].observe(time.perf_counter() - started)
+
+    def _refusal(self, scope: Scope) -> tuple | None:
+        length = content_type = None
+        chunked = False
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"content-type":
+                content_type = value.decode("latin-1")
+            elif name == b"transfer-encoding":
+                chunked = True
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return (400, "invalid Content-Length", None, "invalid_header")
+            if declared > self.max_body_bytes:
+                return (
+                    413,
+                    f"body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes",
+                    None,
+                    "body_too_large",
+                )
+        has_body = chunked or length not in (None, b"0")
+        if has_body and not _is_json(content_type or ""):
+            return (
+                415,
+                f"Content-Type must be application/json, got {content_type!r}",
+                "Content-Type",
+                "unsupported_media_type",
+            )
+        return None
