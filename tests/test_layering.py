@@ -31,7 +31,8 @@ def test_import_contracts_hold():
 def test_importing_a_layer_loads_nothing_it_must_not(module, forbidden):
     probe = (
         f"import sys, {module}\n"
-        f"bad = [m for m in sys.modules if m.split('.')[0] in {forbidden!r} or m in {forbidden!r}]\n"
+        f"bad = [m for m in sys.modules\n"
+        f"       if m.split('.')[0] in {forbidden!r} or m in {forbidden!r}]\n"
         "print(','.join(sorted(bad)))\n"
     )
     result = subprocess.run(

@@ -1,0 +1,140 @@
+"""`claw demo`: one end-to-end run on simulated agents against real processes, then a summary."""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import polars as pl
+
+from claw_pipelines.contracts.tables import BRONZE_EVENTS, STEP_KINDS
+from claw_pipelines.lake import Lake
+from claw_pipelines.processes import ServiceProcess
+from claw_pipelines.settings import ClawSettings
+from claw_pipelines.simulation.agents import (
+    Tally,
+    Task,
+    black_box_rollout,
+    feedback_service,
+    session_event,
+    white_box_group,
+)
+
+POLICY_VERSIONS = (1, 2, 3)
+TASKS_PER_VERSION = 4
+ROLLOUTS = 4
+DEMO_KEY = "claw-demo-key"
+
+
+def say(message: str) -> None:
+    """Progress on stderr, so stdout stays the summary."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_demo(settings: ClawSettings, workdir: str | None = None, seed: int = 7) -> dict:
+    """Start the simulated model and the gateway, run the agents, stop, summarize."""
+    logs = Path(workdir or tempfile.mkdtemp(prefix="claw-demo-"))
+    lake = Lake.from_settings(settings)
+    say(f"claw demo: lake {lake.uri}; logs in {logs}")
+    sim = ServiceProcess("sim-llm", logs / "sim-llm.log", health="/health", args=("--seed", "7"))
+    gateway_env = {
+        "CLAW_LAKE_URI": settings.lake_uri,
+        "CLAW_API_KEYS": f"{DEMO_KEY}=demo",
+        "CLAW_FLUSH_INTERVAL_MS": "100",
+    }
+    with sim:
+        gateway_env["CLAW_UPSTREAM_URL"] = f"{sim.url}/v1"
+        with ServiceProcess(
+            "gateway", logs / "gateway.log", health="/readyz", env=gateway_env
+        ) as gateway:
+            say(f"  simulated model {sim.url} (a test double, not a language model)")
+            say(f"  gateway {gateway.url}")
+            tally = _drive_agents(sim.url, gateway.url, random.Random(seed))
+            say("  stopping the gateway: it lands every acknowledged record in bronze")
+        summary = summarize(lake, tally)
+    print(render(summary, lake))
+    return summary
+
+
+def _drive_agents(sim_url: str, gateway_url: str, rng: random.Random) -> Tally:
+    tally = Tally()
+    auth = {"Authorization": f"Bearer {DEMO_KEY}"}
+    with (
+        httpx.Client(base_url=f"{sim_url}/v1", timeout=60) as llm,
+        httpx.Client(base_url=gateway_url, headers=auth, timeout=60) as gateway,
+    ):
+        proxy = gateway.get("/v1/models").status_code == 200
+        if not proxy:
+            say("  (this gateway has no OpenAI proxy routes: black-box agents skipped)")
+        total = len(POLICY_VERSIONS) * TASKS_PER_VERSION
+        done = 0
+        for version in POLICY_VERSIONS:
+            finished: list[str] = []
+            for _ in range(TASKS_PER_VERSION):
+                task = Task.random(rng)
+                session_event(gateway, "session_started", None, tally)
+                finished += white_box_group(llm, gateway, task, ROLLOUTS, version, tally)
+                if proxy:
+                    group = f"bb-group-{rng.getrandbits(48):012x}"
+                    for _ in range(ROLLOUTS):
+                        black_box_rollout(gateway_url, DEMO_KEY, task, group, version, tally)
+                done += 1
+                say(f"  [{done:>2}/{total}] policy v{version}: {task.question}")
+            feedback_service(gateway, finished, rng, tally)
+    return tally
+
+
+def summarize(lake: Lake, tally: Tally) -> dict:
+    """Counts read back from `bronze/events`, beside what the agents were acknowledged."""
+    deadline = time.monotonic() + 30
+    while True:  # the gateway's flusher finishes landing before the process exits
+        frame = lake.read(BRONZE_EVENTS)
+        if set(tally.event_ids) <= set(frame["event_id"].to_list()):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError("acknowledged records are missing from bronze")
+        time.sleep(0.2)
+    steps = frame.filter(pl.col("kind").is_in(STEP_KINDS))
+    return {
+        "records_by_kind": dict(frame.group_by("kind").len().sort("kind").iter_rows()),
+        "steps": steps.height,
+        "trajectories": steps["trajectory_uid"].n_unique(),
+        "prompt_groups": steps["prompt_uid"].drop_nulls().n_unique(),
+        "policy_versions": sorted(steps["policy_version"].drop_nulls().unique().to_list()),
+        "prompt_tokens": int(steps["prompt_ids"].list.len().sum()),
+        "response_tokens": int(steps["response_ids"].list.len().sum()),
+        "acknowledged": len(set(tally.event_ids)),
+        "bronze_version": lake.version(BRONZE_EVENTS),
+    }
+
+
+def render(summary: dict, lake: Lake) -> str:
+    """The summary as a small table."""
+    rows = [
+        ("records by kind", ", ".join(f"{k}={v}" for k, v in summary["records_by_kind"].items()))
+    ]
+    rows += [
+        (name.replace("_", " "), str(summary[name]))
+        for name in (
+            "steps",
+            "trajectories",
+            "prompt_groups",
+            "policy_versions",
+            "prompt_tokens",
+            "response_tokens",
+            "acknowledged",
+            "bronze_version",
+        )
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = ["", "claw demo: summary"] + [f"  {n:<{width}}  {v}" for n, v in rows]
+    lines += [
+        "",
+        f"  lake: {lake.uri}",
+        f"  read it: polars.read_delta('{lake.table_uri(BRONZE_EVENTS)}')",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""Child services on loopback: start a process, wait until it answers, stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(
+    predicate: Callable[[], T | None],
+    timeout: float = 20.0,
+    interval: float = 0.05,
+    what: str = "condition",
+) -> T:
+    """Poll `predicate` until it returns neither None nor False; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value is not None and value is not False:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+class ServiceProcess:
+    """`python -m claw_pipelines.cli VERB ...` on a loopback port, logging to a file."""
+
+    def __init__(
+        self,
+        verb: str,
+        log_path: Path,
+        *,
+        port: int | None = None,
+        health: str = "/healthz",
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.verb, self.health, self.args = verb, health, args
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, **(env or {})}
+        self.log_path, self.cwd = log_path, cwd
+        self.proc: subprocess.Popen | None = None
+        self._log: Any = None
+
+    def start(self, timeout: float = 60.0) -> ServiceProcess:
+        """Start the process and wait until its health route answers 200."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()/kill()
+        command = [
+            sys.executable,
+            "-m",
+            "claw_pipelines.cli",
+            self.verb,
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+        self.proc = subprocess.Popen(
+            command, env=self.env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        wait_until(self._healthy, timeout, what=f"{self.verb} on port {self.port}")
+        return self
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            tail = self.log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{self.verb} exited with {self.proc.returncode}: {tail}")
+        try:
+            return httpx.get(self.url + self.health, timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self._log.close()
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait for the graceful exit; return the exit code."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout)
+        if self._log is not None:
+            self._log.close()
+        return self.proc.returncode if self.proc else 0
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop()

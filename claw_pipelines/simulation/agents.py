@@ -1,0 +1,214 @@
+"""Simulated agents for demos and load: white-box math solvers, black-box tool agents, and a
+feedback service. They know only URLs: an inference server and a Claw gateway."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+
+@dataclass
+class Task:
+    """An arithmetic question with a checkable answer."""
+
+    question: str
+    answer: int
+
+    @classmethod
+    def random(cls, rng: random.Random) -> Task:
+        """A random `a op b` task."""
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        op = rng.choice(["+", "-", "*"])
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        return cls(f"What is {a} {op} {b}?", value)
+
+    def reward(self, text: str | None) -> float:
+        """1.0 when the last number in `text` is the answer, else 0.0."""
+        numbers = re.findall(r"-?\d+", text or "")
+        return 1.0 if numbers and int(numbers[-1]) == self.answer else 0.0
+
+
+@dataclass
+class Tally:
+    """What the agents sent and what the gateway acknowledged."""
+
+    steps: int = 0
+    trajectories: int = 0
+    feedback: int = 0
+    events: int = 0
+    event_ids: list[str] = field(default_factory=list)
+
+    def add(self, answer: dict, kind: str) -> None:
+        """Count an `Accepted` answer."""
+        self.event_ids += answer["event_ids"]
+        setattr(self, kind, getattr(self, kind) + answer["accepted"])
+
+
+def white_box_group(
+    llm: httpx.Client,
+    gateway: httpx.Client,
+    task: Task,
+    rollouts: int,
+    policy_version: int,
+    tally: Tally,
+) -> list[str]:
+    """GRPO group of a white-box agent: it samples from its own inference server with exact
+    token ids and log-probs, then submits token-level steps with rewards. Returns step keys."""
+    group = f"wb-{uuid.uuid4().hex[:12]}"
+    answer = (
+        llm.post(
+            "/chat/completions",
+            json={
+                "model": "claw-sim-llm",
+                "n": rollouts,
+                "logprobs": True,
+                "return_token_ids": True,
+                "messages": [
+                    {"role": "system", "content": "Answer with a number."},
+                    {"role": "user", "content": task.question},
+                ],
+            },
+        )
+        .raise_for_status()
+        .json()
+    )
+    steps = []
+    for choice in answer["choices"]:
+        trajectory = f"{group}-r{choice['index']}"
+        logprobs = [item["logprob"] for item in choice["logprobs"]["content"]]
+        steps.append(
+            {
+                "trajectory_uid": trajectory,
+                "prompt_uid": group,
+                "step_index": 0,
+                "prompt_ids": answer["prompt_token_ids"],
+                "response_ids": choice["token_ids"],
+                "rollout_log_probs": logprobs,
+                "response_mask": [1] * len(choice["token_ids"]),
+                "reward": task.reward(choice["message"]["content"]),
+                "policy_version": policy_version,
+                "is_last": True,
+                "finish_reason": choice["finish_reason"],
+                "model": answer["model"],
+                "metadata": {"agent": "white-box-math", "task": task.question},
+            }
+        )
+    tally.add(gateway.post("/v1/steps", json={"steps": steps}).raise_for_status().json(), "steps")
+    tally.trajectories += len(steps)
+    return [f"{s['trajectory_uid']}:0" for s in steps]
+
+
+def black_box_rollout(
+    gateway_url: str,
+    api_key: str,
+    task: Task,
+    group: str,
+    policy_version: int,
+    tally: Tally,
+    max_turns: int = 4,
+) -> str:
+    """A tool-using agent that only knows an OpenAI base URL (scoped to its trajectory)."""
+    from openai import OpenAI
+
+    trajectory = f"bb-{uuid.uuid4().hex[:12]}"
+    base_url = f"{gateway_url}/t/{trajectory}/g/{group}/v1"
+    client = OpenAI(
+        base_url=base_url,
+        api_key=api_key,
+        max_retries=2,
+        default_headers={"X-Claw-Policy-Version": str(policy_version)},
+    )
+    messages = [
+        {"role": "system", "content": "You can use a calculator."},
+        {"role": "user", "content": task.question},
+    ]
+    final = None
+    with client:
+        for _ in range(max_turns):
+            reply = (
+                client.chat.completions.create(
+                    model="claw-sim-llm", messages=messages, tools=[CALCULATOR_TOOL]
+                )
+                .choices[0]
+                .message
+            )
+            tally.steps += 1
+            messages.append(reply.model_dump(exclude_none=True))
+            if not reply.tool_calls:
+                final = reply.content
+                break
+            for call in reply.tool_calls:
+                expression = json.loads(call.function.arguments).get("expression", "")
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call.id,
+                        "content": str(_calculate(expression, task)),
+                    }
+                )
+    done = httpx.post(
+        f"{gateway_url}/v1/trajectories/{trajectory}/complete",
+        headers={"Authorization": f"Bearer {api_key}"},
+        json={"reward": task.reward(final)},
+        timeout=30,
+    )
+    tally.add(done.raise_for_status().json(), "events")
+    tally.trajectories += 1
+    return trajectory
+
+
+def _calculate(expression: str, task: Task) -> int:
+    """The checker tool: evaluates `a op b`; falls back to the task's own answer."""
+    match = re.fullmatch(r"\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*", expression or "")
+    if not match:
+        return task.answer
+    a, op, b = int(match[1]), match[2], int(match[3])
+    return {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
+def feedback_service(
+    gateway: httpx.Client, step_keys: list[str], rng: random.Random, tally: Tally
+) -> None:
+    """Late human feedback: ratings, labels and a correction on some finished steps."""
+    for key in step_keys:
+        if rng.random() < 0.3:
+            body = {
+                "target": {"step_key": key},
+                "kind": "rating",
+                "value": rng.randint(1, 5),
+                "source": "human",
+                "annotator": f"annotator-{rng.randint(1, 3)}",
+            }
+            tally.add(gateway.post("/v1/feedback", json=body).raise_for_status().json(), "feedback")
+        if rng.random() < 0.1:
+            body = {
+                "target": {"step_key": key},
+                "kind": "label",
+                "value": "needs-review",
+                "source": "human",
+            }
+            tally.add(gateway.post("/v1/feedback", json=body).raise_for_status().json(), "feedback")
+
+
+def session_event(gateway: httpx.Client, kind: str, trajectory: str | None, tally: Tally):
+    """A live event from a black-box service."""
+    body = {"type": kind, "trajectory_uid": trajectory, "payload": {"source": "demo"}}
+    tally.add(gateway.post("/v1/events", json=body).raise_for_status().json(), "events")
