@@ -30,7 +30,10 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/gateway_ingest.py
+	for script in benchmarks/[a-z]*.py; do \
+	  case $$script in */loadgen.py|*/baseline_app.py) continue;; esac; \
+	  $(BIN)/python $$script || exit 1; \
+	done
 
 format: $(STAMP)
 	$(BIN)/ruff format .
