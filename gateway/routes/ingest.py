@@ -24,55 +24,41 @@ router = APIRouter(prefix="/v1", tags=["ingestion"], responses=ERROR_RESPONSES)
 TrajectoryUid = Annotated[str, Path(min_length=1, max_length=MAX_UID_CHARS, pattern=UID_PATTERN)]
 
 
-@router.post(
-    "/steps",
-    response_model=Accepted,
-    openapi_extra=json_body(StepBatch, parameters=[IDEMPOTENCY_HEADER_DOC]),
-)
+def _write_route(path: str, body: type, required: bool = True):
+    """`POST /v1<path>`: answers `Accepted`, body and Idempotency-Key documented."""
+    extra = json_body(body, required=required, parameters=[IDEMPOTENCY_HEADER_DOC])
+    return router.post(path, response_model=Accepted, openapi_extra=extra)
+
+
+async def _land_fact(request: Request, model: type, kind: str) -> Response:
+    caller = caller_of(request)
+    fact = await parse_body(request, model)
+    record = fact_record(fact, kind, caller.tenant, caller.idempotency_key)
+    return await accept(caller.landing, [record])
+
+
+@_write_route("/steps", StepBatch)
 async def submit_steps(request: Request) -> Response:
     """Submit token-level steps; a 200 means every step is durable."""
     caller = caller_of(request)
     batch = await parse_body(request, StepBatch)
-    return await accept(
-        caller.landing, step_records(batch.steps, caller.tenant, caller.idempotency_key)
-    )
+    records = step_records(batch.steps, caller.tenant, caller.idempotency_key)
+    return await accept(caller.landing, records)
 
 
-@router.post(
-    "/feedback",
-    response_model=Accepted,
-    openapi_extra=json_body(Feedback, parameters=[IDEMPOTENCY_HEADER_DOC]),
-)
+@_write_route("/feedback", Feedback)
 async def submit_feedback(request: Request) -> Response:
     """Record a reward or human feedback about a step or a trajectory."""
-    caller = caller_of(request)
-    feedback = await parse_body(request, Feedback)
-    return await accept(
-        caller.landing, [fact_record(feedback, "feedback", caller.tenant, caller.idempotency_key)]
-    )
+    return await _land_fact(request, Feedback, "feedback")
 
 
-@router.post(
-    "/events",
-    response_model=Accepted,
-    openapi_extra=json_body(Event, parameters=[IDEMPOTENCY_HEADER_DOC]),
-)
+@_write_route("/events", Event)
 async def submit_event(request: Request) -> Response:
     """Record a live interaction event from a black-box service."""
-    caller = caller_of(request)
-    event = await parse_body(request, Event)
-    return await accept(
-        caller.landing, [fact_record(event, "event", caller.tenant, caller.idempotency_key)]
-    )
+    return await _land_fact(request, Event, "event")
 
 
-@router.post(
-    "/trajectories/{trajectory_uid}/complete",
-    response_model=Accepted,
-    openapi_extra=json_body(
-        TrajectoryCompletion, required=False, parameters=[IDEMPOTENCY_HEADER_DOC]
-    ),
-)
+@_write_route("/trajectories/{trajectory_uid}/complete", TrajectoryCompletion, required=False)
 async def complete_trajectory(
     trajectory_uid: TrajectoryUid,
     request: Request,
