@@ -30,6 +30,9 @@ class ClawSettings(BaseSettings):
         default_factory=dict, description="JSON object passed to delta-rs object stores"
     )
     upstream_url: str | None = Field(None, description="OpenAI base URL of the inference server")
+    upstream_timeout_s: float = Field(
+        600.0, gt=0, description="longest wait for the upstream (connect, or between two reads)"
+    )
     tokenizer: str | None = Field(None, description="path to a Hugging Face tokenizer.json")
     api_keys: str | None = Field(
         None, description="'key=tenant,key2=tenant2'; keys may be given as sha256:<hex> hashes"

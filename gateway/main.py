@@ -17,7 +17,8 @@ from gateway.landing import Landing
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware
 from gateway.openapi import install_openapi
-from gateway.routes import claw_r1, ingest, ops
+from gateway.proxy import ProxyService, Upstream
+from gateway.routes import claw_r1, ingest, ops, proxy, proxy_claw_r1
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,18 @@ def create_app(settings: ClawSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         landing = Landing(settings, Lake.from_settings(settings), metrics)
         app.state.landing = landing
+        upstream = None
+        if settings.upstream_url:
+            upstream = Upstream(settings.upstream_url, settings.upstream_timeout_s)
+        app.state.upstream = upstream
+        app.state.proxy = ProxyService(settings, landing, upstream, metrics.registry)
         await landing.start()
         log.info("gateway %s ready; lake %s", settings.gateway_id, landing.lake.uri)
         try:
             yield
         finally:
+            if upstream is not None:
+                await upstream.aclose()
             await landing.stop()
 
     app = FastAPI(
@@ -50,7 +58,7 @@ def create_app(settings: ClawSettings | None = None) -> FastAPI:
     app.state.keys = KeyRing.from_settings(settings)
     install_error_handlers(app)
     install_openapi(app)
-    for module in (ingest, claw_r1, ops):
+    for module in (ingest, claw_r1, ops, proxy, proxy_claw_r1):
         # Routes go straight onto the app: matching through included routers costs about
         # 50 µs per request in FastAPI 0.16x, a third of the gateway's own work.
         app.router.routes.extend(module.router.routes)

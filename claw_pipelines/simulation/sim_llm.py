@@ -112,24 +112,25 @@ def create_sim_app(
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
         body: ChatCompletionRequest, request: Request, sim: Sim
-    ) -> dict[str, Any] | StreamingResponse:
+    ) -> JSONResponse | StreamingResponse:
         """OpenAI chat completions, with vLLM's `return_token_ids`."""
         run = sim.chat(body, await request.json())
         if body.stream:
             return _sse(sim.chat_chunks(run, body), latency_s)
         if latency_s:
             await asyncio.sleep(latency_s)
-        return sim.chat_response(run, body)
+        # JSONResponse directly: FastAPI's jsonable_encoder costs ~3 ms per 1,500 token ids.
+        return JSONResponse(sim.chat_response(run, body))
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, sim: Sim) -> dict[str, Any] | StreamingResponse:
+    async def completions(body: CompletionRequest, sim: Sim) -> JSONResponse | StreamingResponse:
         """OpenAI legacy completions: a prompt string or token ids, or a list of those."""
         run = sim.completion(body)
         if body.stream:
             return _sse(sim.completion_chunks(run, body), latency_s)
         if latency_s:
             await asyncio.sleep(latency_s)
-        return sim.completion_response(run, body)
+        return JSONResponse(sim.completion_response(run, body))
 
     return app
 

@@ -1,0 +1,17 @@
+"""The OpenAI-compatible proxy for black-box agents: forward, capture exact tokens, record."""
+
+from gateway.proxy.scope import Scope, TrajectoryBook, scope_of
+from gateway.proxy.service import ProxyAnswer, ProxyCall, ProxyService, parse_request
+from gateway.proxy.upstream import Upstream, UpstreamFailure
+
+__all__ = [
+    "ProxyAnswer",
+    "ProxyCall",
+    "ProxyService",
+    "Scope",
+    "TrajectoryBook",
+    "Upstream",
+    "UpstreamFailure",
+    "parse_request",
+    "scope_of",
+]

@@ -1,0 +1,122 @@
+"""Relay a streamed answer: chunks go to the client as they arrive, the steps are recorded
+when the stream ends, however it ends.
+
+Endings and the finish_reason of choices the upstream had not finished:
+- the upstream's `data: [DONE]`: the steps are made durable, then `[DONE]` is relayed;
+- the client goes away: `client_disconnected` (what was received so far is recorded);
+- the upstream connection breaks or stalls: `upstream_error`, plus an `upstream_error`
+  event, and the client gets an OpenAI error event (its status line was already sent);
+- the upstream closes without `[DONE]`: `upstream_ended`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import anyio
+
+from gateway.errors import envelope
+from gateway.proxy.capture import Added, stripped
+from gateway.proxy.http1 import Http1Response
+from gateway.proxy.stream import DONE, StreamAccumulator, sse_data
+from gateway.proxy.upstream import UpstreamFailure
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from gateway.proxy.service import ProxyCall, ProxyService
+
+_DONE_EVENT = b"data: [DONE]\n\n"
+DRAIN_TIMEOUT_S = 0.2
+_COMPACT = {"ensure_ascii": False, "separators": (",", ":")}
+
+
+class StreamRelay:
+    """One streamed call: `body` yields the SSE bytes for the client; `close()` records."""
+
+    def __init__(
+        self,
+        service: ProxyService,
+        call: ProxyCall,
+        response: Http1Response,
+        added: Added,
+    ) -> None:
+        self.service = service
+        self.call = call
+        self.response = response
+        self.added = added
+        self.status = response.status
+        self.content_type = response.headers.get("content-type", "text/event-stream")
+        self.accumulator = StreamAccumulator(call.endpoint.kind)
+        self.recorded = False
+        self.started = time.perf_counter()
+        self.body = self._events()
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        events = sse_data(self.response.aiter_bytes())
+        try:
+            async for data in events:
+                if data == DONE:
+                    await self._record(None)
+                    yield _DONE_EVENT
+                    await _drain(events)
+                    return
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    chunk = None
+                if isinstance(chunk, dict):
+                    self._accumulate(chunk)
+                    if self.added.any:
+                        data = json.dumps(stripped(chunk, self.added), **_COMPACT).encode()
+                yield b"data: " + data + b"\n\n"
+            await self._record("upstream_ended")
+        except UpstreamFailure as failure:
+            await self._record("upstream_error", failure)
+            error = envelope(failure.status, failure.message, code=failure.code)
+            yield b"data: " + json.dumps(error).encode() + b"\n\n"
+
+    def _accumulate(self, chunk: dict) -> None:
+        try:
+            self.accumulator.add(chunk)
+        except (TypeError, AttributeError, ValueError) as exc:  # relayed all the same
+            log.warning("unexpected stream chunk from the upstream (%s): %.200s", exc, chunk)
+
+    async def close(self) -> None:
+        """End the relay: stop the generator, release the upstream, record if not yet done."""
+        with anyio.CancelScope(shield=True):
+            await self.body.aclose()
+            await self.response.aclose()
+            await self._record("client_disconnected")
+
+    async def _record(self, unfinished: str | None, failure: UpstreamFailure | None = None) -> None:
+        """Make the steps durable (once; shielded from cancellation)."""
+        if self.recorded:
+            return
+        self.recorded = True
+        with anyio.CancelScope(shield=True):
+            call, service = self.call, self.service
+            expected = call.n * call.prompts
+            captured = self.accumulator.captured(unfinished, expected)
+            model = self.accumulator.envelope.get("model")
+            elapsed_ms = round((time.perf_counter() - self.started) * 1000, 2)
+            records, _keys = service.records(call, captured, model, elapsed_ms)
+            if failure is not None:
+                records.append(service.failure_record(failure, call.tenant, call))
+            await service.land(records)
+
+
+async def _drain(events: AsyncIterator[bytes]) -> None:
+    """Read the upstream body to its end after `[DONE]`, so its connection can be reused;
+    an upstream that keeps the stream open past that is not waited for."""
+    try:
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            async for _ in events:
+                pass
+    except (TimeoutError, UpstreamFailure):
+        pass

@@ -1,0 +1,356 @@
+"""The proxy as a serving object (no FastAPI): forward a call upstream, answer the client as
+the upstream did, and record one step per choice.
+
+Durability: a non-streamed answer is sent once its steps are in the write-ahead log; a
+streamed answer's closing `data: [DONE]` likewise. Calls are refused up front (503) when the
+gateway cannot record; should recording still fail after the upstream answered, the answer
+is sent anyway, marked `X-Claw-Recorded: false` (and logged and counted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, NoReturn
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from claw_pipelines.contracts.ids import new_event_id, step_key
+from claw_pipelines.settings import ClawSettings
+from claw_pipelines.tokenization import load_tokenizer
+from gateway.errors import ApiError
+from gateway.landing import Landing, Overloaded
+from gateway.metrics import LATENCY_BUCKETS
+from gateway.proxy.capture import (
+    COMPLETION_KIND,
+    Added,
+    CapturedChoice,
+    Endpoint,
+    augment,
+    captured_choices,
+    step_tokens,
+    stripped,
+)
+from gateway.proxy.relay import StreamRelay
+from gateway.proxy.scope import Scope, TrajectoryBook
+from gateway.proxy.steps import StepPlace, event_ids, step_record, upstream_error_record
+from gateway.proxy.upstream import (
+    Upstream,
+    UpstreamFailure,
+    UpstreamReply,
+    failure_of_status,
+)
+from gateway.records import BronzeRecord
+
+log = logging.getLogger(__name__)
+JSON = "application/json"
+_COMPACT = {"ensure_ascii": False, "separators": (",", ":")}
+_PASSED_HEADERS = ("retry-after", "x-request-id")  # of an upstream refusal
+
+
+@dataclass(slots=True)
+class ProxyAnswer:
+    """A complete answer for the client."""
+
+    status: int
+    body: bytes
+    media_type: str = JSON
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ProxyCall:
+    """One proxied request: the client's body, its scope and who sent it."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    request_json: bytes  # the client's body as stored for audit
+    scope: Scope
+    tenant: str
+    idempotency_key: str | None
+
+    @property
+    def stream(self) -> bool:
+        """Whether the client asked for server-sent events."""
+        return self.body.get("stream") is True
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt."""
+        n = self.body.get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+    @property
+    def prompts(self) -> int:
+        """Prompts in the call (a legacy completion may batch several)."""
+        prompt = self.body.get("prompt")
+        if self.endpoint.kind == COMPLETION_KIND and isinstance(prompt, list) and prompt:
+            return 1 if isinstance(prompt[0], int) else len(prompt)
+        return 1
+
+    def event_details(self) -> dict[str, Any]:
+        """What an upstream_error event says about the call."""
+        return {
+            "endpoint": self.endpoint.path,
+            "model": self.body.get("model"),
+            "stream": self.stream,
+            "prompt_uid": self.scope.prompt_uid,
+        }
+
+
+def parse_request(raw: bytes) -> tuple[dict[str, Any], bytes]:
+    """The client's JSON object (400 otherwise), and its bytes as stored for audit."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "body must be a JSON object", code="invalid_json")
+    compact = raw.strip()
+    if not compact.startswith(b"{"):  # e.g. a BOM or UTF-16: store it re-encoded as UTF-8
+        compact = json.dumps(body, **_COMPACT).encode()
+    return body, compact
+
+
+class ProxyService:
+    """Forwards OpenAI calls to the upstream and records what it sampled."""
+
+    def __init__(
+        self,
+        settings: ClawSettings,
+        landing: Landing,
+        upstream: Upstream | None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.settings = settings
+        self.landing = landing
+        self.upstream = upstream
+        self.book = TrajectoryBook()
+        self._overloaded_until = 0.0
+        self.failures = Counter(
+            "claw_gateway_upstream_failures",
+            "Upstream calls that failed, by code",
+            ["code"],
+            registry=registry,
+        )
+        self.upstream_seconds = Histogram(
+            "claw_gateway_upstream_seconds",
+            "Latency of non-streamed upstream calls",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.steps = Counter(
+            "claw_gateway_proxy_steps",
+            "Steps recorded from proxied calls, by token source",
+            ["token_source"],
+            registry=registry,
+        )
+        self.unrecorded = Counter(
+            "claw_gateway_proxy_unrecorded",
+            "Proxied answers sent although their records could not be stored",
+            registry=registry,
+        )
+
+    # -- admission and failures -------------------------------------------------------------
+    def admit(self, recording: bool = True) -> Upstream:
+        """The upstream, if configured and (for recorded calls) the gateway can record.
+
+        Refusing up front (503) wastes no inference: after the landing reported overload,
+        calls are refused for its Retry-After."""
+        if self.upstream is None:
+            raise ApiError(
+                503, "no upstream configured: set CLAW_UPSTREAM_URL", code="upstream_not_configured"
+            )
+        if recording:
+            busy = None
+            if not self.landing.ready:
+                busy = "the gateway is starting or stopping"
+            elif time.monotonic() < self._overloaded_until:
+                busy = (
+                    "the gateway cannot record right now (write-ahead log backlog); retry shortly"
+                )
+            if busy is not None:
+                raise ApiError(503, busy, code="overloaded", headers={"Retry-After": "2"})
+        return self.upstream
+
+    def failure_record(
+        self, failure: UpstreamFailure, tenant: str, call: ProxyCall | None
+    ) -> BronzeRecord:
+        """The `upstream_error` event of a failed call (counted and logged)."""
+        self.failures.labels(failure.code).inc()
+        log.warning("upstream failure (%s -> %d): %s", failure.code, failure.status, failure)
+        trajectory = call.scope.trajectory_uid if call else None
+        details = call.event_details() if call else {}
+        return upstream_error_record(failure, tenant, trajectory, details)
+
+    async def fail(self, failure: UpstreamFailure, tenant: str, call: ProxyCall | None) -> NoReturn:
+        """Record an upstream failure as an event, then answer it in the OpenAI envelope."""
+        await self.land([self.failure_record(failure, tenant, call)])
+        raise ApiError(failure.status, failure.message, code=failure.code)
+
+    async def land(self, records: list[BronzeRecord]) -> bool:
+        """Make records durable; False (logged, counted) when the gateway could not."""
+        try:
+            await self.landing.land(records)
+        except Overloaded as exc:
+            self._overloaded_until = time.monotonic() + exc.retry_after
+            self.unrecorded.inc()
+            log.warning("proxied call not recorded (%d records): %s", len(records), exc)
+            return False
+        return True
+
+    # -- calls ------------------------------------------------------------------------------
+    async def models(self, tenant: str) -> ProxyAnswer:
+        """The upstream's model list, passed through."""
+        upstream = self.admit(recording=False)
+        try:
+            reply = await upstream.get("/models")
+        except UpstreamFailure as failure:
+            await self.fail(failure, tenant, None)
+        if reply.status >= 500:
+            await self.fail(failure_of_status(reply.status, reply.body), tenant, None)
+        return ProxyAnswer(reply.status, reply.body, reply.content_type or JSON)
+
+    async def complete(self, call: ProxyCall) -> ProxyAnswer | StreamRelay:
+        """Forward a (chat) completion; record its choices; answer as the upstream did."""
+        upstream = self.admit()
+        path, kind = call.endpoint.path, call.endpoint.kind
+        ask_token_ids = upstream.token_ids_supported
+        try:
+            while True:
+                body, added = augment(call.request_json, call.body, kind, ask_token_ids)
+                started = time.perf_counter()
+                if call.stream:
+                    response = await upstream.open_stream(path, body)
+                    if response.status < 400 and _is_event_stream(response.headers):
+                        return StreamRelay(self, call, response, added)
+                    reply = await UpstreamReply.read(response)
+                else:
+                    reply = await upstream.post(path, body)
+                if not (added.token_ids and _refuses_token_ids(reply.status, reply.body)):
+                    break
+                self._token_ids_unsupported(upstream)
+                ask_token_ids = False
+        except UpstreamFailure as failure:
+            await self.fail(failure, call.tenant, call)
+        if reply.status >= 400:
+            return await self._refused(reply, call)
+        seconds = time.perf_counter() - started
+        self.upstream_seconds.labels(kind).observe(seconds)
+        return await self._answer(call, reply, added, round(seconds * 1000, 2))
+
+    async def _answer(
+        self, call: ProxyCall, reply: UpstreamReply, added: Added, upstream_ms: float
+    ) -> ProxyAnswer:
+        """Record the choices of a whole answer, then pass it on minus what we added."""
+        try:
+            answer = json.loads(reply.body)
+            view = stripped(answer, added)
+            captured = captured_choices(answer, view, call.endpoint.kind)
+        except (ValueError, AttributeError, TypeError):
+            failure = UpstreamFailure(502, "upstream_error", "upstream answered invalid JSON")
+            await self.fail(failure, call.tenant, call)
+        records, keys = self.records(call, captured, answer.get("model"), upstream_ms)
+        body = reply.body if view is answer else json.dumps(view, **_COMPACT).encode()
+        headers = {"X-Claw-Step-Keys": ",".join(keys)}
+        if not await self.land(records):
+            headers["X-Claw-Recorded"] = "false"
+        return ProxyAnswer(reply.status, body, reply.content_type or JSON, headers)
+
+    async def _refused(self, reply: UpstreamReply, call: ProxyCall) -> ProxyAnswer:
+        """An upstream 4xx goes back unchanged (with its Retry-After); a 5xx becomes a
+        recorded 502."""
+        if reply.status >= 500:
+            await self.fail(failure_of_status(reply.status, reply.body), call.tenant, call)
+        headers = {k: v for k, v in reply.headers.items() if k in _PASSED_HEADERS}
+        return ProxyAnswer(reply.status, reply.body, reply.content_type or JSON, headers)
+
+    def _token_ids_unsupported(self, upstream: Upstream) -> None:
+        if upstream.token_ids_supported:
+            log.warning(
+                "upstream %s refuses return_token_ids: tokenizing locally", upstream.base_url
+            )
+        upstream.token_ids_supported = False
+
+    # -- records ----------------------------------------------------------------------------
+    def records(
+        self,
+        call: ProxyCall,
+        captured: list[CapturedChoice],
+        model: str | None,
+        upstream_ms: float | None,
+    ) -> tuple[list[BronzeRecord], list[str]]:
+        """One step record per choice, placed in the call's trajectory (or new ones); and
+        their step keys."""
+        scope, kind = call.scope, call.endpoint.kind
+        if not isinstance(model, str):
+            requested = call.body.get("model")
+            model = requested if isinstance(requested, str) else None
+        places, registered = self._places(call, captured)
+        tokenizer = partial(load_tokenizer, self.settings.tokenizer)
+        ids = event_ids(len(captured), call.idempotency_key)
+        records = []
+        for choice, place, event_id in zip(captured, places, ids, strict=True):
+            tokens = step_tokens(choice, call.body, kind, choice.index // call.n, tokenizer)
+            metadata = registered | {
+                "scoped": scope.trajectory_uid is not None,
+                "scope_via": scope.via,
+                "choice_index": choice.index,
+                "stream": call.stream,
+                "response_id": choice.response.get("id"),
+                "upstream_ms": upstream_ms,
+            }
+            records.append(
+                step_record(
+                    event_id=event_id,
+                    kind=kind,
+                    tenant=call.tenant,
+                    place=place,
+                    model=model,
+                    metadata=metadata,
+                    request_json=call.request_json,
+                    choice=choice,
+                    tokens=tokens,
+                )
+            )
+            self.steps.labels(tokens.token_source).inc()
+        return records, [step_key(p.trajectory_uid, p.step_index) for p in places]
+
+    def _places(
+        self, call: ProxyCall, captured: list[CapturedChoice]
+    ) -> tuple[list[StepPlace], dict[str, Any]]:
+        """Scoped: consecutive indices in the trajectory, one per choice (`choice_index` in
+        metadata says which). Unscoped: each choice starts its own trajectory at index 0, and
+        the choices of one prompt share a prompt group (GRPO-style)."""
+        scope = call.scope
+        if scope.trajectory_uid is not None:
+            first = self.book.claim_steps(scope.trajectory_uid, len(captured))
+            version, registered = self.book.registered(scope.trajectory_uid)
+            if scope.policy_version is not None:
+                version = scope.policy_version
+            places = [
+                StepPlace(scope.trajectory_uid, first + i, scope.prompt_uid, version)
+                for i in range(len(captured))
+            ]
+            return places, dict(registered)
+        groups: dict[int, str] = {}
+        places = []
+        for choice in captured:
+            group = scope.prompt_uid
+            if group is None:
+                group = groups.setdefault(choice.index // call.n, new_event_id())
+            places.append(StepPlace(new_event_id(), 0, group, scope.policy_version))
+        return places, {}
+
+
+def _refuses_token_ids(status: int, body: bytes) -> bool:
+    return status in (400, 422) and b"return_token_ids" in body
+
+
+def _is_event_stream(headers: dict[str, str]) -> bool:
+    # An upstream that ignores `stream` answers JSON: handled like a non-streamed answer.
+    return headers.get("content-type", "text/event-stream").startswith("text/event-stream")

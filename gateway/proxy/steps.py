@@ -1,0 +1,96 @@
+"""Bronze records of proxied calls: one step per choice, and upstream failures as events.
+
+A step record's JSON payload has the step fields at top level (as `POST /v1/steps` stores
+them) plus `request` (the body the client sent) and `response` (the answer the client got,
+reduced to this choice; assembled from the chunks when streamed). The token arrays live in
+the record's typed columns, not in the payload.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from claw_pipelines.contracts.ids import new_event_id
+from claw_pipelines.contracts.wire import Event
+from gateway.intake import fact_record, now_us
+from gateway.proxy.capture import CapturedChoice, StepTokens
+from gateway.proxy.upstream import UpstreamFailure
+from gateway.records import BronzeRecord
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlace:
+    """Where one choice's step goes: its trajectory, index, group and policy version."""
+
+    trajectory_uid: str
+    step_index: int
+    prompt_uid: str | None
+    policy_version: int | None
+
+
+def event_ids(count: int, idempotency_key: str | None) -> list[str]:
+    """The event_ids of a call's steps: from the Idempotency-Key (`key:i` when several)."""
+    if idempotency_key is None:
+        return [new_event_id() for _ in range(count)]
+    if count == 1:
+        return [idempotency_key]
+    return [f"{idempotency_key}:{i}" for i in range(count)]
+
+
+def step_record(
+    *,
+    event_id: str,
+    kind: str,
+    tenant: str,
+    place: StepPlace,
+    model: str | None,
+    metadata: dict[str, Any],
+    request_json: bytes,
+    choice: CapturedChoice,
+    tokens: StepTokens,
+) -> BronzeRecord:
+    """The bronze record of one choice of a proxied call."""
+    fields = {
+        "trajectory_uid": place.trajectory_uid,
+        "prompt_uid": place.prompt_uid,
+        "step_index": place.step_index,
+        "reward": None,
+        "policy_version": place.policy_version,
+        "is_last": False,
+        "finish_reason": choice.finish_reason,
+        "model": model,
+        "metadata": metadata,
+        "event_id": event_id,
+    }
+    head = json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode()
+    response = json.dumps(choice.response, ensure_ascii=False, separators=(",", ":")).encode()
+    payload = b"".join((head[:-1], b',"request":', request_json, b',"response":', response, b"}"))
+    return BronzeRecord(
+        event_id,
+        kind,
+        tenant,
+        now_us(),
+        payload,
+        tokens.token_source,
+        tokens.prompt_ids,
+        tokens.response_ids,
+        tokens.rollout_log_probs,
+        None,
+    )
+
+
+def upstream_error_record(
+    failure: UpstreamFailure, tenant: str, trajectory_uid: str | None, details: dict[str, Any]
+) -> BronzeRecord:
+    """An `event` record (type `upstream_error`) for a call the upstream failed."""
+    payload = {
+        "status": failure.status,
+        "code": failure.code,
+        "message": failure.message,
+        "upstream_status": failure.upstream_status,
+        **details,
+    }
+    event = Event(type="upstream_error", trajectory_uid=trajectory_uid, payload=payload)
+    return fact_record(event, "event", tenant)

@@ -1,0 +1,169 @@
+"""Token capture, SSE parsing and trajectory state of the proxy, without servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from claw_pipelines.simulation.sim_protocol import ChatCompletionRequest
+from claw_pipelines.simulation.sim_serving import SimulatedModel
+from claw_pipelines.tokenization import load_tokenizer
+from gateway.errors import ApiError
+from gateway.proxy.capture import (
+    CHAT_KIND,
+    COMPLETION_KIND,
+    Added,
+    augment,
+    local_prompt_ids,
+    local_response_ids,
+    stripped,
+)
+from gateway.proxy.scope import TrajectoryBook, scope_of
+from gateway.proxy.stream import DONE, StreamAccumulator, sse_data
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 3 + 4?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Find the capital of Peru."},
+    ],
+    [{"role": "user", "content": "héllo wörld — ünïcode ✓"}],
+]
+
+
+@pytest.fixture(scope="module")
+def sim() -> SimulatedModel:
+    return SimulatedModel(load_tokenizer(), seed=0)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("tools", [None, TOOLS])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_local_tokenization_reproduces_the_sampled_ids(sim, messages, tools, seed):
+    body = {"messages": messages, "seed": seed, "return_token_ids": True, "n": 2}
+    if tools:
+        body["tools"] = tools
+    request = ChatCompletionRequest.model_validate(body)
+    answer = sim.chat_response(sim.chat(request, body), request)
+    tokenizer = load_tokenizer()
+    assert local_prompt_ids(body, CHAT_KIND, 0, tokenizer) == answer["prompt_token_ids"]
+    for choice in answer["choices"]:
+        if choice["finish_reason"] == "length":
+            continue
+        local = local_response_ids(
+            body, CHAT_KIND, choice["message"], choice["finish_reason"], tokenizer
+        )
+        assert local == choice["token_ids"]
+
+
+def test_stream_chunks_fold_into_the_whole_answer(sim):
+    body = {"messages": CONVERSATIONS[1], "tools": TOOLS, "seed": 4, "n": 3}
+    streamed = body | {"stream": True, "return_token_ids": True, "logprobs": True}
+    request = ChatCompletionRequest.model_validate(streamed)
+    whole_request = ChatCompletionRequest.model_validate(body | {"return_token_ids": True})
+    whole = sim.chat_response(sim.chat(whole_request, body), whole_request)
+    accumulator = StreamAccumulator(CHAT_KIND)
+    for chunk in sim.chat_chunks(sim.chat(request, streamed), request):
+        accumulator.add(json.loads(json.dumps(chunk)))
+    captured = accumulator.captured(None)
+    assert [c.index for c in captured] == [0, 1, 2]
+    for choice, expected in zip(captured, whole["choices"], strict=True):
+        assert choice.response_ids == expected["token_ids"]
+        assert choice.prompt_ids == whole["prompt_token_ids"]
+        assert len(choice.logprobs) == len(expected["token_ids"])
+        assert choice.finish_reason == expected["finish_reason"]
+        message = {k: v for k, v in expected["message"].items() if v is not None}
+        assert {k: v for k, v in choice.output.items() if v is not None} == message
+
+
+def test_a_cut_stream_yields_every_expected_choice():
+    accumulator = StreamAccumulator(CHAT_KIND)
+    accumulator.add({"id": "x", "choices": [{"index": 0, "delta": {"content": "Hi"}}]})
+    captured = accumulator.captured("client_disconnected", expected=2)
+    assert [(c.index, c.finish_reason) for c in captured] == [
+        (0, "client_disconnected"),
+        (1, "client_disconnected"),
+    ]
+    assert captured[0].output["content"] == "Hi" and captured[1].output["content"] is None
+
+
+def test_sse_events_survive_any_split_of_the_bytes():
+    stream = (
+        b": keep-alive comment\r\n\r\n"
+        b'data: {"a": 1}\r\n\r\n'
+        b'data: {"b":\ndata: 2}\n\n'
+        b"data: [DONE]\n\n"
+    )
+
+    async def parse(pieces: list[bytes]) -> list[bytes]:
+        async def source():
+            for piece in pieces:
+                yield piece
+
+        return [data async for data in sse_data(source())]
+
+    expected = [b'{"a": 1}', b'{"b":\n2}', DONE]
+    assert asyncio.run(parse([stream])) == expected
+    assert asyncio.run(parse([bytes([b]) for b in stream])) == expected
+
+
+def test_augment_asks_for_ids_and_logprobs_and_stripping_removes_only_those():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    raw = json.dumps(body).encode() + b"\n"
+    upstream, added = augment(raw, body, CHAT_KIND)
+    assert json.loads(upstream) == body | {"return_token_ids": True, "logprobs": True}
+    assert added == Added(token_ids=True, logprobs=True)
+    answer = {
+        "id": "c",
+        "prompt_token_ids": [1, 2],
+        "choices": [{"index": 0, "token_ids": [3], "logprobs": {"content": []}, "text": "t"}],
+    }
+    assert stripped(answer, added) == {
+        "id": "c",
+        "choices": [{"index": 0, "logprobs": None, "text": "t"}],
+    }
+    assert answer["prompt_token_ids"] == [1, 2]  # the upstream answer itself is untouched
+
+    asked = body | {"logprobs": False, "return_token_ids": True}
+    upstream, added = augment(json.dumps(asked).encode(), asked, CHAT_KIND)
+    assert json.loads(upstream) == asked | {"logprobs": True}
+    assert added == Added(token_ids=False, logprobs=True)
+
+    legacy = {"model": "m", "prompt": "p", "logprobs": 2, "return_token_ids": True}
+    raw = json.dumps(legacy).encode()
+    assert augment(raw, legacy, COMPLETION_KIND) == (raw, Added())
+
+
+def test_scope_headers_are_validated():
+    assert scope_of({}).trajectory_uid is None
+    scope = scope_of({"x-claw-trajectory": "t.1", "x-claw-policy-version": "3"})
+    assert (scope.trajectory_uid, scope.policy_version, scope.via) == ("t.1", 3, "header")
+    with pytest.raises(ApiError) as bad:
+        scope_of({"x-claw-trajectory": "spaces are not allowed"})
+    assert bad.value.param == "X-Claw-Trajectory"
+    with pytest.raises(ApiError):
+        scope_of({"x-claw-policy-version": "-1"})
+
+
+def test_trajectory_book_counts_steps_and_forgets_the_oldest():
+    book = TrajectoryBook(capacity=2)
+    assert book.claim_steps("a", 1) == 0
+    assert book.claim_steps("a", 2) == 1
+    assert book.claim_steps("a", 1) == 3
+    book.register("a", {"policy_version": 5, "agent": "x"})
+    assert book.registered("a") == (5, {"agent": "x"})
+    book.claim_steps("b", 1)
+    book.claim_steps("c", 1)  # evicts "a", the least recently used
+    assert book.registered("a") == (None, {})
+    assert book.claim_steps("a", 1) == 0
