@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from pydantic import ValidationError
+
 from claw_pipelines.settings import ClawSettings
 
 
@@ -90,6 +92,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except CliError as exc:
         print(f"claw: error: {exc}", file=sys.stderr)
+        return 1
+    except ValidationError as exc:  # settings from the environment
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        name = f"CLAW_{where.upper()}" if exc.title == "ClawSettings" else where
+        print(f"claw: error: {name}: {first['msg']}", file=sys.stderr)
         return 1
     except Exception as exc:  # one clear line for users; tracebacks stay in logs
         print(f"claw: error: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -253,3 +253,14 @@ def test_refuses_non_loopback_bind_without_keys(tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and "refusing to bind 0.0.0.0" in result.stderr
+
+
+def test_invalid_setting_is_one_line_naming_the_variable(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "claw_pipelines.cli", "gateway", "--lake", str(tmp_path)],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CLAW_FLUSH_INTERVAL_MS": "0"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("claw: error: CLAW_FLUSH_INTERVAL_MS:")
