@@ -116,7 +116,7 @@ class Landing:
         self.ready = False
         if self._sealer is not None:
             self._sealer.cancel()
-        self.wal.close()
+        await self.wal.close()
         if self.flusher is not None and self.flusher.poll() is None:
             self.flusher.stdin.close()
             try:

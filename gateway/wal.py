@@ -11,13 +11,16 @@ import contextlib
 import fcntl
 import logging
 import os
-import threading
+import socket
+import subprocess
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.records import BronzeRecord, decode_frames
+from gateway.syncer import ANSWER, COMMAND, SEAL, SYNC
 
 log = logging.getLogger(__name__)
 OPEN_SUFFIX = ".open"
@@ -37,7 +40,6 @@ class Segment:
     records: int = 0
     nbytes: int = 0
     opened_at: float = field(default_factory=time.monotonic)
-    fd: int | None = None
 
 
 @dataclass(slots=True)
@@ -68,14 +70,6 @@ def read_segment(path: Path) -> list[BronzeRecord]:
     return records
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def take_lock(path: Path, blocking: bool) -> int | None:
     """An exclusive flock on `path` (None when not blocking and someone else holds it)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -89,10 +83,9 @@ def take_lock(path: Path, blocking: bool) -> int | None:
 
 class WriteAheadLog:
     """Pipelined group commit. The event loop appends each request's frames to the open
-    segment at once (page cache); a sync thread runs fdatasync back to back, each covering
-    everything written before it began, and then acknowledges those writes on the loop.
-    Sealing hands the segment to the sync thread, which syncs it before renaming it `.wal`.
-    """
+    segment at once (page cache) and asks the syncer process (gateway.syncer) to fdatasync;
+    each answer acknowledges every write made before the request it answers. Sealing asks the
+    syncer to sync the segment and rename it `.wal` for the flusher."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -100,12 +93,15 @@ class WriteAheadLog:
         self._fd: int | None = None
         self._current: Segment | None = None
         self._next_seq = 0
-        self._written = 0  # bytes appended across all segments (a log position)
+        self._written = 0  # bytes appended across all segments: the log position
+        self._requested = 0  # position the syncer was last asked to make durable
         self._waiting: deque[tuple[int, Write]] = deque()
-        self._retired: list[tuple[int, Segment]] = []  # sealed, not yet synced and renamed
-        self._fd_lock = threading.Lock()
-        self._dirty = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._asked_at: deque[tuple[int, float]] = deque()
+        self._sync_scheduled = False
+        self._syncer: subprocess.Popen | None = None
+        self._channel: socket.socket | None = None
+        self._answers = b""
+        self._drained: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.on_group = None  # optional callback(records, seconds), on the loop
@@ -128,32 +124,47 @@ class WriteAheadLog:
         return sealed_segments(self.directory)
 
     def start(self, next_seq: int) -> None:
-        """Open a fresh segment numbered `next_seq` and start the sync thread."""
+        """Start the syncer process and open a fresh segment numbered `next_seq`."""
         self._loop = asyncio.get_running_loop()
         self._next_seq = next_seq
         self._open_segment()
-        self._thread = threading.Thread(target=self._sync_loop, name="claw-wal-sync", daemon=True)
-        self._thread.start()
+        self._spawn_syncer()
 
-    def close(self) -> None:
+    def _spawn_syncer(self) -> None:
+        ours, theirs = socket.socketpair()
+        self._syncer = subprocess.Popen(
+            [sys.executable, "-m", "gateway.syncer", str(self.directory)],
+            stdin=theirs,
+            start_new_session=True,  # a terminal's Ctrl-C reaches the gateway only
+        )
+        theirs.close()
+        ours.setblocking(False)
+        self._channel = ours
+        self._loop.add_reader(ours.fileno(), self._on_answers)
+
+    async def close(self) -> None:
         """Refuse writes, make everything durable, seal the open segment, release the WAL."""
         self._closed = True
         self.seal()
-        with self._fd_lock:
-            if self._current is not None:  # empty: nothing to keep
-                os.close(self._fd)
-                self._current.path.unlink(missing_ok=True)
-                self._current = self._fd = None
-        self._dirty.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._current is not None:  # empty: nothing to keep
+            os.close(self._fd)
+            self._current.path.unlink(missing_ok=True)
+            self._current = self._fd = None
+        if self._waiting or self._asked_at:  # answers still to come (the last seal's too)
+            self._drained = self._loop.create_future()
+            with contextlib.suppress(WalUnavailable):
+                await self._drained
+        if self._channel is not None:
+            self._loop.remove_reader(self._channel.fileno())
+            self._channel.close()
+            await asyncio.to_thread(self._syncer.wait)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
 
     # -- appends ----------------------------------------------------------------------------
     def submit(self, write: Write) -> None:
-        """Append a write now; its future resolves once an fdatasync covers it."""
+        """Append a write now; its future resolves once the syncer has made it durable."""
         if self._closed:
             raise WalUnavailable("the gateway is shutting down")
         try:
@@ -169,7 +180,9 @@ class WriteAheadLog:
         segment.nbytes += len(write.frames)
         self._written += len(write.frames)
         self._waiting.append((self._written, write))
-        self._dirty.set()
+        if not self._sync_scheduled:  # one request per loop iteration covers them all
+            self._sync_scheduled = True
+            self._loop.call_soon(self._request_sync)
 
     @property
     def current(self) -> Segment | None:
@@ -189,67 +202,93 @@ class WriteAheadLog:
                 os.lseek(self._fd, segment.nbytes, os.SEEK_SET)
             raise
 
-    def _sync_loop(self) -> None:
-        while True:
-            self._dirty.wait()
-            self._dirty.clear()
-            with self._fd_lock:
-                retired, self._retired = self._retired, []
-                fd, target = self._fd, self._written
-            started = time.perf_counter()
-            try:
-                for _, segment in retired:
-                    os.fdatasync(segment.fd)
-                    os.close(segment.fd)
-                    segment.path.rename(segment.path.with_suffix(SEALED_SUFFIX))
-                    segment.path = segment.path.with_suffix(SEALED_SUFFIX)
-                if retired:
-                    _fsync_dir(self.directory)
-                if fd is not None:
-                    os.fdatasync(fd)
-            except OSError as exc:
-                error = WalUnavailable(f"write-ahead log unavailable: {exc.strerror or exc}")
-                self._loop.call_soon_threadsafe(self._fail_waiting, target, error)
-            else:
-                self._loop.call_soon_threadsafe(
-                    self._acknowledge, target, time.perf_counter() - started
-                )
-            if self._closed and not self._retired and not self._dirty.is_set():
-                return
+    def _request_sync(self) -> None:
+        self._sync_scheduled = False
+        if self._written > self._requested and self._current is not None:
+            self._ask(SYNC, self._current.seq)
 
-    def _acknowledge(self, target: int, seconds: float) -> None:
+    def _ask(self, op: int, seq: int) -> None:
+        self._requested = self._written
+        self._asked_at.append((self._written, time.perf_counter()))
+        try:
+            self._channel.sendall(COMMAND.pack(op, seq, self._written))
+        except (BlockingIOError, OSError):
+            self._syncer_lost()
+
+    def _on_answers(self) -> None:
+        try:
+            data = self._channel.recv(65536)
+        except BlockingIOError:
+            return
+        if not data:
+            self._syncer_lost()
+            return
+        self._answers += data
+        usable = len(self._answers) - len(self._answers) % ANSWER.size
+        for offset in range(0, usable, ANSWER.size):
+            status, position = ANSWER.unpack_from(self._answers, offset)
+            if status == 0:
+                self._acknowledge(position)
+            else:
+                self._fail(
+                    position, WalUnavailable("write-ahead log unavailable: fdatasync failed")
+                )
+        self._answers = self._answers[usable:]
+
+    def _acknowledge(self, position: int) -> None:
+        asked = None
+        while self._asked_at and self._asked_at[0][0] <= position:
+            asked = self._asked_at.popleft()[1]
         records = 0
         waiting = self._waiting
-        while waiting and waiting[0][0] <= target:
+        while waiting and waiting[0][0] <= position:
             write = waiting.popleft()[1]
             records += write.records
             if not write.future.done():
                 write.future.set_result(None)
-        if records and self.on_group is not None:
-            self.on_group(records, seconds)
+        if records and self.on_group is not None and asked is not None:
+            self.on_group(records, time.perf_counter() - asked)
+        if self._drained is not None and not (waiting or self._asked_at or self._drained.done()):
+            self._drained.set_result(None)
 
-    def _fail_waiting(self, target: int, error: WalUnavailable) -> None:
+    def _fail(self, position: int, error: WalUnavailable) -> None:
+        while self._asked_at and self._asked_at[0][0] <= position:
+            self._asked_at.popleft()
         waiting = self._waiting
-        while waiting and waiting[0][0] <= target:
+        while waiting and waiting[0][0] <= position:
             write = waiting.popleft()[1]
             if not write.future.done():
                 write.future.set_exception(error)
+        if self._drained is not None and not (waiting or self._asked_at or self._drained.done()):
+            self._drained.set_exception(error)
+
+    def _syncer_lost(self) -> None:
+        """The syncer died: fail what waits (clients retry), start another, re-seal."""
+        log.error("WAL syncer exited; restarting it")
+        self._loop.remove_reader(self._channel.fileno())
+        self._channel.close()
+        self._fail(self._written, WalUnavailable("write-ahead log syncer restarted; retry"))
+        if self._closed:
+            return
+        self._spawn_syncer()
+        current = self._current.seq if self._current else None
+        for path in sorted(self.directory.glob(f"*{OPEN_SUFFIX}"), key=segment_seq):
+            if segment_seq(path) != current:
+                self._ask(SEAL, segment_seq(path))
 
     # -- sealing ----------------------------------------------------------------------------
     def seal(self) -> Segment | None:
-        """Retire the open segment (if it holds records) and open the next one; the sync
-        thread makes the retired one durable and renames it `.wal` for the flusher."""
-        with self._fd_lock:
-            segment = self._current
-            if segment is None or not segment.records:
-                return None
-            segment.fd = self._fd
-            self._retired.append((self._written, segment))
-            self._current = self._fd = None
-            if not self._closed:
-                with contextlib.suppress(OSError):  # retried by the next write
-                    self._open_segment()
-        self._dirty.set()
+        """Close the open segment (if it holds records), ask the syncer to make it durable
+        and hand it to the flusher, and open the next one."""
+        segment = self._current
+        if segment is None or not segment.records:
+            return None
+        os.close(self._fd)
+        self._current = self._fd = None
+        self._ask(SEAL, segment.seq)
+        if not self._closed:
+            with contextlib.suppress(OSError):  # retried by the next write
+                self._open_segment()
         return segment
 
     def _open_segment(self) -> None:

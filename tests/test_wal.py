@@ -78,7 +78,7 @@ def test_one_fdatasync_acknowledges_every_write_before_it(tmp_path):
             await asyncio.sleep(0)
         await asyncio.gather(*futures)
         sealed = wal.seal()
-        wal.close()  # waits for the sync thread: the sealed segment is durable and renamed
+        await wal.close()  # waits for the syncer: the sealed segment is durable and renamed
         return sealed
 
     sealed = asyncio.run(scenario())
@@ -103,7 +103,11 @@ def test_leftover_open_segments_are_sealed_on_recovery(tmp_path):
         future = asyncio.get_running_loop().create_future()
         wal.submit(Write(encode_frame(record(0)), 1, future))
         await future
-        os.close(wal._lock_fd)  # the process "dies" here: no seal, no close
+        # the process "dies" here: no seal, no close; the syncer sees its socket close
+        wal._loop.remove_reader(wal._channel.fileno())
+        wal._channel.close()
+        os.close(wal._lock_fd)
+        await asyncio.to_thread(wal._syncer.wait, 10)
 
     asyncio.run(write_one())
     wal = WriteAheadLog(tmp_path / "wal")
@@ -118,7 +122,7 @@ def test_closed_wal_refuses_writes_and_leaves_no_empty_segment(tmp_path):
         wal = WriteAheadLog(tmp_path / "wal")
         wal.lock()
         wal.start(next_seq=1)
-        wal.close()
+        await wal.close()
         with pytest.raises(WalUnavailable):
             wal.submit(
                 Write(encode_frame(record(0)), 1, asyncio.get_running_loop().create_future())
