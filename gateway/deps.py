@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -29,12 +30,10 @@ class Caller:
     landing: Landing
 
 
-def tenant_of(request: Request) -> str:
+def tenant_of(keys: KeyRing, headers: Mapping[str, str]) -> str:
     """The tenant of the presented API key (401 when missing or unknown)."""
-    keys: KeyRing = request.app.state.keys
     if not keys.enabled:
         return DEFAULT_TENANT
-    headers = request.headers
     key = presented_key(headers.get("authorization"), headers.get("x-api-key"))
     if key is None:
         raise ApiError(
@@ -51,9 +50,9 @@ def tenant_of(request: Request) -> str:
     return tenant
 
 
-def idempotency_key_of(request: Request) -> str | None:
+def idempotency_key_of(headers: Mapping[str, str]) -> str | None:
     """The `Idempotency-Key` header, validated like an event_id."""
-    value = request.headers.get("idempotency-key")
+    value = headers.get("idempotency-key")
     if value is not None and not (len(value) <= MAX_UID_CHARS - 8 and _UID.match(value)):
         raise ApiError(
             422,
@@ -67,7 +66,9 @@ def idempotency_key_of(request: Request) -> str | None:
 def caller_of(request: Request) -> Caller:
     """Authenticate a write and read its options (a plain call: FastAPI's dependency
     resolution costs more than the work on this hot path)."""
-    return Caller(tenant_of(request), idempotency_key_of(request), request.app.state.landing)
+    state = request.app.state
+    headers = request.headers
+    return Caller(tenant_of(state.keys, headers), idempotency_key_of(headers), state.landing)
 
 
 IDEMPOTENCY_HEADER_DOC = {
@@ -97,12 +98,16 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def parse_body(request: Request, model: type[ModelT], *, optional: bool = False) -> ModelT:
-    """Validate the JSON body against `model` (422 names the field)."""
-    body = await read_body(request)
+def parse_json(model: type[ModelT], body: bytes, *, optional: bool = False) -> ModelT:
+    """Validate a JSON body against `model` (400 for bad JSON, 422 naming the field)."""
     if optional and not body.strip():
         body = b"{}"
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_pydantic(exc) from None
+
+
+async def parse_body(request: Request, model: type[ModelT], *, optional: bool = False) -> ModelT:
+    """Read and validate the request's JSON body against `model`."""
+    return parse_json(model, await read_body(request), optional=optional)

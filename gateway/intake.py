@@ -6,7 +6,6 @@ import time
 from collections.abc import Sequence
 
 from pydantic import BaseModel
-from starlette.responses import Response
 
 from claw_pipelines.contracts.ids import new_event_id
 from claw_pipelines.contracts.wire import Accepted, Step
@@ -63,8 +62,8 @@ def fact_record(
     return BronzeRecord(event_id, kind, tenant, now_us(), model.model_dump_json().encode())
 
 
-async def accept(landing: Landing, records: list[BronzeRecord]) -> Response:
-    """Land records durably and answer `Accepted`; overload becomes 503 with Retry-After."""
+async def accept(landing: Landing, records: list[BronzeRecord]) -> bytes:
+    """Land records durably; the `Accepted` JSON. Overload becomes 503 with Retry-After."""
     try:
         _written, duplicates = await landing.land(records)
     except Overloaded as exc:
@@ -74,4 +73,4 @@ async def accept(landing: Landing, records: list[BronzeRecord]) -> Response:
     answer = Accepted(
         accepted=len(records), duplicates=duplicates, event_ids=[r.event_id for r in records]
     )
-    return Response(answer.model_dump_json(), media_type="application/json")
+    return answer.__pydantic_serializer__.to_json(answer)

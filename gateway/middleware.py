@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import envelope
+from gateway.deps import BODY_READ_TIMEOUT_S
+from gateway.errors import ApiError, envelope
 from gateway.metrics import GatewayMetrics
+from gateway.writes import match_write, perform_write
+
+log = logging.getLogger(__name__)
 
 BODY_METHODS = {"POST", "PUT", "PATCH"}
 
@@ -18,30 +25,35 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
-async def _refuse(send: Send, status: int, message: str, param: str | None, code: str) -> None:
-    body = json.dumps(envelope(status, message, param, code)).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
+async def _answer(send: Send, error: ApiError) -> None:
+    """Send an ApiError in the OpenAI envelope."""
+    body = json.dumps(envelope(error.status, error.message, error.param, error.code)).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
 class GatewayMiddleware:
-    """Refuse a declared Content-Length over the limit (413) and non-JSON bodies (415)
-    before any parsing; count and time every request by route template and status."""
+    """The gateway's outer layer: refuse a declared Content-Length over the limit (413) and
+    non-JSON bodies (415) before any parsing; serve the write routes on a fast path; count
+    and time every request by route template and status.
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: GatewayMetrics) -> None:
+    The fast path answers the write routes (gateway.writes) straight from ASGI with the same
+    `perform_write` the FastAPI routes call: FastAPI's per-request machinery costs more than
+    a durable write itself (measured by benchmarks/gateway_ingest.py).
+    """
+
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, metrics: GatewayMetrics, state: Any
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.state = state
         self._children: dict[tuple[str, int], tuple] = {}  # cached labelled metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -49,6 +61,7 @@ class GatewayMiddleware:
             return await self.app(scope, receive, send)
         started = time.perf_counter()
         status = 500
+        route_name = None
 
         async def send_with_status(message: Message) -> None:
             nonlocal status
@@ -57,13 +70,19 @@ class GatewayMiddleware:
             await send(message)
 
         try:
-            refusal = self._refusal(scope) if scope["method"] in BODY_METHODS else None
-            if refusal is not None:
-                await _refuse(send_with_status, *refusal)
-            else:
+            write = None
+            if scope["method"] in BODY_METHODS:
+                refusal = self._refusal(scope)
+                if refusal is not None:
+                    return await _answer(send_with_status, refusal)
+                write = match_write(scope["path"]) if scope["method"] == "POST" else None
+            if write is None:
                 await self.app(scope, receive, send_with_status)
+            else:
+                route_name = write[0].path
+                await self._serve_write(scope, receive, send_with_status, *write)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            route = route_name or getattr(scope.get("route"), "path", None) or "unmatched"
             children = self._children.get((route, status))
             if children is None:
                 children = self._children[(route, status)] = (
@@ -73,7 +92,51 @@ class GatewayMiddleware:
             children[0].inc()
             children[1].observe(time.perf_counter() - started)
 
-    def _refusal(self, scope: Scope) -> tuple | None:
+    async def _serve_write(self, scope, receive, send, route, params) -> None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            body = await self._read_body(receive)
+            answer = await perform_write(route, self.state, headers, body, params)
+        except ApiError as exc:
+            return await _answer(send, exc)
+        except Exception:
+            log.exception("unhandled error on POST %s", scope["path"])
+            return await _answer(send, ApiError(500, "internal error; nothing was stored"))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(answer)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": answer})
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ApiError(400, "client disconnected", code="client_disconnected")
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise ApiError(
+                            413,
+                            f"body exceeds the limit of {self.max_body_bytes} bytes",
+                            code="body_too_large",
+                        )
+                    chunks.append(chunk)
+                    if not message.get("more_body"):
+                        return b"".join(chunks)
+        except TimeoutError:
+            raise ApiError(408, "body not received in time", code="body_timeout") from None
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
         length = content_type = None
         chunked = False
         for name, value in scope["headers"]:
@@ -87,20 +150,19 @@ class GatewayMiddleware:
             try:
                 declared = int(length)
             except ValueError:
-                return (400, "invalid Content-Length", None, "invalid_header")
+                return ApiError(400, "invalid Content-Length", code="invalid_header")
             if declared > self.max_body_bytes:
-                return (
+                return ApiError(
                     413,
                     f"body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes",
-                    None,
-                    "body_too_large",
+                    code="body_too_large",
                 )
         has_body = chunked or length not in (None, b"0")
         if has_body and not _is_json(content_type or ""):
-            return (
+            return ApiError(
                 415,
                 f"Content-Type must be application/json, got {content_type!r}",
-                "Content-Type",
-                "unsupported_media_type",
+                param="Content-Type",
+                code="unsupported_media_type",
             )
         return None

@@ -126,4 +126,5 @@ async def complete_trajectory(
     except ValidationError as exc:
         raise from_pydantic(exc) from None
     record = fact_record(completed, "trajectory_complete", caller.tenant, caller.idempotency_key)
-    return await accept(caller.landing, [record])
+    answer = await accept(caller.landing, [record])
+    return Response(answer, media_type="application/json")
