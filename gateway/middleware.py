@@ -95,8 +95,9 @@ class GatewayMiddleware:
     async def _serve_write(self, scope, receive, send, route, params) -> None:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            body = await self._read_body(receive)
-            answer = await perform_write(route, self.state, headers, body, params)
+            answer = await perform_write(
+                route, self.state, headers, await self._read_body(receive), params
+            )
         except ApiError as exc:
             return await _answer(send, exc)
         except Exception:

@@ -83,4 +83,8 @@ async def perform_write(
     tenant = tenant_of(state.keys, headers)
     key = idempotency_key_of(headers)
     model = parse_json(route.model, body, optional=route.optional_body)
-    return await accept(state.landing, route.build(model, tenant, key, params))
+    records = route.build(model, tenant, key, params)
+    # Free the validated model (for steps: thousands of Python ints) before waiting on the
+    # disk: freed now it is still in cache; freed after the wait it costs ~100 µs a request.
+    del model, body
+    return await accept(state.landing, records)
