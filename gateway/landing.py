@@ -71,6 +71,7 @@ class Landing:
         self.flusher: subprocess.Popen | None = None
         self._sealer: asyncio.Task[None] | None = None
         self._sealed_bytes = 0
+        self._record_counters: dict[str, object] = {}
         self.ready = False
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -183,11 +184,12 @@ class Landing:
         if not ok:
             self.metrics.rejected.labels("wal").inc()
             return
-        kinds: dict[str, int] = {}
+        counters = self._record_counters
         for record in fresh:
-            kinds[record.kind] = kinds.get(record.kind, 0) + 1
-        for kind, count in kinds.items():
-            self.metrics.records.labels(kind).inc(count)
+            counter = counters.get(record.kind)
+            if counter is None:
+                counter = counters[record.kind] = self.metrics.records.labels(record.kind)
+            counter.inc()
 
     def _after_group(self, records: int, seconds: float) -> None:
         self.metrics.wal_sync_seconds.observe(seconds)

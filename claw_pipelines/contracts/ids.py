@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import time
-import uuid
 
 _random = random.Random()  # seeded from os.urandom; ids need uniqueness, not secrecy
 
@@ -16,7 +15,8 @@ def new_event_id() -> str:
     value = (ms & (2**48 - 1)) << 80 | rand & ((1 << 80) - 1)
     value = value & ~(0xF << 76) | (0x7 << 76)  # version 7
     value = value & ~(0x3 << 62) | (0x2 << 62)  # RFC 4122 variant
-    return str(uuid.UUID(int=value))
+    text = f"{value:032x}"
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def step_key(trajectory_uid: str, step_index: int) -> str:
