@@ -65,8 +65,8 @@ def start(command: list[str], port: int, env: dict[str, str], log: Path) -> subp
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--connections", type=int, default=16)
-    parser.add_argument("--seconds", type=float, default=6.0)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
     body = step_body()
