@@ -7,13 +7,13 @@ Upstream ids follow vLLM's `return_token_ids`: chat answers carry a top-level
 
 from __future__ import annotations
 
-import json
 import logging
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic_core
 from tokenizers import Tokenizer
 
 from claw_pipelines.tokenization import IM_END, encode, render_chat
@@ -68,8 +68,8 @@ def augment(
     stripped = raw.rstrip()
     if body and stripped.endswith(b"}") and not extra.keys() & body.keys():
         # Splice instead of re-encoding the whole (often long) conversation.
-        return stripped[:-1] + b"," + json.dumps(extra)[1:].encode(), added
-    return json.dumps(body | extra, ensure_ascii=False).encode(), added
+        return stripped[:-1] + b"," + pydantic_core.to_json(extra)[1:], added
+    return pydantic_core.to_json(body | extra), added
 
 
 def stripped(answer: dict[str, Any], added: Added) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import anyio
+import pydantic_core
 
 from gateway.errors import envelope
 from gateway.proxy.capture import Added, stripped
@@ -67,13 +68,13 @@ class StreamRelay:
                     await _drain(events)
                     return
                 try:
-                    chunk = json.loads(data)
+                    chunk = pydantic_core.from_json(data)
                 except ValueError:
                     chunk = None
                 if isinstance(chunk, dict):
                     self._accumulate(chunk)
                     if self.added.any:
-                        data = json.dumps(stripped(chunk, self.added), **_COMPACT).encode()
+                        data = pydantic_core.to_json(stripped(chunk, self.added))
                 yield b"data: " + data + b"\n\n"
             await self._record("upstream_ended")
         except UpstreamFailure as failure:

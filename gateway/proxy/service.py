@@ -9,13 +9,13 @@ is sent anyway, marked `X-Claw-Recorded: false` (and logged and counted).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NoReturn
 
+import pydantic_core
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from claw_pipelines.contracts.ids import new_event_id, step_key
@@ -104,14 +104,14 @@ class ProxyCall:
 def parse_request(raw: bytes) -> tuple[dict[str, Any], bytes]:
     """The client's JSON object (400 otherwise), and its bytes as stored for audit."""
     try:
-        body = json.loads(raw)
+        body = pydantic_core.from_json(raw)
     except ValueError as exc:
         raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "body must be a JSON object", code="invalid_json")
     compact = raw.strip()
     if not compact.startswith(b"{"):  # e.g. a BOM or UTF-16: store it re-encoded as UTF-8
-        compact = json.dumps(body, **_COMPACT).encode()
+        compact = pydantic_core.to_json(body)
     return body, compact
 
 
@@ -248,14 +248,14 @@ class ProxyService:
     ) -> ProxyAnswer:
         """Record the choices of a whole answer, then pass it on minus what we added."""
         try:
-            answer = json.loads(reply.body)
+            answer = pydantic_core.from_json(reply.body)
             view = stripped(answer, added)
             captured = captured_choices(answer, view, call.endpoint.kind)
         except (ValueError, AttributeError, TypeError):
             failure = UpstreamFailure(502, "upstream_error", "upstream answered invalid JSON")
             await self.fail(failure, call.tenant, call)
         records, keys = self.records(call, captured, answer.get("model"), upstream_ms)
-        body = reply.body if view is answer else json.dumps(view, **_COMPACT).encode()
+        body = reply.body if view is answer else pydantic_core.to_json(view)
         headers = {"X-Claw-Step-Keys": ",".join(keys)}
         if not await self.land(records):
             headers["X-Claw-Recorded"] = "false"

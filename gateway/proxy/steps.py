@@ -8,9 +8,10 @@ the record's typed columns, not in the payload.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import pydantic_core
 
 from claw_pipelines.contracts.ids import new_event_id
 from claw_pipelines.contracts.wire import Event
@@ -64,8 +65,8 @@ def step_record(
         "metadata": metadata,
         "event_id": event_id,
     }
-    head = json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode()
-    response = json.dumps(choice.response, ensure_ascii=False, separators=(",", ":")).encode()
+    head = pydantic_core.to_json(fields)
+    response = pydantic_core.to_json(choice.response)
     payload = b"".join((head[:-1], b',"request":', request_json, b',"response":', response, b"}"))
     return BronzeRecord(
         event_id,
