@@ -264,3 +264,20 @@ def test_invalid_setting_is_one_line_naming_the_variable(tmp_path):
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1
     assert result.stderr.startswith("claw: error: CLAW_FLUSH_INTERVAL_MS:")
+
+
+def test_keys_created_by_the_cli_authenticate_their_tenant(tmp_path):
+    keys_file = tmp_path / "keys"
+    result = subprocess.run(
+        [sys.executable, "-m", "claw_pipelines.cli", "keys", "create", "--tenant", "team-x",
+         "--file", str(keys_file)],
+        capture_output=True, text=True, cwd=REPO, timeout=60, check=True,
+    )  # fmt: skip
+    key = result.stdout.strip()
+    assert key.startswith("claw-") and key not in keys_file.read_text()  # only the hash
+    with GatewayProcess(tmp_path / "lake", CLAW_API_KEYS_FILE=str(keys_file)) as gw:
+        ok = post(gw, "/v1/events", {"type": "ping"}, Authorization=f"Bearer {key}")
+        assert ok.status_code == 200
+        assert_error(post(gw, "/v1/events", {"type": "ping"}), 401)
+        (row,) = wait_landed(gw.lake, ok.json()["event_ids"]).iter_rows(named=True)
+        assert row["tenant"] == "team-x"
