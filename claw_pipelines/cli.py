@@ -44,6 +44,12 @@ def _cmd_keys_create(args: argparse.Namespace) -> None:
     print(key)
 
 
+def _cmd_up(args: argparse.Namespace) -> None:
+    from claw_pipelines.up import run_up
+
+    run_up(_settings(args), host=args.host, port=args.port)
+
+
 def _cmd_demo(args: argparse.Namespace) -> None:
     from claw_pipelines.demo import run_demo
 
@@ -77,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--tenant", required=True)
     create.add_argument("--file", help="append the key's hash to this keys file")
     create.set_defaults(handler=_cmd_keys_create)
+
+    up = verb("up", _cmd_up, "run the local stack (gateway, simulated model) until Ctrl-C")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8080)
 
     demo = verb("demo", _cmd_demo, "one end-to-end run on simulated agents, then a summary")
     demo.add_argument("--workdir", help="where to keep logs (default: a temp dir)")
