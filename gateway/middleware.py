@@ -18,6 +18,7 @@ from gateway.writes import match_write, perform_write
 log = logging.getLogger(__name__)
 
 BODY_METHODS = {"POST", "PUT", "PATCH"}
+WRITE_HEADERS = {b"authorization", b"x-api-key", b"idempotency-key"}
 
 
 def _is_json(content_type: str) -> bool:
@@ -72,7 +73,7 @@ class GatewayMiddleware:
         try:
             write = None
             if scope["method"] in BODY_METHODS:
-                refusal = self._refusal(scope)
+                refusal, headers = self._inspect(scope)
                 if refusal is not None:
                     return await _answer(send_with_status, refusal)
                 write = match_write(scope["path"]) if scope["method"] == "POST" else None
@@ -80,7 +81,7 @@ class GatewayMiddleware:
                 await self.app(scope, receive, send_with_status)
             else:
                 route_name = write[0].path
-                await self._serve_write(scope, receive, send_with_status, *write)
+                await self._serve_write(scope, receive, send_with_status, headers, *write)
         finally:
             route = route_name or getattr(scope.get("route"), "path", None) or "unmatched"
             children = self._children.get((route, status))
@@ -92,8 +93,7 @@ class GatewayMiddleware:
             children[0].inc()
             children[1].observe(time.perf_counter() - started)
 
-    async def _serve_write(self, scope, receive, send, route, params) -> None:
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    async def _serve_write(self, scope, receive, send, headers, route, params) -> None:
         try:
             answer = await perform_write(
                 route, self.state, headers, await self._read_body(receive), params
@@ -137,7 +137,9 @@ class GatewayMiddleware:
         except TimeoutError:
             raise ApiError(408, "body not received in time", code="body_timeout") from None
 
-    def _refusal(self, scope: Scope) -> ApiError | None:
+    def _inspect(self, scope: Scope) -> tuple[ApiError | None, dict[str, str]]:
+        """One pass over the headers: a refusal if any, and the headers a write needs."""
+        wanted: dict[str, str] = {}
         length = content_type = None
         chunked = False
         for name, value in scope["headers"]:
@@ -147,6 +149,13 @@ class GatewayMiddleware:
                 content_type = value.decode("latin-1")
             elif name == b"transfer-encoding":
                 chunked = True
+            elif name in WRITE_HEADERS:
+                wanted[name.decode()] = value.decode("latin-1")
+        return self._refusal(length, content_type, chunked), wanted
+
+    def _refusal(
+        self, length: bytes | None, content_type: str | None, chunked: bool
+    ) -> ApiError | None:
         if length is not None:
             try:
                 declared = int(length)

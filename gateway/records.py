@@ -91,6 +91,7 @@ def encode_record(record: BronzeRecord) -> bytes:
     header = json.dumps(
         [record.event_id, record.kind, record.tenant, record.received_us, record.token_source],
         separators=(",", ":"),
+        check_circular=False,
     ).encode()
     parts = [_U32.pack(len(header)), header, _U32.pack(len(record.payload)), record.payload]
     for packed in record.arrays():
