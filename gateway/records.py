@@ -77,7 +77,7 @@ def typed_arrays(values: Sequence[Sequence[float] | None]) -> list[bytes | None]
 
 
 def frame(body: bytes) -> bytes:
-    """Length-prefix and checksum an encoded record (done on the WAL writer thread)."""
+    """Length-prefix and checksum an encoded record."""
     return _PREFIX.pack(len(body), zlib.crc32(body)) + body
 
 
