@@ -24,6 +24,8 @@ from gateway.syncer import ANSWER, COMMAND, SEAL, SYNC
 
 log = logging.getLogger(__name__)
 OPEN_SUFFIX = ".open"
+MAX_SYNCS_IN_FLIGHT = 64
+SYNCER_STOP_TIMEOUT_S = 30.0
 SEALED_SUFFIX = ".wal"
 
 
@@ -157,7 +159,12 @@ class WriteAheadLog:
         if self._channel is not None:
             self._loop.remove_reader(self._channel.fileno())
             self._channel.close()
-            await asyncio.to_thread(self._syncer.wait)
+            self._channel = None
+        try:
+            await asyncio.to_thread(self._syncer.wait, SYNCER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.error("WAL syncer did not finish; segments left open are sealed on next start")
+            self._syncer.kill()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -204,10 +211,16 @@ class WriteAheadLog:
 
     def _request_sync(self) -> None:
         self._sync_scheduled = False
+        # A bounded number of requests in flight keeps the socket from ever filling up when
+        # the disk stalls; each answer asks again for whatever was written meanwhile.
+        if len(self._asked_at) >= MAX_SYNCS_IN_FLIGHT:
+            return
         if self._written > self._requested and self._current is not None:
             self._ask(SYNC, self._current.seq)
 
     def _ask(self, op: int, seq: int) -> None:
+        if self._channel is None:  # the syncer died while closing: next start seals leftovers
+            return
         self._requested = self._written
         self._asked_at.append((self._written, time.perf_counter()))
         try:
@@ -234,6 +247,9 @@ class WriteAheadLog:
                     position, WalUnavailable("write-ahead log unavailable: fdatasync failed")
                 )
         self._answers = self._answers[usable:]
+        if self._written > self._requested and not self._sync_scheduled:
+            self._sync_scheduled = True
+            self._loop.call_soon(self._request_sync)
 
     def _acknowledge(self, position: int) -> None:
         asked = None
@@ -267,6 +283,7 @@ class WriteAheadLog:
         log.error("WAL syncer exited; restarting it")
         self._loop.remove_reader(self._channel.fileno())
         self._channel.close()
+        self._channel = None
         self._fail(self._written, WalUnavailable("write-ahead log syncer restarted; retry"))
         if self._closed:
             return

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import uuid
 
 import httpx
@@ -121,3 +123,45 @@ def test_wal_replay_lands_records_acknowledged_before_a_kill(tmp_path):
     assert again.json()["duplicates"] == 1
     server.stop()
     assert bronze(lake)["event_id"].to_list() == ["e-1"]
+
+
+def _helper_pids(parent: int, module: str) -> list[int]:
+    """Pids of `python -m <module>` children of `parent`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmd:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+                argv = cmd.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == parent and module.encode() in argv:
+            found.append(int(entry))
+    return found
+
+
+def _posted(url: str, body: dict) -> httpx.Response | None:
+    """The response when 200, else None (to retry)."""
+    response = httpx.post(url, json=body, timeout=10)
+    return response if response.status_code == 200 else None
+
+
+def test_a_killed_syncer_is_replaced_and_nothing_acknowledged_is_lost(tmp_path):
+    lake = tmp_path / "lake"
+    server = GatewayProcess(lake, CLAW_FLUSH_INTERVAL_MS="50").start()
+    acked = []
+    for i in range(5):
+        reply = httpx.post(server.url + "/v1/events", json={"type": "a", "event_id": f"a-{i}"})
+        acked += reply.json()["event_ids"]
+    (syncer,) = _helper_pids(server.proc.pid, "gateway.syncer")
+    os.kill(syncer, signal.SIGKILL)
+    for i in range(5):  # like any client: retry on 503 with the same event id
+        body = {"type": "b", "event_id": f"b-{i}"}
+        reply = wait_until(lambda body=body: _posted(server.url + "/v1/events", body),
+                           what="a write after the syncer restarted")  # fmt: skip
+        acked += reply.json()["event_ids"]
+    assert _helper_pids(server.proc.pid, "gateway.syncer") != [syncer]
+    server.stop()
+    assert sorted(bronze(lake)["event_id"].to_list()) == sorted(acked)
