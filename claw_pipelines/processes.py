@@ -97,10 +97,14 @@ class ServiceProcess:
         self._log.close()
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM and wait for the graceful exit; return the exit code."""
+        """SIGTERM and wait for the graceful exit (SIGKILL after `timeout`); the exit code."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
         if self._log is not None:
             self._log.close()
         return self.proc.returncode if self.proc else 0

@@ -33,6 +33,7 @@ from gateway.wal import (
 
 log = logging.getLogger(__name__)
 FLUSHER_STOP_TIMEOUT_S = 60.0
+FLUSHER_RESTART_BACKOFF_S = 5.0
 
 
 class Overloaded(Exception):
@@ -71,6 +72,7 @@ class Landing:
         self.flusher: subprocess.Popen | None = None
         self._sealer: asyncio.Task[None] | None = None
         self._sealed_bytes = 0
+        self._flusher_restart_at = 0.0
         self._record_counters: dict[str, object] = {}
         self.ready = False
 
@@ -137,8 +139,10 @@ class Landing:
             if segment and segment.records and time.monotonic() - segment.opened_at >= interval:
                 self.wal.seal()
             self.backlog()
-            if self.flusher is not None and self.flusher.poll() is not None:
+            exited = self.flusher is not None and self.flusher.poll() is not None
+            if exited and time.monotonic() >= self._flusher_restart_at:
                 log.error("bronze flusher exited (%s); restarting it", self.flusher.returncode)
+                self._flusher_restart_at = time.monotonic() + FLUSHER_RESTART_BACKOFF_S
                 self._spawn_flusher()
 
     # -- the ack path -----------------------------------------------------------------------

@@ -279,19 +279,23 @@ class WriteAheadLog:
             self._drained.set_exception(error)
 
     def _syncer_lost(self) -> None:
-        """The syncer died: fail what waits (clients retry), start another, re-seal."""
+        """The syncer died: start another and ask again. What waits stays waiting: its bytes
+        are in the segments, and the new syncer's fdatasync makes them durable."""
         log.error("WAL syncer exited; restarting it")
         self._loop.remove_reader(self._channel.fileno())
         self._channel.close()
         self._channel = None
-        self._fail(self._written, WalUnavailable("write-ahead log syncer restarted; retry"))
+        self._asked_at.clear()
         if self._closed:
+            self._fail(self._written, WalUnavailable("write-ahead log syncer lost at shutdown"))
             return
         self._spawn_syncer()
         current = self._current.seq if self._current else None
         for path in sorted(self.directory.glob(f"*{OPEN_SUFFIX}"), key=segment_seq):
             if segment_seq(path) != current:
                 self._ask(SEAL, segment_seq(path))
+        if current is not None and self._waiting:
+            self._ask(SYNC, current)
 
     # -- sealing ----------------------------------------------------------------------------
     def seal(self) -> Segment | None:

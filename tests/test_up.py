@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 
@@ -36,24 +37,32 @@ def test_claw_up_starts_services_and_ctrl_c_stops_them_all(tmp_path):
         [sys.executable, "-m", "claw_pipelines.cli", "up", "--port", str(port),
          "--lake", str(tmp_path / "lake")],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # so a failed test can stop the whole group
     )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _ok(url + "/readyz"), 60, what="claw up gateway")
+        wait_until(lambda: any("Ctrl-C" in line for line in lines), 90, what="claw up ready")
+        assert _ok(url + "/readyz")
         descendants = children_of(proc.pid)
         assert len(descendants) >= 4  # sim-llm, gateway, its syncer and flusher
         assert httpx.get(url + "/v1/models", timeout=5).status_code == 200  # via the sim
         proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        reader.join(10)
+        output = "".join(lines)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
     assert "gateway" in output and "simulated model" in output
     assert wait_until(
         lambda: not any(os.path.exists(f"/proc/{p}") and _alive(p) for p in descendants),
         30,
         what="children to exit",
     )
+    assert not _ok(f"http://127.0.0.1:{port}/healthz")
 
 
 def _ok(url: str) -> bool:
