@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.types import Receive
 
 from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN
 from gateway.auth import DEFAULT_TENANT, KeyRing, presented_key
@@ -80,22 +81,31 @@ IDEMPOTENCY_HEADER_DOC = {
 }
 
 
-async def read_body(request: Request) -> bytes:
-    """The request body, bounded in size (413) and in time (408)."""
-    limit = request.app.state.settings.max_body_bytes
+async def read_asgi_body(receive: Receive, limit: int) -> bytes:
+    """An ASGI request body, bounded in size (413) and in time (408)."""
     chunks, size = [], 0
     try:
         async with asyncio.timeout(BODY_READ_TIMEOUT_S):
-            async for chunk in request.stream():
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ApiError(400, "client disconnected", code="client_disconnected")
+                chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
                     raise ApiError(
                         413, f"body exceeds the limit of {limit} bytes", code="body_too_large"
                     )
                 chunks.append(chunk)
+                if not message.get("more_body"):
+                    return b"".join(chunks)
     except TimeoutError:
         raise ApiError(408, "body not received in time", code="body_timeout") from None
-    return b"".join(chunks)
+
+
+async def read_body(request: Request) -> bytes:
+    """The request's body, bounded by `CLAW_MAX_BODY_BYTES` and in time."""
+    return await read_asgi_body(request.receive, request.app.state.settings.max_body_bytes)
 
 
 def parse_json(model: type[ModelT], body: bytes, *, optional: bool = False) -> ModelT:

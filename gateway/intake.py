@@ -21,15 +21,20 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+def event_ids(count: int, idempotency_key: str | None) -> list[str]:
+    """Event ids of a request's records: from the Idempotency-Key (`key:i` when several),
+    else new ones."""
+    if idempotency_key is None:
+        return [new_event_id() for _ in range(count)]
+    if count == 1:
+        return [idempotency_key]
+    return [f"{idempotency_key}:{i}" for i in range(count)]
+
+
 def event_ids_for(models: Sequence[BaseModel], idempotency_key: str | None) -> list[str]:
-    """Each record's event_id: from the body, else the Idempotency-Key header, else new."""
-    ids = []
-    for position, model in enumerate(models):
-        event_id = getattr(model, "event_id", None)
-        if event_id is None and idempotency_key is not None:
-            event_id = idempotency_key if len(models) == 1 else f"{idempotency_key}:{position}"
-        ids.append(event_id or new_event_id())
-    return ids
+    """Each record's event_id: from the body, else from `event_ids`."""
+    derived = event_ids(len(models), idempotency_key)
+    return [getattr(m, "event_id", None) or d for m, d in zip(models, derived, strict=True)]
 
 
 def step_records(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -10,7 +9,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.deps import BODY_READ_TIMEOUT_S
+from gateway.deps import read_asgi_body
 from gateway.errors import ApiError, envelope
 from gateway.metrics import GatewayMetrics
 from gateway.writes import match_write, perform_write
@@ -96,7 +95,11 @@ class GatewayMiddleware:
     async def _serve_write(self, scope, receive, send, headers, route, params) -> None:
         try:
             answer = await perform_write(
-                route, self.state, headers, await self._read_body(receive), params
+                route,
+                self.state,
+                headers,
+                await read_asgi_body(receive, self.max_body_bytes),
+                params,
             )
         except ApiError as exc:
             return await _answer(send, exc)
@@ -114,28 +117,6 @@ class GatewayMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": answer})
-
-    async def _read_body(self, receive: Receive) -> bytes:
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        raise ApiError(400, "client disconnected", code="client_disconnected")
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > self.max_body_bytes:
-                        raise ApiError(
-                            413,
-                            f"body exceeds the limit of {self.max_body_bytes} bytes",
-                            code="body_too_large",
-                        )
-                    chunks.append(chunk)
-                    if not message.get("more_body"):
-                        return b"".join(chunks)
-        except TimeoutError:
-            raise ApiError(408, "body not received in time", code="body_timeout") from None
 
     def _inspect(self, scope: Scope) -> tuple[ApiError | None, dict[str, str]]:
         """One pass over the headers: a refusal if any, and the headers a write needs."""

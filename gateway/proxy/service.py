@@ -22,6 +22,7 @@ from claw_pipelines.contracts.ids import new_event_id, step_key
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.tokenization import load_tokenizer
 from gateway.errors import ApiError
+from gateway.intake import event_ids
 from gateway.landing import Landing, Overloaded
 from gateway.metrics import LATENCY_BUCKETS
 from gateway.proxy.capture import (
@@ -36,7 +37,7 @@ from gateway.proxy.capture import (
 )
 from gateway.proxy.relay import StreamRelay
 from gateway.proxy.scope import Scope, TrajectoryBook
-from gateway.proxy.steps import StepPlace, event_ids, step_record, upstream_error_record
+from gateway.proxy.steps import StepPlace, step_record, upstream_error_record
 from gateway.proxy.upstream import (
     Upstream,
     UpstreamFailure,

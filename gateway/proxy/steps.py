@@ -13,7 +13,6 @@ from typing import Any
 
 import pydantic_core
 
-from claw_pipelines.contracts.ids import new_event_id
 from claw_pipelines.contracts.wire import Event
 from gateway.intake import fact_record, now_us
 from gateway.proxy.capture import CapturedChoice, StepTokens
@@ -29,15 +28,6 @@ class StepPlace:
     step_index: int
     prompt_uid: str | None
     policy_version: int | None
-
-
-def event_ids(count: int, idempotency_key: str | None) -> list[str]:
-    """The event_ids of a call's steps: from the Idempotency-Key (`key:i` when several)."""
-    if idempotency_key is None:
-        return [new_event_id() for _ in range(count)]
-    if count == 1:
-        return [idempotency_key]
-    return [f"{idempotency_key}:{i}" for i in range(count)]
 
 
 def step_record(
