@@ -23,6 +23,8 @@ from claw_pipelines.contracts.tables import TABLES, TableSpec
 from claw_pipelines.settings import REMOTE_SCHEMES, ClawSettings
 
 COMMIT_METADATA_KEY = "claw"
+CHANGE_FEED_PROPERTY = "delta.enableChangeDataFeed"
+CHANGE_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
 
 # Micro-batches of token ids: dictionary pages and page statistics cost half the encoding
 # time and buy nothing for random ids; zstd level 1 compresses them well at the same cost.
@@ -94,21 +96,26 @@ class Lake:
         """Create the table with its declared schema if it is missing; return it."""
         spec = TABLES[spec] if isinstance(spec, str) else spec
         try:
-            return self.open(spec.name)
+            table = self.open(spec.name)
         except TableNotFoundError:
-            pass
-        try:
-            return DeltaTable.create(
-                self.table_uri(spec.name),
-                schema=spec.schema,
-                mode="ignore",
-                partition_by=list(spec.partition_by) or None,
-                name=spec.name.replace("/", "_"),
-                description=spec.description,
-                storage_options=self._options(),
-            )
-        except CommitFailedError:  # another process created it first
-            return self.open(spec.name)
+            table = None
+        if table is None:
+            try:
+                return DeltaTable.create(
+                    self.table_uri(spec.name),
+                    schema=spec.schema,
+                    mode="ignore",
+                    partition_by=list(spec.partition_by) or None,
+                    name=spec.name.replace("/", "_"),
+                    description=spec.description,
+                    configuration={CHANGE_FEED_PROPERTY: "true"} if spec.change_feed else None,
+                    storage_options=self._options(),
+                )
+            except CommitFailedError:  # another process created it first
+                table = self.open(spec.name)
+        if spec.change_feed and table.metadata().configuration.get(CHANGE_FEED_PROPERTY) != "true":
+            table.alter.set_table_properties({CHANGE_FEED_PROPERTY: "true"})  # older tables
+        return table
 
     def transaction_version(self, name: str, app_id: str) -> int | None:
         """Latest transaction version committed by `app_id` to table `name`."""
@@ -158,7 +165,69 @@ class Lake:
         table.update_incremental()
         return table.version()
 
+    def overwrite(
+        self, spec: TableSpec | str, data: pa.Table, *, metadata: Mapping[str, Any] | None = None
+    ) -> int:
+        """Replace the table's rows in one commit (older versions stay readable)."""
+        spec = TABLES[spec] if isinstance(spec, str) else spec
+        table = self.ensure(spec)
+        custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
+        write_deltalake(
+            table,
+            conform(data, spec.schema),
+            mode="overwrite",
+            partition_by=list(spec.partition_by) or None,
+            commit_properties=CommitProperties(custom_metadata=custom),
+        )
+        table.update_incremental()
+        return table.version()
+
+    def maintain(self, name: str, retention_hours: int = 168) -> dict[str, Any]:
+        """Compact small files, write a checkpoint, vacuum files unreferenced for longer than
+        `retention_hours` and expired log entries. Safe beside appends: compaction only
+        rewrites files (`dataChange = false`) and vacuum never drops a retained version's."""
+        table = self.open(name)
+        compacted = table.optimize.compact(
+            commit_properties=CommitProperties(
+                custom_metadata={COMMIT_METADATA_KEY: json.dumps({"maintenance": "compact"})},
+                max_commit_retries=20,
+            )
+        )
+        table.update_incremental()
+        table.create_checkpoint()
+        removed = table.vacuum(retention_hours=retention_hours, dry_run=False)
+        table.cleanup_metadata()
+        return {
+            "version": table.version(),
+            "files_added": compacted.get("numFilesAdded", 0),
+            "files_removed": compacted.get("numFilesRemoved", 0),
+            "files_vacuumed": len(removed),
+        }
+
     # -- reads ------------------------------------------------------------------------------
+    def changes(
+        self, name: str, after: int, until: int, columns: list[str] | None = None
+    ) -> pa.Table | None:
+        """Rows inserted by versions `after`+1 .. `until` (the change data feed), or None when
+        the feed cannot answer (not enabled then, or the log was cleaned up): read it all.
+
+        Compaction rewrites files without changing data (`dataChange = false`): it adds nothing.
+        """
+        if until <= after:
+            raise ValueError(f"empty version range ({after}, {until}]")
+        table = self.open(name, until)
+        try:
+            reader = table.load_cdf(
+                starting_version=after + 1, ending_version=until, columns=columns
+            )
+            changed = pa.table(reader.read_all())
+        except Exception:  # the feed does not cover the range: the caller reads the table
+            return None
+        if "_change_type" in changed.column_names and changed.num_rows:
+            if set(changed.column("_change_type").unique().to_pylist()) - {"insert"}:
+                return None  # rows were updated or deleted: not an append-only range
+        return changed.drop_columns([c for c in CHANGE_COLUMNS if c in changed.column_names])
+
     def scan(self, name: str, version: int | None = None) -> pl.LazyFrame:
         """A lazy polars scan of table `name` (at `version` when given)."""
         return pl.scan_delta(self.table_uri(name), version=version, storage_options=self._options())

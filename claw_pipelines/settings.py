@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -47,6 +47,19 @@ class ClawSettings(BaseSettings):
     wal_max_backlog_bytes: int = Field(1 * 2**30, ge=1)
     max_body_bytes: int = Field(32 * 2**20, ge=1)
     dedup_capacity: int = Field(500_000, ge=0, description="recent event_ids kept for retries")
+
+    stitch_window_s: float = Field(
+        3600.0, gt=0, description="longest gap between turns stitched into one trajectory"
+    )
+    idle_timeout_s: float = Field(
+        3600.0, gt=0, description="an open trajectory idle this long becomes abandoned"
+    )
+    trajectory_reward_to: Literal["last", "every"] = Field(
+        "last", description="steps a trajectory-level reward addresses"
+    )
+    retention_hours: int = Field(
+        168, ge=168, description="maintenance keeps files of versions younger than this"
+    )
 
     @field_validator("gateway_id")
     @classmethod

@@ -12,6 +12,8 @@ BRONZE_EVENTS = "bronze/events"
 SILVER_STEPS = "silver/steps"
 SILVER_FEEDBACK = "silver/feedback"
 SILVER_TRAJECTORIES = "silver/trajectories"
+SILVER_STEP_REWARDS = "silver/step_rewards"
+SILVER_STEP_CONFLICTS = "silver/step_conflicts"
 GOLD_LINEAGE = "gold/lineage"
 GOLD_CONSUMPTION = "gold/consumption"
 GOLD_DATASETS_PREFIX = "gold/datasets"
@@ -19,6 +21,10 @@ GOLD_TREES_PREFIX = "gold/trees"
 
 RECORD_KINDS = ("step", "chat_completion", "completion", "feedback", "event", "trajectory_complete")
 STEP_KINDS = ("step", "chat_completion", "completion")
+FACT_KINDS = ("feedback", "trajectory_complete")
+SOURCE_KINDS = ("white_box", "proxy", "claw_r1")
+TRAJECTORY_STATUSES = ("open", "complete", "abandoned")
+REWARD_STATUSES = ("final", "pending", "missing")
 TOKEN_SOURCES = ("upstream", "local", "client")
 
 UTC_MICROS = pa.timestamp("us", tz="UTC")
@@ -36,6 +42,7 @@ class TableSpec:
     partition_by: tuple[str, ...] = field(default_factory=tuple)
     description: str = ""
     append_heavy: bool = False  # written in many small commits: cheap parquet encoding
+    change_feed: bool = False  # Delta change data feed on: readers can ask what a version added
 
 
 # Step fields lifted out of the JSON payload into typed columns so silver reads them fast.
@@ -76,6 +83,7 @@ BRONZE_EVENTS_SPEC = TableSpec(
     partition_by=("ingest_date",),
     description="One accepted request record, as the gateway acknowledged it.",
     append_heavy=True,
+    change_feed=True,
 )
 
 SILVER_STEPS_SPEC = TableSpec(
@@ -102,9 +110,30 @@ SILVER_STEPS_SPEC = TableSpec(
             ("created_at", UTC_MICROS),
             ("metadata", pa.string()),
             ("event_id", pa.string()),
+            ("origin_step_key", pa.string()),
         ]
     ),
-    description="One step: state (prompt ids), action (response ids) and provenance.",
+    description="One step: state (prompt ids), action (response ids) and provenance. "
+    "`origin_step_key` is the key the gateway gave an unscoped call before stitching.",
+)
+
+SILVER_STEP_CONFLICTS_SPEC = TableSpec(
+    SILVER_STEP_CONFLICTS,
+    pa.schema(
+        [
+            pa.field("step_key", pa.string(), nullable=False),
+            pa.field("event_id", pa.string(), nullable=False),
+            ("kept_event_id", pa.string()),
+            ("prompt_id", pa.string()),
+            ("response_id", pa.string()),
+            ("kept_prompt_id", pa.string()),
+            ("kept_response_id", pa.string()),
+            ("tenant", pa.string()),
+            ("created_at", UTC_MICROS),
+            ("bronze_version", pa.int64()),
+        ]
+    ),
+    description="Steps kept out of silver: same step_key as a stored step, different tokens.",
 )
 
 SILVER_FEEDBACK_SPEC = TableSpec(
@@ -125,6 +154,7 @@ SILVER_FEEDBACK_SPEC = TableSpec(
             ("received_at", UTC_MICROS),
             ("origin_kind", pa.string()),
             ("event_id", pa.string()),
+            ("metadata", pa.string()),
         ]
     ),
     description="One reward or feedback fact; append-only, superseded by rule, never updated.",
@@ -148,6 +178,28 @@ SILVER_TRAJECTORIES_SPEC = TableSpec(
         ]
     ),
     description="One trajectory: its steps, status and resolved return.",
+)
+
+SILVER_STEP_REWARDS_SPEC = TableSpec(
+    SILVER_STEP_REWARDS,
+    pa.schema(
+        [
+            pa.field("step_key", pa.string(), nullable=False),
+            pa.field("trajectory_uid", pa.string(), nullable=False),
+            ("step_index", pa.int64()),
+            ("reward", pa.float64()),
+            ("reward_status", pa.string()),
+            ("reward_source", pa.string()),
+            ("reward_feedback_id", pa.string()),
+            ("reward_target", pa.string()),
+            ("num_reward_facts", pa.int64()),
+            ("rating", pa.float64()),
+            ("num_ratings", pa.int64()),
+            ("labels", pa.list_(pa.string())),
+            ("num_corrections", pa.int64()),
+        ]
+    ),
+    description="Each step's resolved reward (latest fact wins) and its human quality signals.",
 )
 
 GOLD_LINEAGE_SPEC = TableSpec(
@@ -195,6 +247,8 @@ TABLES: dict[str, TableSpec] = {
         SILVER_STEPS_SPEC,
         SILVER_FEEDBACK_SPEC,
         SILVER_TRAJECTORIES_SPEC,
+        SILVER_STEP_REWARDS_SPEC,
+        SILVER_STEP_CONFLICTS_SPEC,
         GOLD_LINEAGE_SPEC,
         GOLD_CONSUMPTION_SPEC,
     )

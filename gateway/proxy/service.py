@@ -300,6 +300,7 @@ class ProxyService:
             metadata = registered | {
                 "scoped": scope.trajectory_uid is not None,
                 "scope_via": scope.via,
+                "prompt_group_via": "client" if scope.prompt_uid is not None else "gateway",
                 "choice_index": choice.index,
                 "stream": call.stream,
                 "response_id": choice.response.get("id"),

@@ -1,0 +1,157 @@
+"""Bronze step records → silver steps: normalize, drop duplicates, keep conflicts out.
+
+Step records come from three sources, told apart by `source_kind`: white-box submissions
+(`kind = step`), proxied completions (`chat_completion`, `completion`) and the Claw-R1 proxy
+routes (proxied, `metadata.scope_via = claw_r1`). Unscoped proxied calls are placed by
+`stitching` before their step keys are final.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import polars as pl
+
+from claw_pipelines.contracts.tables import STEP_KINDS
+from claw_pipelines.transforms.hashing import content_hashes
+from claw_pipelines.transforms.stitching import StitchInput, stitch
+
+BRONZE_COLUMNS = [
+    "event_id",
+    "kind",
+    "tenant",
+    "received_at",
+    "payload",
+    "trajectory_uid",
+    "prompt_uid",
+    "step_index",
+    "policy_version",
+    "token_source",
+    "prompt_ids",
+    "response_ids",
+    "rollout_log_probs",
+    "response_mask",
+    "reward",
+    "is_last",
+    "finish_reason",
+    "model",
+]
+TOKEN_COLUMNS = ["prompt_ids", "response_ids", "rollout_log_probs", "response_mask"]
+ANCHOR_COLUMNS = ["tenant", "created_at", "trajectory_uid", "step_index", "prompt_uid"]
+
+
+def _meta(path: str) -> pl.Expr:
+    return pl.col("payload").str.json_path_match(f"$.metadata.{path}")
+
+
+def step_candidates(bronze: pl.DataFrame) -> pl.DataFrame:
+    """Step records as candidate silver rows, one per distinct event_id (first received)."""
+    steps = bronze.filter(pl.col("kind").is_in(STEP_KINDS))
+    via = _meta("scope_via")
+    return (
+        steps.sort("received_at", "event_id", maintain_order=True)
+        .unique("event_id", keep="first", maintain_order=True)
+        .with_columns(
+            metadata=pl.col("payload").str.json_path_match("$.metadata").fill_null("{}"),
+            unscoped=(pl.col("kind") != "step") & (_meta("scoped") == "false"),
+            group_from_client=_meta("prompt_group_via") == "client",
+            source_kind=pl.when(pl.col("kind") == "step")
+            .then(pl.lit("white_box"))
+            .when(via == "claw_r1")
+            .then(pl.lit("claw_r1"))
+            .otherwise(pl.lit("proxy")),
+            created_at=pl.col("received_at"),
+            received_us=pl.col("received_at").dt.epoch("us"),
+            origin_step_key=pl.lit(None, pl.String),
+        )
+        .drop("payload")
+    )
+
+
+def _prompt_groups(tenant: pl.Series, prompt_id: pl.Series) -> pl.Series:
+    """Content-derived group of an unscoped first call: same tenant + same prompt ids."""
+    return pl.Series(
+        [
+            "pg-" + hashlib.blake2b(f"{t}\x00{p}".encode(), digest_size=12).hexdigest()
+            for t, p in zip(tenant.to_list(), prompt_id.to_list(), strict=True)
+        ],
+        dtype=pl.String,
+    )
+
+
+def with_content_ids(frame: pl.DataFrame) -> pl.DataFrame:
+    """Add `prompt_id` / `response_id`: BLAKE2b-128 of the token ids."""
+    return frame.with_columns(
+        prompt_id=pl.Series(content_hashes(frame["prompt_ids"].to_arrow()), dtype=pl.String),
+        response_id=pl.Series(content_hashes(frame["response_ids"].to_arrow()), dtype=pl.String),
+    )
+
+
+def place_unscoped(candidates: pl.DataFrame, anchors: pl.DataFrame, window_us: int) -> pl.DataFrame:
+    """Give unscoped calls their stitched trajectory, step index and prompt group.
+
+    `anchors` are earlier unscoped steps already in silver (see `stitching.StitchInput`) with
+    their `prompt_uid`. The key the gateway gave a call is kept as `origin_step_key`.
+    """
+    calls = candidates.filter(pl.col("unscoped"))
+    if calls.is_empty():
+        return candidates
+    others = candidates.filter(~pl.col("unscoped"))
+    placed = stitch(StitchInput(calls, anchors, window_us))
+    root_groups = pl.when(pl.col("group_from_client")).then(pl.col("prompt_uid"))
+    root_groups = root_groups.otherwise(_prompt_groups(calls["tenant"], calls["prompt_id"]))
+    own_group = calls.select(root_groups.alias("g"))["g"]
+    head_anchor, head_call = placed["head_anchor"], placed["head_call"]
+    group = own_group.gather(head_call.clip(0))
+    if anchors.height:
+        from_anchor = anchors["prompt_uid"].gather(head_anchor.clip(0))
+        group = pl.select(pl.when(head_anchor >= 0).then(from_anchor).otherwise(group)).to_series()
+    calls = calls.with_columns(
+        origin_step_key=pl.col("trajectory_uid") + ":" + pl.col("step_index").cast(pl.String),
+        trajectory_uid=placed["trajectory_uid"],
+        step_index=placed["step_index"],
+        prompt_uid=group,
+    )
+    return pl.concat([others, calls], how="vertical_relaxed").sort("received_at", "event_id")
+
+
+def with_step_keys(frame: pl.DataFrame) -> pl.DataFrame:
+    """Add `step_key` = "{trajectory_uid}:{step_index}"."""
+    return frame.with_columns(
+        step_key=pl.col("trajectory_uid") + ":" + pl.col("step_index").cast(pl.String)
+    )
+
+
+def split_duplicates(
+    candidates: pl.DataFrame, stored: pl.DataFrame
+) -> tuple[pl.DataFrame, pl.DataFrame, int]:
+    """(new steps, conflicts, exact duplicates dropped).
+
+    `stored` holds silver's `step_key, event_id, prompt_id, response_id`. A candidate whose
+    step_key is already taken (in silver, or by an earlier candidate) with the same tokens is
+    an exact duplicate and dropped; with different tokens it is a conflict, kept out of silver
+    with the kept step's ids beside it. First received wins.
+    """
+    kept_cols = {
+        "event_id": "kept_event_id",
+        "prompt_id": "kept_prompt_id",
+        "response_id": "kept_response_id",
+    }
+    first = candidates.unique("step_key", keep="first", maintain_order=True)
+    earlier = (
+        pl.concat(
+            [stored.select("step_key", *kept_cols), first.select("step_key", *kept_cols)],
+            how="vertical_relaxed",
+        )
+        .unique("step_key", keep="first", maintain_order=True)
+        .rename(kept_cols)
+    )
+    judged = candidates.join(earlier, on="step_key", how="left", maintain_order="left")
+    is_self = pl.col("event_id") == pl.col("kept_event_id")
+    same = (pl.col("prompt_id") == pl.col("kept_prompt_id")) & (
+        pl.col("response_id") == pl.col("kept_response_id")
+    )
+    new = judged.filter(is_self).drop(kept_cols.values())
+    rest = judged.filter(~is_self)
+    conflicts = rest.filter(~same)
+    return new, conflicts, rest.height - conflicts.height
