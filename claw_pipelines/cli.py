@@ -56,6 +56,19 @@ def _cmd_demo(args: argparse.Namespace) -> None:
     run_demo(_settings(args), workdir=args.workdir)
 
 
+def _cmd_materialize(args: argparse.Namespace) -> None:
+    from claw_pipelines.materialize import materialize
+
+    report = materialize(_settings(args), args.select)
+    for asset, meta in report.assets.items():
+        shown = ", ".join(f"{k}={meta[k]}" for k in ("delta_version", "rows_written") if k in meta)
+        print(f"materialized {asset}" + (f" ({shown})" if shown else ""))
+    for check, passed in report.checks.items():
+        print(f"check {check}: {'passed' if passed else 'FAILED'}")
+    if not report.success:
+        raise CliError(f"materialization failed: {report.error}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every verb."""
     parser = argparse.ArgumentParser(prog="claw", description=__doc__)
@@ -76,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--port", type=int, default=8000)
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--latency-ms", type=float, default=0.0)
+
+    mat = verb("materialize", _cmd_materialize, "materialize the Dagster assets in-process")
+    mat.add_argument(
+        "--select",
+        action="append",
+        metavar="SELECTION",
+        help="asset key (silver/steps, silver/*) or Dagster selection (group:silver); repeatable",
+    )
 
     keys = verbs.add_parser("keys", help="manage gateway API keys")
     key_verbs = keys.add_subparsers(dest="keys_verb", required=True, metavar="ACTION")

@@ -223,9 +223,9 @@ class Lake:
             changed = pa.table(reader.read_all())
         except Exception:  # the feed does not cover the range: the caller reads the table
             return None
-        if "_change_type" in changed.column_names and changed.num_rows:
-            if set(changed.column("_change_type").unique().to_pylist()) - {"insert"}:
-                return None  # rows were updated or deleted: not an append-only range
+        kinds = changed.column("_change_type").unique().to_pylist() if changed.num_rows else []
+        if set(kinds) - {"insert"}:
+            return None  # rows were updated or deleted: not an append-only range
         return changed.drop_columns([c for c in CHANGE_COLUMNS if c in changed.column_names])
 
     def scan(self, name: str, version: int | None = None) -> pl.LazyFrame:

@@ -25,6 +25,15 @@ from claw_pipelines.contracts.tables import (
     TABLES,
 )
 from claw_pipelines.lake import Lake
+from claw_pipelines.quality import (
+    Finding,
+    consistent_lengths,
+    feedback_targets_exist,
+    finite_rewards,
+    nesting,
+    no_conflicts,
+    unique_step_keys,
+)
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.feedback import (
     RewardTarget,
@@ -262,3 +271,45 @@ def build_silver(
     run.new_steps, run.new_facts, run.conflicts = new, facts, conflicts
     run.versions = {t: lake.version(t) for t in SILVER_TABLES}
     return run
+
+
+def _nesting_pairs(lake: Lake, new: pl.DataFrame) -> pl.DataFrame:
+    """(step t+1, step t) token pairs for the new steps with a predecessor."""
+    later = new.filter(pl.col("step_index") > 0).select(
+        "step_key",
+        "prompt_ids",
+        "prompt_id",
+        prev_key=pl.col("trajectory_uid") + ":" + (pl.col("step_index") - 1).cast(pl.String),
+    )
+    columns = ["step_key", "prompt_ids", "response_ids", "prompt_id"]
+    wanted = later["prev_key"].unique().implode()
+    earlier = lake.scan(SILVER_STEPS).filter(pl.col("step_key").is_in(wanted)).select(columns)
+    prev = earlier.collect().rename(
+        {
+            "step_key": "prev_key",
+            "prompt_ids": "prev_prompt_ids",
+            "response_ids": "prev_response_ids",
+            "prompt_id": "prev_prompt_id",
+        }
+    )
+    # Choices of one n > 1 call share the prompt: siblings, not turns.
+    return later.join(prev, on="prev_key").filter(pl.col("prompt_id") != pl.col("prev_prompt_id"))
+
+
+def silver_findings(lake: Lake, run: SilverRun) -> dict[str, Finding]:
+    """The quality findings of a run: whole-table key uniqueness, the rest on its new rows."""
+    keys = _stored(lake, SILVER_STEPS, ["step_key"])["step_key"]
+    new, facts = run.new_steps, run.new_facts
+    if new.is_empty():
+        new = pl.from_arrow(TABLES[SILVER_STEPS].schema.empty_table())
+    if facts.is_empty():
+        facts = pl.from_arrow(TABLES[SILVER_FEEDBACK].schema.empty_table())
+    index = _stored(lake, SILVER_STEPS, STEP_INDEX_COLUMNS)
+    return {
+        "unique_step_key": unique_step_keys(keys),
+        "list_lengths": consistent_lengths(new),
+        "finite_rewards": finite_rewards(facts),
+        "turns_nest": nesting(_nesting_pairs(lake, new)),
+        "feedback_targets_exist": feedback_targets_exist(index, facts),
+        "no_conflicts": no_conflicts(run.conflicts),
+    }

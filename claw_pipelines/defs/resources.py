@@ -1,0 +1,23 @@
+"""The one resource every asset uses: the lake and the settings it was opened with."""
+
+import dagster as dg
+
+from claw_pipelines.lake import Lake
+from claw_pipelines.settings import ClawSettings
+
+
+class ClawLake(dg.ConfigurableResource):
+    """The lake named by `lake_uri`, else by `CLAW_LAKE_URI` (and the other `CLAW_` settings)."""
+
+    lake_uri: str = ""
+
+    def settings(self) -> ClawSettings:
+        """The `CLAW_` settings, with this resource's lake URI when set."""
+        return ClawSettings().with_overrides(lake_uri=self.lake_uri or None)
+
+    def lake(self) -> Lake:
+        """The lake to read and write."""
+        return Lake.from_settings(self.settings())
+
+
+defs = dg.Definitions(resources={"claw": ClawLake()})

@@ -1,0 +1,124 @@
+"""Silver assets: one incremental run writes steps, feedback, conflicts, rewards, trajectories."""
+
+import dagster as dg
+
+from claw_pipelines.contracts.tables import TABLES
+from claw_pipelines.defs.keys import (
+    BRONZE,
+    FEEDBACK,
+    STEP_CONFLICTS,
+    STEP_REWARDS,
+    STEPS,
+    TRAJECTORIES,
+)
+from claw_pipelines.defs.resources import ClawLake
+from claw_pipelines.quality import Finding
+from claw_pipelines.silver import SilverOptions, build_silver, silver_findings
+
+
+def _spec(key: dg.AssetKey, deps: list[dg.AssetKey], notes: str = "") -> dg.AssetSpec:
+    description = TABLES["/".join(key.path)].description + (f" {notes}" if notes else "")
+    return dg.AssetSpec(key, deps=deps, description=description, group_name="silver")
+
+
+SILVER_SPECS = [
+    _spec(
+        STEPS,
+        [BRONZE],
+        "From white-box steps, proxied completions and Claw-R1 records; unscoped calls are "
+        "stitched into trajectories by token prefixes; duplicates dropped, conflicts kept out.",
+    ),
+    _spec(FEEDBACK, [BRONZE], "Feedback records, trajectory completions, rewards in steps."),
+    _spec(STEP_CONFLICTS, [BRONZE]),
+    _spec(TRAJECTORIES, [STEPS, FEEDBACK]),
+    _spec(STEP_REWARDS, [STEPS, FEEDBACK, TRAJECTORIES], "Latest reward fact wins."),
+]  # in dependency order: a multi-asset yields its results topologically
+
+
+def _check(name: str, key: dg.AssetKey, description: str, blocking: bool) -> dg.AssetCheckSpec:
+    return dg.AssetCheckSpec(name, asset=key, description=description, blocking=blocking)
+
+
+# (check name, asset, blocking): blocking checks stop downstream assets on bad data.
+SILVER_CHECKS = {
+    "unique_step_key": _check("unique_step_key", STEPS, "Every step_key appears once.", True),
+    "list_lengths": _check(
+        "list_lengths", STEPS, "Log-probs and masks have one entry per response token.", True
+    ),
+    "turns_nest": _check(
+        "turns_nest",
+        STEPS,
+        "Step t+1's prompt starts with step t's prompt + response; a failure reveals "
+        "retokenization drift and names the steps.",
+        False,
+    ),
+    "no_conflicts": _check(
+        "no_conflicts", STEPS, "No step arrived under a taken step_key with other tokens.", False
+    ),
+    "finite_rewards": _check("finite_rewards", FEEDBACK, "Rewards and ratings are finite.", True),
+    "feedback_targets_exist": _check(
+        "feedback_targets_exist",
+        FEEDBACK,
+        "Every fact addresses a known step or trajectory.",
+        False,
+    ),
+}
+
+
+class SilverRunConfig(dg.Config):
+    """Which bronze version to read up to (-1: the newest)."""
+
+    bronze_version: int = -1
+
+
+def check_result(name: str, finding: Finding) -> dg.AssetCheckResult:
+    """A Dagster check result from a finding (blocking checks fail as errors)."""
+    spec = SILVER_CHECKS[name]
+    return dg.AssetCheckResult(
+        check_name=name,
+        asset_key=spec.asset_key,
+        passed=finding.passed,
+        severity=dg.AssetCheckSeverity.ERROR if spec.blocking else dg.AssetCheckSeverity.WARN,
+        metadata={
+            "failures": finding.failures,
+            "checked": finding.checked,
+            "sample": dg.MetadataValue.json(finding.sample),
+        },
+    )
+
+
+@dg.multi_asset(
+    name="silver",
+    specs=SILVER_SPECS,
+    check_specs=list(SILVER_CHECKS.values()),
+    can_subset=False,
+    description="Bring silver up to a bronze version, reading only what bronze gained.",
+)
+def silver(context: dg.AssetExecutionContext, config: SilverRunConfig, claw: ClawLake):
+    """Read the bronze change feed, build the new silver rows, append; yield checks."""
+    lake = claw.lake()
+    options = SilverOptions.from_settings(claw.settings())
+    version = None if config.bronze_version < 0 else config.bronze_version
+    run = build_silver(lake, options, bronze_version=version)
+    context.log.info(f"silver run: {run.summary()}")
+    summary = {k: v for k, v in run.summary().items() if v is not None}
+    rows = {
+        STEPS: run.steps_added,
+        FEEDBACK: run.feedback_added,
+        STEP_CONFLICTS: run.conflicts_added,
+        TRAJECTORIES: run.trajectories,
+        STEP_REWARDS: run.steps_total,
+    }
+    for spec in SILVER_SPECS:
+        table = "/".join(spec.key.path)
+        yield dg.MaterializeResult(
+            asset_key=spec.key,
+            metadata={
+                **summary,
+                "rows_written": rows[spec.key],
+                "delta_version": run.versions.get(table) or 0,
+            },
+            data_version=dg.DataVersion(str(run.versions.get(table))),
+        )
+    for name, finding in silver_findings(lake, run).items():
+        yield check_result(name, finding)

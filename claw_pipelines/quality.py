@@ -1,0 +1,82 @@
+"""Data-quality findings over silver (pure: frames in, findings out; Dagster reports them).
+
+Each function returns a `Finding`: whether the promise holds, how many rows break it and a
+few of their keys, so a failure names the steps to look at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from claw_pipelines.transforms.feedback import unresolved_targets
+
+SAMPLE = 20
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The outcome of one check: passed, the offending count and a sample of keys."""
+
+    passed: bool
+    failures: int = 0
+    sample: list[str] = field(default_factory=list)
+    checked: int = 0
+
+    @classmethod
+    def of(cls, offending: pl.Series, checked: int) -> Finding:
+        """A finding from the keys of the offending rows."""
+        return cls(offending.len() == 0, offending.len(), offending.head(SAMPLE).to_list(), checked)
+
+
+def unique_step_keys(step_keys: pl.Series) -> Finding:
+    """Every step_key appears once."""
+    counts = step_keys.value_counts()
+    repeated = counts.filter(pl.col("count") > 1).get_column(step_keys.name)
+    return Finding.of(repeated.cast(pl.String), step_keys.len())
+
+
+def consistent_lengths(steps: pl.DataFrame) -> Finding:
+    """Log-probs and masks, when present, have one entry per response token."""
+    n = pl.col("response_ids").list.len()
+    bad = steps.filter(
+        (pl.col("rollout_log_probs").is_not_null() & (pl.col("rollout_log_probs").list.len() != n))
+        | (pl.col("response_mask").is_not_null() & (pl.col("response_mask").list.len() != n))
+        | (pl.col("prompt_ids").list.len() == 0)
+    )
+    return Finding.of(bad["step_key"], steps.height)
+
+
+def nesting(pairs: pl.DataFrame) -> Finding:
+    """Step t+1's prompt starts with step t's prompt + response (no retokenization drift).
+
+    `pairs`: step_key (of t+1), prompt_ids (of t+1), prev_prompt_ids, prev_response_ids.
+    """
+    history = pl.concat_list("prev_prompt_ids", "prev_response_ids")
+    head = pl.col("prompt_ids").list.head(history.list.len())
+    bad = pairs.filter((head != history).fill_null(True))
+    return Finding.of(bad["step_key"], pairs.height)
+
+
+def finite_rewards(facts: pl.DataFrame) -> Finding:
+    """Reward and rating values are finite numbers."""
+    numeric = facts.filter(pl.col("kind").is_in(["reward", "rating"]))
+    bad = numeric.filter(~pl.col("value_number").is_finite().fill_null(False))
+    return Finding.of(bad["feedback_id"], numeric.height)
+
+
+def feedback_targets_exist(steps: pl.DataFrame, facts: pl.DataFrame) -> Finding:
+    """Every fact addresses a step or trajectory of its tenant that silver holds."""
+    addressed = facts.filter(
+        pl.col("step_key").is_not_null() | pl.col("trajectory_uid").is_not_null()
+    )
+    return Finding.of(unresolved_targets(steps, addressed)["feedback_id"], addressed.height)
+
+
+def no_conflicts(conflicts: pl.DataFrame) -> Finding:
+    """No step arrived under a taken step_key with different tokens."""
+    return Finding.of(
+        conflicts["step_key"] if conflicts.height else pl.Series([], dtype=pl.String),
+        conflicts.height,
+    )
