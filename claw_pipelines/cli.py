@@ -59,7 +59,10 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 def _cmd_materialize(args: argparse.Namespace) -> None:
     from claw_pipelines.materialize import materialize
 
-    report = materialize(_settings(args), args.select)
+    try:
+        report = materialize(_settings(args), args.select)
+    except LookupError as exc:
+        raise CliError(str(exc)) from None
     for asset, meta in report.assets.items():
         shown = ", ".join(f"{k}={meta[k]}" for k in ("delta_version", "rows_written") if k in meta)
         print(f"materialized {asset}" + (f" ({shown})" if shown else ""))

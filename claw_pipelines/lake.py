@@ -217,8 +217,9 @@ class Lake:
             raise ValueError(f"empty version range ({after}, {until}]")
         table = self.open(name, until)
         try:
+            wanted = None if columns is None else [*columns, "_change_type"]
             reader = table.load_cdf(
-                starting_version=after + 1, ending_version=until, columns=columns
+                starting_version=after + 1, ending_version=until, columns=wanted
             )
             changed = pa.table(reader.read_all())
         except Exception:  # the feed does not cover the range: the caller reads the table

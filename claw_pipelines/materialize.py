@@ -49,6 +49,9 @@ def materialize(settings: ClawSettings, select: Sequence[str] | None = None) -> 
         from claw_pipelines.definitions import defs
         from claw_pipelines.defs.resources import ClawLake
 
+        selection = _selection(select)
+        if not selection.resolve(defs.resolve_asset_graph()):
+            raise LookupError(f"no asset matches {' '.join(select or [])!r}")
         instance = (
             dg.DagsterInstance.get()
             if os.environ.get("DAGSTER_HOME")
@@ -56,7 +59,7 @@ def materialize(settings: ClawSettings, select: Sequence[str] | None = None) -> 
         )
         result = dg.materialize(
             defs.assets,
-            selection=_selection(select),
+            selection=selection,
             resources={"claw": ClawLake(lake_uri=settings.lake_uri)},
             instance=instance,
             run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
