@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import polars as pl
 
 from claw_pipelines.transforms.feedback import unresolved_targets
+from claw_pipelines.transforms.hashing import slice_content_hashes
 
 SAMPLE = 20
 
@@ -51,12 +53,19 @@ def consistent_lengths(steps: pl.DataFrame) -> Finding:
 def nesting(pairs: pl.DataFrame) -> Finding:
     """Step t+1's prompt starts with step t's prompt + response (no retokenization drift).
 
-    `pairs`: step_key (of t+1), prompt_ids (of t+1), prev_prompt_ids, prev_response_ids.
+    `pairs`: step_key and prompt_ids of t+1; prev_prompt_id, prev_response_id,
+    prev_prompt_len, prev_response_len of t. Compared by content hash of the slices.
     """
-    history = pl.concat_list("prev_prompt_ids", "prev_response_ids")
-    head = pl.col("prompt_ids").list.head(history.list.len())
-    bad = pairs.filter((head != history).fill_null(True))
-    return Finding.of(bad["step_key"], pairs.height)
+    if pairs.is_empty():
+        return Finding(True)
+    lists = pairs["prompt_ids"].to_arrow()
+    prompt_len = pairs["prev_prompt_len"].to_numpy()
+    response_end = prompt_len + pairs["prev_response_len"].to_numpy()
+    zero = np.zeros(pairs.height, dtype=np.int64)
+    head = pl.Series(slice_content_hashes(lists, zero, prompt_len))
+    tail = pl.Series(slice_content_hashes(lists, prompt_len, response_end))
+    nests = (head == pairs["prev_prompt_id"]) & (tail == pairs["prev_response_id"])
+    return Finding.of(pairs.filter(~nests.fill_null(False))["step_key"], pairs.height)
 
 
 def finite_rewards(facts: pl.DataFrame) -> Finding:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 from claw_pipelines.contracts.tables import (
@@ -49,6 +50,7 @@ from claw_pipelines.transforms.steps import (
     with_content_ids,
     with_step_keys,
 )
+from claw_pipelines.transforms.stitching import AnchorSequences
 from claw_pipelines.transforms.trajectories import trajectory_statuses, with_returns
 
 SILVER_TABLES = (
@@ -70,6 +72,7 @@ STEP_INDEX_COLUMNS = [
     "created_at",
     "is_last",
 ]
+FINDING_COLUMNS = [*STEP_INDEX_COLUMNS, "prompt_id", "response_id", "prompt_len", "response_len"]
 _US = 1_000_000
 
 
@@ -149,51 +152,66 @@ def _stored(lake: Lake, table: str, columns: list[str]) -> pl.DataFrame:
     return lake.read(table, columns=columns)
 
 
-def _anchors(lake: Lake, calls: pl.DataFrame, window_us: int) -> pl.DataFrame:
-    """Unscoped steps in silver that the new calls may continue (within the window)."""
-    empty = pl.DataFrame(
-        schema={
-            "tenant": pl.String,
-            "received_us": pl.Int64,
-            "prompt_ids": pl.List(pl.Int32),
-            "response_ids": pl.List(pl.Int32),
-            "trajectory_uid": pl.String,
-            "step_index": pl.Int64,
-            "has_successor": pl.Boolean,
-            "prompt_uid": pl.String,
-        }
-    )
-    if calls.is_empty() or not lake.exists(SILVER_STEPS):
-        return empty
-    since = calls["received_us"].min() - window_us
+def _anchors(
+    lake: Lake, calls: pl.DataFrame, window_us: int
+) -> tuple[pl.DataFrame, AnchorSequences]:
+    """Unscoped steps in silver that the new calls may continue (within the window), as
+    hashes and lengths; and a reader of the few whose tokens must be verified."""
+    columns = {
+        "tenant": pl.String,
+        "received_us": pl.Int64,
+        "seq_len": pl.Int64,
+        "sequence_hash": pl.Int64,
+        "trajectory_uid": pl.String,
+        "step_index": pl.Int64,
+        "prompt_uid": pl.String,
+        "step_key": pl.String,
+    }
+    empty = pl.DataFrame(schema=columns | {"has_successor": pl.Boolean})
+    if calls.is_empty():
+        return empty, _no_sequences
     steps = lake.scan(SILVER_STEPS)
     anchors = (
         steps.filter(
             pl.col("origin_step_key").is_not_null()
-            & (pl.col("created_at").dt.epoch("us") >= since)
+            & (pl.col("created_at").dt.epoch("us") >= calls["received_us"].min() - window_us)
             & pl.col("tenant").is_in(calls["tenant"].unique().implode())
         )
         .select(
             "tenant",
             received_us=pl.col("created_at").dt.epoch("us"),
-            prompt_ids="prompt_ids",
-            response_ids="response_ids",
+            seq_len=pl.col("prompt_len") + pl.col("response_len"),
+            sequence_hash="sequence_hash",
             trajectory_uid="trajectory_uid",
             step_index="step_index",
             prompt_uid="prompt_uid",
+            step_key="step_key",
         )
         .collect()
     )
     successors = (
         steps.filter(pl.col("trajectory_uid").is_in(anchors["trajectory_uid"].unique().implode()))
-        .select("trajectory_uid", step_index=pl.col("step_index") - 1)
+        .select("trajectory_uid", step_index=pl.col("step_index") - 1, has_successor=True)
         .collect()
     )
-    return anchors.join(
-        successors.with_columns(has_successor=pl.lit(True)),
-        on=["trajectory_uid", "step_index"],
-        how="left",
-    ).with_columns(pl.col("has_successor").fill_null(False))
+    anchors = anchors.join(successors, on=["trajectory_uid", "step_index"], how="left")
+    anchors = anchors.with_columns(pl.col("has_successor").fill_null(False))
+
+    def sequences(indices: np.ndarray) -> list[np.ndarray]:
+        keys = anchors["step_key"].gather(indices)
+        rows = (
+            steps.filter(pl.col("step_key").is_in(keys.implode()))
+            .select("step_key", seq=pl.concat_list("prompt_ids", "response_ids"))
+            .collect()
+        )
+        by_key = dict(zip(rows["step_key"], rows["seq"].to_list(), strict=True))
+        return [np.asarray(by_key[k], dtype=np.int32) for k in keys.to_list()]
+
+    return anchors, sequences
+
+
+def _no_sequences(indices: np.ndarray) -> list[np.ndarray]:
+    raise LookupError("no anchors")
 
 
 def _new_steps(
@@ -207,8 +225,8 @@ def _new_steps(
     known = before - candidates.height
     candidates = with_content_ids(candidates)
     window_us = int(options.stitch_window_s * _US)
-    anchors = _anchors(lake, candidates.filter(pl.col("unscoped")), window_us)
-    candidates = with_step_keys(place_unscoped(candidates, anchors, window_us))
+    anchors, sequences = _anchors(lake, candidates.filter(pl.col("unscoped")), window_us)
+    candidates = with_step_keys(place_unscoped(candidates, anchors, window_us, sequences))
     new, conflicts, duplicates = split_duplicates(candidates, stored)
     return new, conflicts, known + duplicates
 
@@ -273,24 +291,21 @@ def build_silver(
     return run
 
 
-def _nesting_pairs(lake: Lake, new: pl.DataFrame) -> pl.DataFrame:
-    """(step t+1, step t) token pairs for the new steps with a predecessor."""
+def _nesting_pairs(lake: Lake, new: pl.DataFrame, index: pl.DataFrame) -> pl.DataFrame:
+    """New steps with a predecessor, beside that predecessor's content ids and lengths
+    (read from silver's small columns, never its tokens)."""
     later = new.filter(pl.col("step_index") > 0).select(
         "step_key",
         "prompt_ids",
         "prompt_id",
         prev_key=pl.col("trajectory_uid") + ":" + (pl.col("step_index") - 1).cast(pl.String),
     )
-    columns = ["step_key", "prompt_ids", "response_ids", "prompt_id"]
-    wanted = later["prev_key"].unique().implode()
-    earlier = lake.scan(SILVER_STEPS).filter(pl.col("step_key").is_in(wanted)).select(columns)
-    prev = earlier.collect().rename(
-        {
-            "step_key": "prev_key",
-            "prompt_ids": "prev_prompt_ids",
-            "response_ids": "prev_response_ids",
-            "prompt_id": "prev_prompt_id",
-        }
+    prev = index.select(
+        prev_key="step_key",
+        prev_prompt_id="prompt_id",
+        prev_response_id="response_id",
+        prev_prompt_len="prompt_len",
+        prev_response_len="response_len",
     )
     # Choices of one n > 1 call share the prompt: siblings, not turns.
     return later.join(prev, on="prev_key").filter(pl.col("prompt_id") != pl.col("prev_prompt_id"))
@@ -304,12 +319,12 @@ def silver_findings(lake: Lake, run: SilverRun) -> dict[str, Finding]:
         new = pl.from_arrow(TABLES[SILVER_STEPS].schema.empty_table())
     if facts.is_empty():
         facts = pl.from_arrow(TABLES[SILVER_FEEDBACK].schema.empty_table())
-    index = _stored(lake, SILVER_STEPS, STEP_INDEX_COLUMNS)
+    index = _stored(lake, SILVER_STEPS, FINDING_COLUMNS)
     return {
         "unique_step_key": unique_step_keys(keys),
         "list_lengths": consistent_lengths(new),
         "finite_rewards": finite_rewards(facts),
-        "turns_nest": nesting(_nesting_pairs(lake, new)),
+        "turns_nest": nesting(_nesting_pairs(lake, new, index)),
         "feedback_targets_exist": feedback_targets_exist(index, facts),
         "no_conflicts": no_conflicts(run.conflicts),
     }

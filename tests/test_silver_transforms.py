@@ -60,12 +60,30 @@ def calls(rows):
     )
 
 
-def no_anchors():
-    return (
-        calls([("t", 0, [0], [0], "x")])
-        .clear()
-        .with_columns(step_index=pl.lit(0, pl.Int64), has_successor=pl.lit(False))
+def anchors(rows, step_index, has_successor):
+    """Placed steps as `stitch` sees them: hashes and lengths, tokens only on request."""
+    frame = calls(rows)
+    pairs = zip(frame["prompt_ids"].to_list(), frame["response_ids"].to_list(), strict=True)
+    sequences = [p + r for p, r in pairs]
+    hashes = np.array([sequence_hash(s) for s in sequences], dtype=np.uint64).view(np.int64)
+    meta = frame.select("tenant", "received_us", "trajectory_uid").with_columns(
+        seq_len=pl.Series([len(s) for s in sequences], dtype=pl.Int64),
+        sequence_hash=pl.Series(hashes),
+        step_index=pl.Series(step_index, dtype=pl.Int64),
+        has_successor=pl.Series(has_successor, dtype=pl.Boolean),
     )
+    asked = []
+
+    def tokens(indices):
+        asked.extend(indices.tolist())
+        return [np.asarray(sequences[i], dtype=np.int32) for i in indices]
+
+    return meta, tokens, asked
+
+
+def no_anchors():
+    meta, _, _ = anchors([("t", 0, [0], [0], "x")], [0], [False])
+    return meta.clear()
 
 
 def placed(frame):
@@ -109,12 +127,12 @@ def test_a_parent_keeps_one_continuation_and_anchors_continue_across_runs():
             ("t", 7, [9, 9, 9], [1], "n"),  # continues an anchor that has a successor
         ]
     )
-    anchors = calls([("t", 1, [1], [2], "a"), ("t", 2, [9, 9], [9], "z")]).with_columns(
-        step_index=pl.Series([3, 0], dtype=pl.Int64), has_successor=pl.Series([False, True])
-    )
-    result = stitch(StitchInput(frame, anchors, window_us=10**9))
+    placed_before = [("t", 1, [1], [2], "a"), ("t", 2, [9, 9], [9], "z"), ("t", 3, [5], [5], "q")]
+    meta, tokens, asked = anchors(placed_before, [3, 0, 0], [False, True, False])
+    result = stitch(StitchInput(frame, meta, window_us=10**9, anchor_sequences=tokens))
     assert placed(result) == [("a", 4), ("retry-2", 0), ("n", 0)]
     assert result["head_anchor"].to_list() == [0, -1, -1]
+    assert sorted(set(asked)) == [0, 1]  # only matched anchors' tokens are read, to verify
 
 
 def stepframe(rows):
@@ -263,3 +281,11 @@ def test_stitching_is_hash_joined_not_quadratic():
     assert result["trajectory_uid"].n_unique() == 400
     by_traj = result.group_by("trajectory_uid").agg(pl.col("step_index").sort())
     assert all(steps == [0, 1, 2, 3, 4] for steps in by_traj["step_index"].to_list())
+
+
+def test_slice_hashes_equal_the_hash_of_the_slice_and_null_when_out_of_range():
+    lists = pa.array([[1, 2, 3, 4], [5, 6], None], pa.list_(pa.int32()))
+    start, stop = np.array([1, 0, 0]), np.array([3, 3, 1])
+    sliced = slice_content_hashes(lists, start, stop).to_pylist()
+    assert sliced[0] == content_hashes(pa.array([[2, 3]], pa.list_(pa.int32()))).to_pylist()[0]
+    assert sliced[1] is None and sliced[2] is None  # row too short, null row

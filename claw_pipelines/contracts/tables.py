@@ -111,10 +111,14 @@ SILVER_STEPS_SPEC = TableSpec(
             ("metadata", pa.string()),
             ("event_id", pa.string()),
             ("origin_step_key", pa.string()),
+            ("prompt_len", pa.int64()),
+            ("response_len", pa.int64()),
+            ("sequence_hash", pa.int64()),
         ]
     ),
     description="One step: state (prompt ids), action (response ids) and provenance. "
-    "`origin_step_key` is the key the gateway gave an unscoped call before stitching.",
+    "`origin_step_key` is the key the gateway gave an unscoped call before stitching; "
+    "`sequence_hash` (unscoped calls) is the rolling hash later calls are matched against.",
 )
 
 SILVER_STEP_CONFLICTS_SPEC = TableSpec(

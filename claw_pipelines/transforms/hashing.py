@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +19,7 @@ _BASE = 0x9E3779B97F4A7C15  # odd (golden-ratio constant): invertible modulo 2**
 _MASK = 2**64 - 1
 _HASH_THREADS = 2
 _ROWS_PER_TASK = 2_048
+CHUNK_TOKENS = 2**21  # ~16 MiB of uint64 temporaries per chunk
 
 
 def list_parts(lists: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -35,27 +37,43 @@ def list_parts(lists: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarra
 def content_hashes(lists: pa.Array | pa.ChunkedArray) -> pa.StringArray:
     """BLAKE2b-128 hex digest of each row's int32 ids (null rows stay null)."""
     offsets, values, valid = list_parts(lists)
-    data = np.ascontiguousarray(values, dtype="<i4")
-    rows = len(offsets) - 1
+    return _digests(values, offsets[:-1], offsets[1:], valid)
 
-    def digest(start: int) -> list[str | None]:
+
+def slice_content_hashes(
+    lists: pa.Array | pa.ChunkedArray, start: np.ndarray, stop: np.ndarray
+) -> pa.StringArray:
+    """The content hash of each row's ids[start:stop] (null when the row is too short)."""
+    offsets, values, valid = list_parts(lists)
+    lengths = np.diff(offsets)
+    fits = valid & (stop <= lengths) & (start <= stop)
+    return _digests(values, offsets[:-1] + start, offsets[:-1] + stop, fits)
+
+
+def _digests(
+    values: np.ndarray, begin: np.ndarray, end: np.ndarray, valid: np.ndarray
+) -> pa.StringArray:
+    """BLAKE2b-128 of values[begin[i]:end[i]] per row, on two threads (hashlib frees the GIL)."""
+    data = np.ascontiguousarray(values, dtype="<i4")
+    rows = len(begin)
+    begin, end, valid = begin.tolist(), end.tolist(), valid.tolist()
+
+    def digest(first: int) -> list[str | None]:
         out: list[str | None] = []
-        for i in range(start, min(start + _ROWS_PER_TASK, rows)):
+        for i in range(first, min(first + _ROWS_PER_TASK, rows)):
             if valid[i]:
-                # hashlib reads the numpy slice through the buffer protocol and releases the GIL
-                out.append(
-                    hashlib.blake2b(data[offsets[i] : offsets[i + 1]], digest_size=16).hexdigest()
-                )
+                row = data[begin[i] : end[i]]  # read through the buffer protocol, no copy
+                out.append(hashlib.blake2b(row, digest_size=16).hexdigest())
             else:
                 out.append(None)
         return out
 
-    starts = range(0, rows, _ROWS_PER_TASK)
     if rows <= _ROWS_PER_TASK:
         hexes = digest(0)
     else:
         with ThreadPoolExecutor(_HASH_THREADS) as pool:
-            hexes = [h for part in pool.map(digest, starts) for h in part]
+            parts = pool.map(digest, range(0, rows, _ROWS_PER_TASK))
+            hexes = [h for part in parts for h in part]
     return pa.array(hexes, pa.string())
 
 
@@ -69,30 +87,56 @@ def _powers(base: int, count: int) -> np.ndarray:
     return out[:count]
 
 
-def prefix_hashes(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """For every token position, the hash of its row's prefix ending there (inclusive).
+def concat_ranges(table: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """table[0:l] for each l in lengths, concatenated (row-wise memcpy, no per-token work)."""
+    return np.concatenate([table[:n] for n in lengths.tolist()]) if len(lengths) else table[:0]
 
-    Row i spans values[offsets[i]:offsets[i+1]]. H(x_0..x_k) = sum_j (x_j + 1) * B**(k - j)
-    modulo 2**64, computed for all positions with one cumulative sum:
-    H_k = B**k * (C_k - C_{start-1}) where C accumulates (x_j + 1) * B**-(j - start).
+
+def row_chunks(offsets: np.ndarray, budget: int = CHUNK_TOKENS) -> list[tuple[int, int]]:
+    """Split rows into consecutive (first, stop) groups of at most `budget` tokens each (a
+    longer row is a group of its own), so temporary arrays stay small and memory stays warm."""
+    rows = len(offsets) - 1
+    bounds = [0]
+    while bounds[-1] < rows:
+        first = bounds[-1]
+        stop = int(np.searchsorted(offsets, offsets[first] + budget, side="right")) - 1
+        bounds.append(min(max(stop, first + 1), rows))
+    return list(pairwise(bounds)) if rows > 0 else []
+
+
+def iter_prefix_hashes(values: np.ndarray, offsets: np.ndarray, budget: int = CHUNK_TOKENS):
+    """Yield (first_row, stop_row, hashes) by row chunks: for every token position of those
+    rows, the hash of its row's prefix ending there (inclusive).
+
+    H(x_0..x_k) = sum_j (x_j + 1) * B**(k - j) modulo 2**64, computed for all positions with
+    one cumulative sum: H_k = B**k * (C_k - C_{start-1}), C accumulating (x_j + 1) * B**-j
+    (j counted from the row's start).
     """
-    total = int(offsets[-1] - offsets[0])
-    if total == 0:
-        return np.empty(0, dtype=np.uint64)
-    lengths = np.diff(offsets)
-    starts = np.repeat(offsets[:-1] - offsets[0], lengths)
-    local = np.arange(total, dtype=np.int64) - starts
-    longest = int(lengths.max())
-    forward = _powers(_BASE, longest)
-    inverse = _powers(pow(_BASE, -1, 2**64), longest)
-    x = values[offsets[0] : offsets[-1]].astype(np.uint64) + np.uint64(1)
-    weighted = x * inverse[local]
-    running = np.cumsum(weighted, dtype=np.uint64)
-    before = np.zeros(len(lengths), dtype=np.uint64)
-    nonempty = lengths > 0
-    first = offsets[:-1][nonempty] - offsets[0]
-    before[nonempty] = np.where(first > 0, running[np.maximum(first - 1, 0)], np.uint64(0))
-    return forward[local] * (running - np.repeat(before, lengths))
+    lengths_all = np.diff(offsets)
+    longest = int(lengths_all.max()) if len(lengths_all) else 0
+    forward_table = _powers(_BASE, longest)
+    inverse_table = _powers(pow(_BASE, -1, 2**64), longest)
+    for first, stop in row_chunks(offsets, budget):
+        lengths = lengths_all[first:stop]
+        lo, hi = offsets[first], offsets[stop]
+        if hi == lo:
+            yield first, stop, np.empty(0, dtype=np.uint64)
+            continue
+        weighted = values[lo:hi].astype(np.uint64)
+        weighted += np.uint64(1)
+        weighted *= concat_ranges(inverse_table, lengths)
+        running = np.cumsum(weighted, dtype=np.uint64, out=weighted)
+        starts = offsets[first:stop] - lo
+        before = np.where(starts > 0, running[np.maximum(starts - 1, 0)], np.uint64(0))
+        running -= np.repeat(before, lengths)
+        running *= concat_ranges(forward_table, lengths)
+        yield first, stop, running
+
+
+def prefix_hashes(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Every position's prefix hash (see `iter_prefix_hashes`), for all rows at once."""
+    parts = [h for _, _, h in iter_prefix_hashes(values, offsets)]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
 
 
 def sequence_hash(tokens: list[int] | np.ndarray) -> int:

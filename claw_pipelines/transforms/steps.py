@@ -14,7 +14,7 @@ import polars as pl
 
 from claw_pipelines.contracts.tables import STEP_KINDS
 from claw_pipelines.transforms.hashing import content_hashes
-from claw_pipelines.transforms.stitching import StitchInput, stitch
+from claw_pipelines.transforms.stitching import AnchorSequences, StitchInput, stitch
 
 BRONZE_COLUMNS = [
     "event_id",
@@ -63,6 +63,9 @@ def step_candidates(bronze: pl.DataFrame) -> pl.DataFrame:
             created_at=pl.col("received_at"),
             received_us=pl.col("received_at").dt.epoch("us"),
             origin_step_key=pl.lit(None, pl.String),
+            prompt_len=pl.col("prompt_ids").list.len().cast(pl.Int64),
+            response_len=pl.col("response_ids").list.len().cast(pl.Int64),
+            sequence_hash=pl.lit(None, pl.Int64),
         )
         .drop("payload")
     )
@@ -87,7 +90,12 @@ def with_content_ids(frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def place_unscoped(candidates: pl.DataFrame, anchors: pl.DataFrame, window_us: int) -> pl.DataFrame:
+def place_unscoped(
+    candidates: pl.DataFrame,
+    anchors: pl.DataFrame,
+    window_us: int,
+    anchor_sequences: AnchorSequences | None = None,
+) -> pl.DataFrame:
     """Give unscoped calls their stitched trajectory, step index and prompt group.
 
     `anchors` are earlier unscoped steps already in silver (see `stitching.StitchInput`) with
@@ -97,7 +105,7 @@ def place_unscoped(candidates: pl.DataFrame, anchors: pl.DataFrame, window_us: i
     if calls.is_empty():
         return candidates
     others = candidates.filter(~pl.col("unscoped"))
-    placed = stitch(StitchInput(calls, anchors, window_us))
+    placed = stitch(StitchInput(calls, anchors, window_us, anchor_sequences))
     root_groups = pl.when(pl.col("group_from_client")).then(pl.col("prompt_uid"))
     root_groups = root_groups.otherwise(_prompt_groups(calls["tenant"], calls["prompt_id"]))
     own_group = calls.select(root_groups.alias("g"))["g"]
@@ -111,6 +119,7 @@ def place_unscoped(candidates: pl.DataFrame, anchors: pl.DataFrame, window_us: i
         trajectory_uid=placed["trajectory_uid"],
         step_index=placed["step_index"],
         prompt_uid=group,
+        sequence_hash=placed["sequence_hash"],
     )
     return pl.concat([others, calls], how="vertical_relaxed").sort("received_at", "event_id")
 

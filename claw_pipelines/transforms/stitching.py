@@ -13,14 +13,16 @@ fork) starts a trajectory of its own, as does a call whose parent already has a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
-from claw_pipelines.transforms.hashing import list_parts, prefix_hashes
+from claw_pipelines.transforms.hashing import concat_ranges, iter_prefix_hashes, list_parts
 
 NO_PARENT = -1
+AnchorSequences = Callable[[np.ndarray], list[np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -28,64 +30,115 @@ class StitchInput:
     """Calls to place and the earlier steps they may continue.
 
     `calls`: tenant, received_us (int), prompt_ids, response_ids, trajectory_uid (the call's
-    own). `anchors`: already placed steps: tenant, received_us, prompt_ids, response_ids,
-    trajectory_uid, step_index, has_successor.
+    own). `anchors`, already placed steps, without their tokens: tenant, received_us,
+    seq_len, sequence_hash (int64), trajectory_uid, step_index, has_successor.
+    `anchor_sequences(indices)` returns those anchors' prompt + response ids, to verify the
+    few that match.
     """
 
     calls: pl.DataFrame
     anchors: pl.DataFrame
     window_us: int
+    anchor_sequences: AnchorSequences | None = None
 
 
-def _sequences(frame: pl.DataFrame) -> pl.Series:
-    return frame.select(pl.concat_list("prompt_ids", "response_ids").alias("seq")).to_series()
+def _as_int64(hashes: np.ndarray) -> np.ndarray:
+    return hashes.view(np.int64)
 
 
-def _parents(nodes: pl.DataFrame, is_call: np.ndarray, window_us: int) -> np.ndarray:
-    """For each node, the node index of its verified longest earlier match (or NO_PARENT)."""
-    offsets, values, _ = list_parts(nodes["seq"].to_arrow())
-    hashes = prefix_hashes(values, offsets)
+def _probes(data: StitchInput) -> tuple[pl.DataFrame, np.ndarray, np.ndarray, np.ndarray]:
+    """(probe rows, call full-sequence hashes, call offsets, call values).
+
+    A probe is a call's prompt prefix whose length some candidate parent sequence has."""
+    calls, anchors = data.calls, data.anchors
+    seq = calls.select(pl.concat_list("prompt_ids", "response_ids")).to_series()
+    offsets, values, _ = list_parts(seq.to_arrow())
     seq_len = np.diff(offsets)
-    prompt_len = nodes["prompt_len"].to_numpy()
-    full = pl.DataFrame(
-        {
-            "parent": np.arange(len(nodes), dtype=np.int64),
-            "tenant": nodes["tenant"],
-            "length": seq_len,
-            "hash": hashes[offsets[1:] - offsets[0] - 1],
-            "parent_us": nodes["received_us"],
-        }
-    )
-    # Probe only the prompt positions of calls whose prefix length some sequence has.
-    row = np.repeat(np.arange(len(nodes)), seq_len)
-    length = np.arange(len(values), dtype=np.int64) - np.repeat(offsets[:-1], seq_len) + 1
-    keep = is_call[row] & (length <= prompt_len[row]) & np.isin(length, np.unique(seq_len))
+    prompt_len = calls["prompt_ids"].list.len().to_numpy().astype(np.int64)
+    longest = int(seq_len.max())
+    wanted = np.zeros(longest + 1, dtype=bool)
+    lengths = np.concatenate([seq_len, anchors["seq_len"].to_numpy().astype(np.int64)])
+    wanted[lengths[lengths <= longest]] = True
+    counting = np.arange(1, longest + 1, dtype=np.int64)
+    full = np.empty(calls.height, dtype=np.uint64)
+    rows, sizes, hashes = [], [], []
+    for first, stop, prefix in iter_prefix_hashes(values, offsets):
+        chunk_len = seq_len[first:stop]
+        full[first:stop] = prefix[np.cumsum(chunk_len) - 1]
+        size = concat_ranges(counting, chunk_len)
+        row = np.repeat(np.arange(first, stop), chunk_len)
+        keep = wanted[size] & (size <= prompt_len[row])
+        rows.append(row[keep])
+        sizes.append(size[keep])
+        hashes.append(prefix[keep])
+    row = np.concatenate(rows)
     probes = pl.DataFrame(
         {
-            "child": row[keep].astype(np.int64),
-            "tenant": nodes["tenant"].gather(row[keep]),
-            "length": length[keep],
-            "hash": hashes[keep],
-            "child_us": nodes["received_us"].to_numpy()[row[keep]],
+            "child": row + anchors.height,
+            "tenant": calls["tenant"].gather(row),
+            "length": np.concatenate(sizes),
+            "hash": _as_int64(np.concatenate(hashes)),
+            "child_us": calls["received_us"].to_numpy()[row],
         }
     )
-    matches = (
-        probes.join(full, on=["tenant", "length", "hash"])
+    return probes, full, offsets, values
+
+
+def _parents(data: StitchInput) -> tuple[np.ndarray, np.ndarray]:
+    """(each node's verified longest earlier match or NO_PARENT, the calls' sequence hashes).
+    Nodes are the anchors, then the calls."""
+    calls, anchors = data.calls, data.anchors
+    probes, full, offsets, values = _probes(data)
+    n_anchor = anchors.height
+    candidates = pl.concat(
+        [
+            anchors.select(
+                parent=pl.int_range(n_anchor, dtype=pl.Int64),
+                tenant="tenant",
+                length=pl.col("seq_len").cast(pl.Int64),
+                hash=pl.col("sequence_hash").cast(pl.Int64),
+                parent_us=pl.col("received_us").cast(pl.Int64),
+            ),
+            pl.DataFrame(
+                {
+                    "parent": np.arange(calls.height, dtype=np.int64) + n_anchor,
+                    "tenant": calls["tenant"],
+                    "length": np.diff(offsets),
+                    "hash": _as_int64(full),
+                    "parent_us": calls["received_us"].cast(pl.Int64),
+                }
+            ),
+        ]
+    )
+    best = (
+        probes.join(candidates, on=["tenant", "length", "hash"])
         .filter(
             (pl.col("parent") != pl.col("child"))
             & (pl.col("parent_us") <= pl.col("child_us"))
-            & (pl.col("child_us") - pl.col("parent_us") <= window_us)
+            & (pl.col("child_us") - pl.col("parent_us") <= data.window_us)
             & ((pl.col("parent_us") < pl.col("child_us")) | (pl.col("parent") < pl.col("child")))
         )
         .sort(["child", "length", "parent_us", "parent"], descending=[False, True, True, True])
+        .unique("child", keep="first", maintain_order=True)
     )
-    best = matches.unique("child", keep="first", maintain_order=True)
-    parent = np.full(len(nodes), NO_PARENT, dtype=np.int64)
-    for child, candidate, size in best.select("child", "parent", "length").iter_rows():
-        start, other = offsets[child], values[offsets[candidate] : offsets[candidate + 1]]
-        if np.array_equal(values[start : start + size], other):  # a hash collision fails here
-            parent[child] = candidate
-    return parent
+    child, parent, size = (best[c].to_numpy() for c in ("child", "parent", "length"))
+    from_anchor = parent < n_anchor
+    anchor_seqs: dict[int, np.ndarray] = {}
+    if from_anchor.any():
+        if data.anchor_sequences is None:
+            raise ValueError("anchors matched but no anchor_sequences to verify them")
+        needed = np.unique(parent[from_anchor])
+        anchor_seqs = dict(zip(needed.tolist(), data.anchor_sequences(needed), strict=True))
+    links = np.full(n_anchor + calls.height, NO_PARENT, dtype=np.int64)
+    for c, p, n in zip(child.tolist(), parent.tolist(), size.tolist(), strict=True):
+        start = offsets[c - n_anchor]
+        if p < n_anchor:
+            other = anchor_seqs[p]
+        else:
+            other = values[offsets[p - n_anchor] : offsets[p - n_anchor + 1]]
+        if np.array_equal(values[start : start + n], other):  # a hash collision fails here
+            links[c] = p
+    return links, full
 
 
 def _one_continuation(parent: np.ndarray, order_us: np.ndarray, taken: np.ndarray) -> np.ndarray:
@@ -117,36 +170,28 @@ def _heads(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def stitch(data: StitchInput) -> pl.DataFrame:
     """Per call, in input order: `trajectory_uid`, `step_index`, `continues` (the key of the
-    step it continues, or null), and its chain's head: `head_anchor` (index into anchors) or
-    `head_call` (index into calls), the other being -1."""
+    step it continues, or null), `sequence_hash` (of its prompt + response, for later runs'
+    anchors), and its chain's head: `head_anchor` (index into anchors) or `head_call` (index
+    into calls), the other being -1."""
     calls, anchors = data.calls, data.anchors
     n_anchor = anchors.height
-    columns = ["tenant", "received_us", "prompt_ids", "response_ids", "trajectory_uid"]
-    nodes = pl.concat(
-        [
-            anchors.select(*columns, "step_index", "has_successor"),
-            calls.select(*columns).with_columns(
-                step_index=pl.lit(0, pl.Int64), has_successor=pl.lit(False)
-            ),
-        ],
-        how="vertical_relaxed",
+    parent, full = _parents(data)
+    received = np.concatenate(
+        [anchors["received_us"].to_numpy(), calls["received_us"].to_numpy()]
+    ).astype(np.int64)
+    taken = np.concatenate(
+        [anchors["has_successor"].to_numpy().astype(bool), np.zeros(calls.height, dtype=bool)]
     )
-    nodes = nodes.with_columns(
-        seq=_sequences(nodes), prompt_len=pl.col("prompt_ids").list.len().cast(pl.Int64)
-    )
-    is_call = np.arange(nodes.height) >= n_anchor
-    parent = _parents(nodes, is_call, data.window_us)
-    taken = nodes["has_successor"].to_numpy().astype(bool)
-    parent = _one_continuation(parent, nodes["received_us"].to_numpy(), taken)
+    parent = _one_continuation(parent, received, taken)
     head, dist = _heads(parent)
     on_anchor = head < n_anchor
-    anchor_step = nodes["step_index"].to_numpy()[head]
-    step_index = np.where(on_anchor, anchor_step + dist, dist).astype(np.int64)
-    trajectory = nodes["trajectory_uid"].gather(head)
-    keys = trajectory + ":" + pl.Series(step_index).cast(pl.String)
-    keys = pl.concat(
-        [anchors["trajectory_uid"] + ":" + anchors["step_index"].cast(pl.String), keys[n_anchor:]]
+    node_step = np.concatenate(
+        [anchors["step_index"].to_numpy().astype(np.int64), np.zeros(calls.height, np.int64)]
     )
+    step_index = np.where(on_anchor, node_step[head] + dist, dist).astype(np.int64)
+    node_uid = pl.concat([anchors["trajectory_uid"], calls["trajectory_uid"]])
+    trajectory = node_uid.gather(head)
+    keys = trajectory + ":" + pl.Series(step_index).cast(pl.String)
     own = slice(n_anchor, None)
     has_parent = parent[own] != NO_PARENT
     continues = keys.gather(np.where(has_parent, parent[own], 0))
@@ -156,6 +201,7 @@ def stitch(data: StitchInput) -> pl.DataFrame:
             "trajectory_uid": trajectory[own],
             "step_index": step_index[own],
             "continues": continues,
+            "sequence_hash": _as_int64(full),
             "head_anchor": np.where(on_anchor[own], head[own], -1),
             "head_call": np.where(on_anchor[own], -1, head[own] - n_anchor),
         }
