@@ -17,6 +17,7 @@ from claw_pipelines.transforms.hashing import (
     list_parts,
     prefix_hashes,
     sequence_hash,
+    slice_content_hashes,
 )
 from claw_pipelines.transforms.steps import split_duplicates
 from claw_pipelines.transforms.stitching import StitchInput, stitch
