@@ -50,20 +50,25 @@ def consistent_lengths(steps: pl.DataFrame) -> Finding:
     return Finding.of(bad["step_key"], steps.height)
 
 
-def nesting(pairs: pl.DataFrame) -> Finding:
+def nesting(prompts: pl.Series, pairs: pl.DataFrame) -> Finding:
     """Step t+1's prompt starts with step t's prompt + response (no retokenization drift).
 
-    `pairs`: step_key and prompt_ids of t+1; prev_prompt_id, prev_response_id,
-    prev_prompt_len, prev_response_len of t. Compared by content hash of the slices.
+    `prompts`: the prompt ids of the new steps; `pairs`: row (into `prompts`) and step_key
+    of t+1 with prev_prompt_id, prev_response_id, prev_prompt_len, prev_response_len of t.
+    Compared by content hashes of the prompt's slices; only paired rows are hashed.
     """
     if pairs.is_empty():
         return Finding(True)
-    lists = pairs["prompt_ids"].to_arrow()
-    prompt_len = pairs["prev_prompt_len"].to_numpy()
-    response_end = prompt_len + pairs["prev_response_len"].to_numpy()
-    zero = np.zeros(pairs.height, dtype=np.int64)
-    head = pl.Series(slice_content_hashes(lists, zero, prompt_len))
-    tail = pl.Series(slice_content_hashes(lists, prompt_len, response_end))
+    count = prompts.len()
+    start = np.zeros(count, dtype=np.int64)
+    middle = np.full(count, -1, dtype=np.int64)  # an empty or negative range: not hashed
+    stop = np.full(count, -1, dtype=np.int64)
+    rows = pairs["row"].to_numpy()
+    middle[rows] = pairs["prev_prompt_len"].to_numpy()
+    stop[rows] = middle[rows] + pairs["prev_response_len"].to_numpy()
+    lists = prompts.to_arrow()
+    head = pl.Series(slice_content_hashes(lists, start, middle)).gather(rows)
+    tail = pl.Series(slice_content_hashes(lists, middle, stop)).gather(rows)
     nests = (head == pairs["prev_prompt_id"]) & (tail == pairs["prev_response_id"])
     return Finding.of(pairs.filter(~nests.fill_null(False))["step_key"], pairs.height)
 

@@ -18,11 +18,13 @@ import polars as pl
 
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
+    FACT_KINDS,
     SILVER_FEEDBACK,
     SILVER_STEP_CONFLICTS,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
+    STEP_KINDS,
     TABLES,
 )
 from claw_pipelines.lake import Lake
@@ -43,7 +45,10 @@ from claw_pipelines.transforms.feedback import (
     step_reward_facts,
 )
 from claw_pipelines.transforms.steps import (
-    BRONZE_COLUMNS,
+    FACT_COLUMNS,
+    STEP_COLUMNS,
+    first_arrivals,
+    keep_rows,
     place_unscoped,
     split_duplicates,
     step_candidates,
@@ -72,7 +77,14 @@ STEP_INDEX_COLUMNS = [
     "created_at",
     "is_last",
 ]
-FINDING_COLUMNS = [*STEP_INDEX_COLUMNS, "prompt_id", "response_id", "prompt_len", "response_len"]
+INDEX_COLUMNS = [
+    *STEP_INDEX_COLUMNS,
+    "event_id",
+    "prompt_id",
+    "response_id",
+    "prompt_len",
+    "response_len",
+]
 _US = 1_000_000
 
 
@@ -106,6 +118,7 @@ class SilverRun:
     trajectories: int = 0
     versions: dict[str, int | None] = field(default_factory=dict)
     new_steps: pl.DataFrame = field(default_factory=pl.DataFrame)
+    index: pl.DataFrame = field(default_factory=pl.DataFrame)
     new_facts: pl.DataFrame = field(default_factory=pl.DataFrame)
     conflicts: pl.DataFrame = field(default_factory=pl.DataFrame)
 
@@ -137,12 +150,22 @@ def watermark(lake: Lake) -> int | None:
     return lake.commit_metadata(WATERMARK_TABLE).get("bronze_version")
 
 
-def _read_bronze(lake: Lake, after: int | None, until: int) -> tuple[pl.DataFrame, str]:
+def _read_bronze(
+    lake: Lake, after: int | None, until: int
+) -> tuple[pl.DataFrame, pl.DataFrame, str]:
+    """(step records, fact records, how they were read): the versions after `after`."""
+    is_step = pl.col("kind").is_in(STEP_KINDS)
+    is_fact = pl.col("kind").is_in(FACT_KINDS)
     if after is not None and after >= 0:
-        changed = lake.changes(BRONZE_EVENTS, after, until, columns=BRONZE_COLUMNS)
+        changed = lake.changes(BRONZE_EVENTS, after, until, columns=STEP_COLUMNS)
         if changed is not None:
-            return pl.from_arrow(changed), "changes"
-    return lake.read(BRONZE_EVENTS, version=until, columns=BRONZE_COLUMNS), "full"
+            rows = pl.from_arrow(changed)
+            facts = rows.filter(is_fact).select(FACT_COLUMNS)
+            return rows.filter(is_step), facts, "changes"
+    scan = lake.scan(BRONZE_EVENTS, version=until)
+    steps = scan.filter(is_step).select(STEP_COLUMNS).collect()
+    facts = scan.filter(is_fact).select(FACT_COLUMNS).collect()
+    return steps, facts, "full"
 
 
 def _stored(lake: Lake, table: str, columns: list[str]) -> pl.DataFrame:
@@ -215,31 +238,33 @@ def _no_sequences(indices: np.ndarray) -> list[np.ndarray]:
 
 
 def _new_steps(
-    lake: Lake, bronze: pl.DataFrame, options: SilverOptions
+    lake: Lake, steps: pl.DataFrame, index: pl.DataFrame, options: SilverOptions
 ) -> tuple[pl.DataFrame, pl.DataFrame, int]:
-    """(new silver steps with their `reward`, conflicts, duplicates dropped)."""
-    stored = _stored(lake, SILVER_STEPS, ["step_key", "event_id", "prompt_id", "response_id"])
-    candidates = step_candidates(bronze)
-    before = candidates.height
-    candidates = candidates.join(stored.select("event_id"), on="event_id", how="anti")
-    known = before - candidates.height
-    candidates = with_content_ids(candidates)
+    """(new silver steps with their `reward`, conflicts, duplicates dropped).
+
+    `index` is silver's key columns before this run."""
+    candidates = step_candidates(steps)
+    first = first_arrivals(candidates, index["event_id"])
+    candidates = with_content_ids(keep_rows(candidates, first))
     window_us = int(options.stitch_window_s * _US)
-    anchors, sequences = _anchors(lake, candidates.filter(pl.col("unscoped")), window_us)
+    unscoped = candidates.filter(pl.col("unscoped")).select("tenant", "received_us")
+    anchors, sequences = _anchors(lake, unscoped, window_us)
     candidates = with_step_keys(place_unscoped(candidates, anchors, window_us, sequences))
-    new, conflicts, duplicates = split_duplicates(candidates, stored)
-    return new, conflicts, known + duplicates
+    keep, conflicts, duplicates = split_duplicates(candidates, index)
+    known = steps.height - int(first.sum())
+    return keep_rows(candidates, keep), conflicts, known + duplicates
 
 
-def _rebuild_derived(lake: Lake, options: SilverOptions) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(step rewards, trajectories) from all of silver's steps and facts."""
-    steps = _stored(lake, SILVER_STEPS, STEP_INDEX_COLUMNS)
+def _rebuild_derived(
+    lake: Lake, index: pl.DataFrame, options: SilverOptions
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(step rewards, trajectories) from all of silver's steps (`index`) and facts."""
     facts = _stored(lake, SILVER_FEEDBACK, TABLES[SILVER_FEEDBACK].schema.names)
-    newest = [steps["created_at"].max(), facts["received_at"].max()]
+    newest = [index["created_at"].max(), facts["received_at"].max()]
     present = [t for t in newest if t is not None]
     clock_us = int(max(present).timestamp() * _US) if present else 0
-    statuses = trajectory_statuses(steps, facts, clock_us, int(options.idle_timeout_s * _US))
-    rewards = resolve_rewards(steps, facts, statuses, options.trajectory_reward_to)
+    statuses = trajectory_statuses(index, facts, clock_us, int(options.idle_timeout_s * _US))
+    rewards = resolve_rewards(index, facts, statuses, options.trajectory_reward_to)
     return rewards, with_returns(statuses, rewards)
 
 
@@ -261,11 +286,12 @@ def build_silver(
     if until is None or (after is not None and until <= after):
         run.versions = {t: lake.version(t) for t in SILVER_TABLES}
         return run
-    bronze, run.read_mode = _read_bronze(lake, after, until)
-    run.bronze_rows = bronze.height
-    new, conflicts, run.duplicates_dropped = _new_steps(lake, bronze, options)
+    steps, fact_records, run.read_mode = _read_bronze(lake, after, until)
+    run.bronze_rows = steps.height + fact_records.height
+    index = _stored(lake, SILVER_STEPS, INDEX_COLUMNS)
+    new, conflicts, run.duplicates_dropped = _new_steps(lake, steps, index, options)
     stored_facts = _stored(lake, SILVER_FEEDBACK, ["feedback_id"])
-    facts = pl.concat([bronze_facts(bronze), step_reward_facts(new)], how="vertical_relaxed")
+    facts = pl.concat([bronze_facts(fact_records), step_reward_facts(new)], how="vertical_relaxed")
     facts = facts.unique("feedback_id", keep="first", maintain_order=True).join(
         stored_facts, on="feedback_id", how="anti"
     )
@@ -277,28 +303,31 @@ def build_silver(
         lake.append(SILVER_FEEDBACK, facts.to_arrow(), metadata=meta)
     if new.height:
         lake.append(SILVER_STEPS, new.to_arrow(), metadata=meta)
-    rewards, trajectories = _rebuild_derived(lake, options)
+    index = pl.concat([index, new.select(INDEX_COLUMNS)], how="vertical_relaxed")
+    rewards, trajectories = _rebuild_derived(lake, index, options)
     lake.overwrite(SILVER_STEP_REWARDS, rewards.to_arrow(), metadata=meta)
     lake.overwrite(SILVER_TRAJECTORIES, trajectories.to_arrow(), metadata=meta)
-    run.steps_added, run.feedback_added, run.conflicts_added = (
-        new.height,
-        facts.height,
-        conflicts.height,
-    )
+    run.steps_added, run.feedback_added = new.height, facts.height
+    run.conflicts_added = conflicts.height
     run.steps_total, run.trajectories = rewards.height, trajectories.height
-    run.new_steps, run.new_facts, run.conflicts = new, facts, conflicts
+    run.new_steps, run.new_facts, run.conflicts, run.index = new, facts, conflicts, index
     run.versions = {t: lake.version(t) for t in SILVER_TABLES}
     return run
 
 
-def _nesting_pairs(lake: Lake, new: pl.DataFrame, index: pl.DataFrame) -> pl.DataFrame:
-    """New steps with a predecessor, beside that predecessor's content ids and lengths
-    (read from silver's small columns, never its tokens)."""
-    later = new.filter(pl.col("step_index") > 0).select(
-        "step_key",
-        "prompt_ids",
-        "prompt_id",
-        prev_key=pl.col("trajectory_uid") + ":" + (pl.col("step_index") - 1).cast(pl.String),
+def _nesting_pairs(new: pl.DataFrame, index: pl.DataFrame) -> pl.DataFrame:
+    """Rows of new steps with a predecessor, beside that predecessor's content ids and
+    lengths (from the small columns, never its tokens)."""
+    later = (
+        new.select("step_key", "prompt_id", "trajectory_uid", "step_index")
+        .with_row_index("row")
+        .filter(pl.col("step_index") > 0)
+        .select(
+            "row",
+            "step_key",
+            "prompt_id",
+            prev_key=pl.col("trajectory_uid") + ":" + (pl.col("step_index") - 1).cast(pl.String),
+        )
     )
     prev = index.select(
         prev_key="step_key",
@@ -313,18 +342,17 @@ def _nesting_pairs(lake: Lake, new: pl.DataFrame, index: pl.DataFrame) -> pl.Dat
 
 def silver_findings(lake: Lake, run: SilverRun) -> dict[str, Finding]:
     """The quality findings of a run: whole-table key uniqueness, the rest on its new rows."""
-    keys = _stored(lake, SILVER_STEPS, ["step_key"])["step_key"]
+    index = run.index if run.index.height else _stored(lake, SILVER_STEPS, INDEX_COLUMNS)
     new, facts = run.new_steps, run.new_facts
     if new.is_empty():
         new = pl.from_arrow(TABLES[SILVER_STEPS].schema.empty_table())
     if facts.is_empty():
         facts = pl.from_arrow(TABLES[SILVER_FEEDBACK].schema.empty_table())
-    index = _stored(lake, SILVER_STEPS, FINDING_COLUMNS)
     return {
-        "unique_step_key": unique_step_keys(keys),
+        "unique_step_key": unique_step_keys(index["step_key"]),
         "list_lengths": consistent_lengths(new),
         "finite_rewards": finite_rewards(facts),
-        "turns_nest": nesting(_nesting_pairs(lake, new, index)),
+        "turns_nest": nesting(new["prompt_ids"], _nesting_pairs(new, index)),
         "feedback_targets_exist": feedback_targets_exist(index, facts),
         "no_conflicts": no_conflicts(run.conflicts),
     }

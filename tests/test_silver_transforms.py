@@ -244,18 +244,18 @@ def test_duplicates_are_dropped_and_conflicts_kept_out_first_received_wins():
     )
     candidates = pl.DataFrame(
         {
-            "step_key": ["k:0", "k:0", "k:1", "k:1", "k:1"],
-            "event_id": ["e1", "e2", "e3", "e4", "e5"],
-            "prompt_id": ["p", "p", "q", "q", "q"],
-            "response_id": ["r", "X", "s", "s", "Y"],
+            "step_key": ["k:0", "k:1", "k:0", "k:1", "k:1"],
+            "event_id": ["e1", "e5", "e2", "e3", "e4"],
+            "prompt_id": ["p", "q", "p", "q", "q"],
+            "response_id": ["r", "Y", "X", "s", "s"],
+            "received_at": [T0 + timedelta(seconds=s) for s in (1, 5, 2, 3, 4)],
         }
     )
-    new, conflicts, duplicates = split_duplicates(candidates, stored)
-    assert new["event_id"].to_list() == ["e3"]
-    assert sorted(conflicts["event_id"].to_list()) == ["e2", "e5"]
+    keep, conflicts, duplicates = split_duplicates(candidates, stored)
+    assert candidates.filter(pl.Series(keep))["event_id"].to_list() == ["e3"]
     assert dict(zip(conflicts["event_id"], conflicts["kept_event_id"], strict=True)) == {
-        "e2": "e0",
-        "e5": "e3",
+        "e2": "e0",  # differs from the stored step
+        "e5": "e3",  # differs from the first received candidate
     }
     assert duplicates == 2  # e1 (same as stored e0) and e4 (same as e3)
 

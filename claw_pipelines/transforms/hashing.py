@@ -46,7 +46,7 @@ def slice_content_hashes(
     """The content hash of each row's ids[start:stop] (null when the row is too short)."""
     offsets, values, valid = list_parts(lists)
     lengths = np.diff(offsets)
-    fits = valid & (stop <= lengths) & (start <= stop)
+    fits = valid & (start >= 0) & (start <= stop) & (stop <= lengths)
     return _digests(values, offsets[:-1] + start, offsets[:-1] + stop, fits)
 
 

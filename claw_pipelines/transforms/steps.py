@@ -4,19 +4,23 @@ Step records come from three sources, told apart by `source_kind`: white-box sub
 (`kind = step`), proxied completions (`chat_completion`, `completion`) and the Claw-R1 proxy
 routes (proxied, `metadata.scope_via = claw_r1`). Unscoped proxied calls are placed by
 `stitching` before their step keys are final.
+
+The token columns are the bulk of the data, so they are never sorted, joined or copied here:
+decisions are made on small key frames and applied as row masks (usually keeping every row)
+and column replacements.
 """
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import polars as pl
 
-from claw_pipelines.contracts.tables import STEP_KINDS
 from claw_pipelines.transforms.hashing import content_hashes
 from claw_pipelines.transforms.stitching import AnchorSequences, StitchInput, stitch
 
-BRONZE_COLUMNS = [
+STEP_COLUMNS = [
     "event_id",
     "kind",
     "tenant",
@@ -36,38 +40,58 @@ BRONZE_COLUMNS = [
     "finish_reason",
     "model",
 ]
-TOKEN_COLUMNS = ["prompt_ids", "response_ids", "rollout_log_probs", "response_mask"]
-ANCHOR_COLUMNS = ["tenant", "created_at", "trajectory_uid", "step_index", "prompt_uid"]
+FACT_COLUMNS = ["event_id", "kind", "tenant", "received_at", "payload"]
+KEY_COLUMNS = ["event_id", "step_key", "prompt_id", "response_id", "tenant", "created_at"]
 
 
 def _meta(path: str) -> pl.Expr:
     return pl.col("payload").str.json_path_match(f"$.metadata.{path}")
 
 
-def step_candidates(bronze: pl.DataFrame) -> pl.DataFrame:
-    """Step records as candidate silver rows, one per distinct event_id (first received)."""
-    steps = bronze.filter(pl.col("kind").is_in(STEP_KINDS))
+def step_candidates(steps: pl.DataFrame) -> pl.DataFrame:
+    """Step records (rows of step kinds) with the derived silver columns; rows stay in place."""
     via = _meta("scope_via")
-    return (
-        steps.sort("received_at", "event_id", maintain_order=True)
-        .unique("event_id", keep="first", maintain_order=True)
-        .with_columns(
-            metadata=pl.col("payload").str.json_path_match("$.metadata").fill_null("{}"),
-            unscoped=(pl.col("kind") != "step") & (_meta("scoped") == "false"),
-            group_from_client=_meta("prompt_group_via") == "client",
-            source_kind=pl.when(pl.col("kind") == "step")
-            .then(pl.lit("white_box"))
-            .when(via == "claw_r1")
-            .then(pl.lit("claw_r1"))
-            .otherwise(pl.lit("proxy")),
-            created_at=pl.col("received_at"),
-            received_us=pl.col("received_at").dt.epoch("us"),
-            origin_step_key=pl.lit(None, pl.String),
-            prompt_len=pl.col("prompt_ids").list.len().cast(pl.Int64),
-            response_len=pl.col("response_ids").list.len().cast(pl.Int64),
-            sequence_hash=pl.lit(None, pl.Int64),
-        )
-        .drop("payload")
+    return steps.with_columns(
+        metadata=pl.col("payload").str.json_path_match("$.metadata").fill_null("{}"),
+        unscoped=(pl.col("kind") != "step") & (_meta("scoped") == "false"),
+        group_from_client=_meta("prompt_group_via") == "client",
+        source_kind=pl.when(pl.col("kind") == "step")
+        .then(pl.lit("white_box"))
+        .when(via == "claw_r1")
+        .then(pl.lit("claw_r1"))
+        .otherwise(pl.lit("proxy")),
+        created_at=pl.col("received_at"),
+        received_us=pl.col("received_at").dt.epoch("us"),
+        origin_step_key=pl.lit(None, pl.String),
+        prompt_len=pl.col("prompt_ids").list.len().cast(pl.Int64),
+        response_len=pl.col("response_ids").list.len().cast(pl.Int64),
+        sequence_hash=pl.lit(None, pl.Int64),
+    ).drop("payload")
+
+
+def first_arrivals(frame: pl.DataFrame, known_event_ids: pl.Series) -> np.ndarray:
+    """Row mask: the first-received row of each event_id not already stored."""
+    order = frame.select("event_id", "received_at").with_row_index("row")
+    first = (
+        order.sort("received_at", "event_id")
+        .unique("event_id", keep="first")
+        .filter(~pl.col("event_id").is_in(known_event_ids.implode()))
+    )
+    keep = np.zeros(frame.height, dtype=bool)
+    keep[first["row"].to_numpy()] = True
+    return keep
+
+
+def keep_rows(frame: pl.DataFrame, mask: np.ndarray) -> pl.DataFrame:
+    """`frame` restricted to `mask` (no copy when every row is kept)."""
+    return frame if mask.all() else frame.filter(pl.Series(mask))
+
+
+def with_content_ids(frame: pl.DataFrame) -> pl.DataFrame:
+    """Add `prompt_id` / `response_id`: BLAKE2b-128 of the token ids."""
+    return frame.with_columns(
+        prompt_id=pl.Series(content_hashes(frame["prompt_ids"].to_arrow()), dtype=pl.String),
+        response_id=pl.Series(content_hashes(frame["response_ids"].to_arrow()), dtype=pl.String),
     )
 
 
@@ -82,14 +106,6 @@ def _prompt_groups(tenant: pl.Series, prompt_id: pl.Series) -> pl.Series:
     )
 
 
-def with_content_ids(frame: pl.DataFrame) -> pl.DataFrame:
-    """Add `prompt_id` / `response_id`: BLAKE2b-128 of the token ids."""
-    return frame.with_columns(
-        prompt_id=pl.Series(content_hashes(frame["prompt_ids"].to_arrow()), dtype=pl.String),
-        response_id=pl.Series(content_hashes(frame["response_ids"].to_arrow()), dtype=pl.String),
-    )
-
-
 def place_unscoped(
     candidates: pl.DataFrame,
     anchors: pl.DataFrame,
@@ -101,27 +117,32 @@ def place_unscoped(
     `anchors` are earlier unscoped steps already in silver (see `stitching.StitchInput`) with
     their `prompt_uid`. The key the gateway gave a call is kept as `origin_step_key`.
     """
-    calls = candidates.filter(pl.col("unscoped"))
-    if calls.is_empty():
+    rows = np.flatnonzero(candidates["unscoped"].to_numpy())
+    if len(rows) == 0:
         return candidates
-    others = candidates.filter(~pl.col("unscoped"))
+    calls = candidates[rows]  # only the unscoped rows are copied
     placed = stitch(StitchInput(calls, anchors, window_us, anchor_sequences))
-    root_groups = pl.when(pl.col("group_from_client")).then(pl.col("prompt_uid"))
-    root_groups = root_groups.otherwise(_prompt_groups(calls["tenant"], calls["prompt_id"]))
-    own_group = calls.select(root_groups.alias("g"))["g"]
+    own_group = calls.select(
+        pl.when(pl.col("group_from_client"))
+        .then(pl.col("prompt_uid"))
+        .otherwise(_prompt_groups(calls["tenant"], calls["prompt_id"]))
+    ).to_series()
     head_anchor, head_call = placed["head_anchor"], placed["head_call"]
     group = own_group.gather(head_call.clip(0))
     if anchors.height:
         from_anchor = anchors["prompt_uid"].gather(head_anchor.clip(0))
         group = pl.select(pl.when(head_anchor >= 0).then(from_anchor).otherwise(group)).to_series()
-    calls = calls.with_columns(
-        origin_step_key=pl.col("trajectory_uid") + ":" + pl.col("step_index").cast(pl.String),
-        trajectory_uid=placed["trajectory_uid"],
-        step_index=placed["step_index"],
-        prompt_uid=group,
-        sequence_hash=placed["sequence_hash"],
+    updates = {
+        "origin_step_key": calls["trajectory_uid"] + ":" + calls["step_index"].cast(pl.String),
+        "trajectory_uid": placed["trajectory_uid"],
+        "step_index": placed["step_index"],
+        "prompt_uid": group,
+        "sequence_hash": placed["sequence_hash"],
+    }
+    return candidates.with_columns(
+        candidates[name].cast(values.dtype).clone().scatter(rows, values).alias(name)
+        for name, values in updates.items()
     )
-    return pl.concat([others, calls], how="vertical_relaxed").sort("received_at", "event_id")
 
 
 def with_step_keys(frame: pl.DataFrame) -> pl.DataFrame:
@@ -133,34 +154,45 @@ def with_step_keys(frame: pl.DataFrame) -> pl.DataFrame:
 
 def split_duplicates(
     candidates: pl.DataFrame, stored: pl.DataFrame
-) -> tuple[pl.DataFrame, pl.DataFrame, int]:
-    """(new steps, conflicts, exact duplicates dropped).
+) -> tuple[np.ndarray, pl.DataFrame, int]:
+    """(row mask of new steps, conflicts, exact duplicates dropped), decided on key columns.
 
-    `stored` holds silver's `step_key, event_id, prompt_id, response_id`. A candidate whose
-    step_key is already taken (in silver, or by an earlier candidate) with the same tokens is
-    an exact duplicate and dropped; with different tokens it is a conflict, kept out of silver
-    with the kept step's ids beside it. First received wins.
+    `candidates` needs `event_id, step_key, prompt_id, response_id, received_at`; `stored`
+    holds silver's `step_key, event_id, prompt_id, response_id`. A candidate whose step_key
+    is already taken (in silver, or by an earlier candidate) with the same tokens is an exact
+    duplicate and dropped; with different tokens it is a conflict, kept out of silver with
+    the kept step's ids beside it. First received wins.
     """
     kept_cols = {
         "event_id": "kept_event_id",
         "prompt_id": "kept_prompt_id",
         "response_id": "kept_response_id",
     }
-    first = candidates.unique("step_key", keep="first", maintain_order=True)
+    keys = candidates.select(
+        *[c for c in KEY_COLUMNS if c in candidates.columns], "received_at"
+    ).with_row_index("row")
+    arrival = keys.sort("received_at", "event_id")
     earlier = (
         pl.concat(
-            [stored.select("step_key", *kept_cols), first.select("step_key", *kept_cols)],
+            [
+                stored.select("step_key", *kept_cols),
+                arrival.unique("step_key", keep="first", maintain_order=True).select(
+                    "step_key", *kept_cols
+                ),
+            ],
             how="vertical_relaxed",
         )
         .unique("step_key", keep="first", maintain_order=True)
         .rename(kept_cols)
     )
-    judged = candidates.join(earlier, on="step_key", how="left", maintain_order="left")
+    judged = keys.join(earlier, on="step_key", how="left")
     is_self = pl.col("event_id") == pl.col("kept_event_id")
     same = (pl.col("prompt_id") == pl.col("kept_prompt_id")) & (
         pl.col("response_id") == pl.col("kept_response_id")
     )
-    new = judged.filter(is_self).drop(kept_cols.values())
+    new_rows = judged.filter(is_self)["row"].to_numpy()
     rest = judged.filter(~is_self)
-    conflicts = rest.filter(~same)
-    return new, conflicts, rest.height - conflicts.height
+    conflicts = rest.filter(~same).drop("row", "received_at")
+    keep = np.zeros(candidates.height, dtype=bool)
+    keep[new_rows] = True
+    return keep, conflicts, rest.height - conflicts.height
