@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import polars as pl
 
 from claw_pipelines.contracts.tables import (
@@ -55,7 +54,6 @@ from claw_pipelines.transforms.steps import (
     with_content_ids,
     with_step_keys,
 )
-from claw_pipelines.transforms.stitching import AnchorSequences
 from claw_pipelines.transforms.trajectories import trajectory_statuses, with_returns
 
 SILVER_TABLES = (
@@ -175,24 +173,23 @@ def _stored(lake: Lake, table: str, columns: list[str]) -> pl.DataFrame:
     return lake.read(table, columns=columns)
 
 
-def _anchors(
-    lake: Lake, calls: pl.DataFrame, window_us: int
-) -> tuple[pl.DataFrame, AnchorSequences]:
+def _anchors(lake: Lake, calls: pl.DataFrame, window_us: int) -> pl.DataFrame:
     """Unscoped steps in silver that the new calls may continue (within the window), as
-    hashes and lengths; and a reader of the few whose tokens must be verified."""
+    hashes, content ids and lengths: their tokens are never read back."""
     columns = {
         "tenant": pl.String,
         "received_us": pl.Int64,
         "seq_len": pl.Int64,
         "sequence_hash": pl.Int64,
+        "prompt_id": pl.String,
+        "response_id": pl.String,
+        "prompt_len": pl.Int64,
         "trajectory_uid": pl.String,
         "step_index": pl.Int64,
         "prompt_uid": pl.String,
-        "step_key": pl.String,
     }
-    empty = pl.DataFrame(schema=columns | {"has_successor": pl.Boolean})
     if calls.is_empty():
-        return empty, _no_sequences
+        return pl.DataFrame(schema=columns | {"has_successor": pl.Boolean})
     steps = lake.scan(SILVER_STEPS)
     anchors = (
         steps.filter(
@@ -205,10 +202,12 @@ def _anchors(
             received_us=pl.col("created_at").dt.epoch("us"),
             seq_len=pl.col("prompt_len") + pl.col("response_len"),
             sequence_hash="sequence_hash",
+            prompt_id="prompt_id",
+            response_id="response_id",
+            prompt_len="prompt_len",
             trajectory_uid="trajectory_uid",
             step_index="step_index",
             prompt_uid="prompt_uid",
-            step_key="step_key",
         )
         .collect()
     )
@@ -218,23 +217,7 @@ def _anchors(
         .collect()
     )
     anchors = anchors.join(successors, on=["trajectory_uid", "step_index"], how="left")
-    anchors = anchors.with_columns(pl.col("has_successor").fill_null(False))
-
-    def sequences(indices: np.ndarray) -> list[np.ndarray]:
-        keys = anchors["step_key"].gather(indices)
-        rows = (
-            steps.filter(pl.col("step_key").is_in(keys.implode()))
-            .select("step_key", seq=pl.concat_list("prompt_ids", "response_ids"))
-            .collect()
-        )
-        by_key = dict(zip(rows["step_key"], rows["seq"].to_list(), strict=True))
-        return [np.asarray(by_key[k], dtype=np.int32) for k in keys.to_list()]
-
-    return anchors, sequences
-
-
-def _no_sequences(indices: np.ndarray) -> list[np.ndarray]:
-    raise LookupError("no anchors")
+    return anchors.with_columns(pl.col("has_successor").fill_null(False))
 
 
 def _new_steps(
@@ -248,8 +231,8 @@ def _new_steps(
     candidates = with_content_ids(keep_rows(candidates, first))
     window_us = int(options.stitch_window_s * _US)
     unscoped = candidates.filter(pl.col("unscoped")).select("tenant", "received_us")
-    anchors, sequences = _anchors(lake, unscoped, window_us)
-    candidates = with_step_keys(place_unscoped(candidates, anchors, window_us, sequences))
+    anchors = _anchors(lake, unscoped, window_us)
+    candidates = with_step_keys(place_unscoped(candidates, anchors, window_us))
     keep, conflicts, duplicates = split_duplicates(candidates, index)
     known = steps.height - int(first.sum())
     return keep_rows(candidates, keep), conflicts, known + duplicates

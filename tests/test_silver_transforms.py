@@ -19,7 +19,7 @@ from claw_pipelines.transforms.hashing import (
     sequence_hash,
     slice_content_hashes,
 )
-from claw_pipelines.transforms.steps import split_duplicates
+from claw_pipelines.transforms.steps import split_duplicates, with_content_ids
 from claw_pipelines.transforms.stitching import StitchInput, stitch
 from claw_pipelines.transforms.trajectories import trajectory_statuses
 
@@ -50,41 +50,38 @@ def test_content_hashes_are_stable_and_tell_sequences_apart():
 def calls(rows):
     """(tenant, received_us, prompt, response, own uid) → the calls frame of `stitch`."""
     tenant, received, prompt, response, uid = zip(*rows, strict=True)
-    return pl.DataFrame(
-        {
-            "tenant": tenant,
-            "received_us": received,
-            "prompt_ids": pl.Series(prompt, dtype=TOKENS),
-            "response_ids": pl.Series(response, dtype=TOKENS),
-            "trajectory_uid": uid,
-        }
+    return with_content_ids(
+        pl.DataFrame(
+            {
+                "tenant": tenant,
+                "received_us": received,
+                "prompt_ids": pl.Series(prompt, dtype=TOKENS),
+                "response_ids": pl.Series(response, dtype=TOKENS),
+                "trajectory_uid": uid,
+            }
+        )
     )
 
 
 def anchors(rows, step_index, has_successor):
-    """Placed steps as `stitch` sees them: hashes and lengths, tokens only on request."""
+    """Placed steps as `stitch` sees them: hashes, content ids and lengths, no tokens."""
     frame = calls(rows)
     pairs = zip(frame["prompt_ids"].to_list(), frame["response_ids"].to_list(), strict=True)
     sequences = [p + r for p, r in pairs]
     hashes = np.array([sequence_hash(s) for s in sequences], dtype=np.uint64).view(np.int64)
-    meta = frame.select("tenant", "received_us", "trajectory_uid").with_columns(
+    return frame.select(
+        "tenant", "received_us", "trajectory_uid", "prompt_id", "response_id"
+    ).with_columns(
         seq_len=pl.Series([len(s) for s in sequences], dtype=pl.Int64),
+        prompt_len=frame["prompt_ids"].list.len().cast(pl.Int64),
         sequence_hash=pl.Series(hashes),
         step_index=pl.Series(step_index, dtype=pl.Int64),
         has_successor=pl.Series(has_successor, dtype=pl.Boolean),
     )
-    asked = []
-
-    def tokens(indices):
-        asked.extend(indices.tolist())
-        return [np.asarray(sequences[i], dtype=np.int32) for i in indices]
-
-    return meta, tokens, asked
 
 
 def no_anchors():
-    meta, _, _ = anchors([("t", 0, [0], [0], "x")], [0], [False])
-    return meta.clear()
+    return anchors([("t", 0, [0], [0], "x")], [0], [False]).clear()
 
 
 def placed(frame):
@@ -129,11 +126,18 @@ def test_a_parent_keeps_one_continuation_and_anchors_continue_across_runs():
         ]
     )
     placed_before = [("t", 1, [1], [2], "a"), ("t", 2, [9, 9], [9], "z"), ("t", 3, [5], [5], "q")]
-    meta, tokens, asked = anchors(placed_before, [3, 0, 0], [False, True, False])
-    result = stitch(StitchInput(frame, meta, window_us=10**9, anchor_sequences=tokens))
+    meta = anchors(placed_before, [3, 0, 0], [False, True, False])
+    result = stitch(StitchInput(frame, meta, window_us=10**9))
     assert placed(result) == [("a", 4), ("retry-2", 0), ("n", 0)]
     assert result["head_anchor"].to_list() == [0, -1, -1]
-    assert sorted(set(asked)) == [0, 1]  # only matched anchors' tokens are read, to verify
+
+
+def test_a_rolling_hash_match_with_other_tokens_is_refused():
+    frame = calls([("t", 5, [1, 2, 3], [4], "c")])
+    forged = anchors([("t", 1, [1], [2], "a")], [0], [False]).with_columns(
+        prompt_id=pl.lit("0" * 32)  # same rolling hash and length, other content
+    )
+    assert placed(stitch(StitchInput(frame, forged, window_us=10**9))) == [("c", 0)]
 
 
 def stepframe(rows):

@@ -18,7 +18,7 @@ import numpy as np
 import polars as pl
 
 from claw_pipelines.transforms.hashing import content_hashes
-from claw_pipelines.transforms.stitching import AnchorSequences, StitchInput, stitch
+from claw_pipelines.transforms.stitching import StitchInput, stitch
 
 STEP_COLUMNS = [
     "event_id",
@@ -106,12 +106,7 @@ def _prompt_groups(tenant: pl.Series, prompt_id: pl.Series) -> pl.Series:
     )
 
 
-def place_unscoped(
-    candidates: pl.DataFrame,
-    anchors: pl.DataFrame,
-    window_us: int,
-    anchor_sequences: AnchorSequences | None = None,
-) -> pl.DataFrame:
+def place_unscoped(candidates: pl.DataFrame, anchors: pl.DataFrame, window_us: int) -> pl.DataFrame:
     """Give unscoped calls their stitched trajectory, step index and prompt group.
 
     `anchors` are earlier unscoped steps already in silver (see `stitching.StitchInput`) with
@@ -121,7 +116,7 @@ def place_unscoped(
     if len(rows) == 0:
         return candidates
     calls = candidates[rows]  # only the unscoped rows are copied
-    placed = stitch(StitchInput(calls, anchors, window_us, anchor_sequences))
+    placed = stitch(StitchInput(calls, anchors, window_us))
     own_group = calls.select(
         pl.when(pl.col("group_from_client"))
         .then(pl.col("prompt_uid"))

@@ -4,8 +4,10 @@ An agent that knows nothing about us resends the whole conversation on each turn
 prompt of turn t+1 starts with the prompt + response of turn t. A call whose prompt ids start
 with an earlier call's full sequence (same tenant, within the window) continues that call's
 trajectory; the longest such match is its parent. Matching joins each call's prompt-prefix
-hashes against every earlier call's full-sequence hash (hash join, vectorized, verified on
-the tokens), then pointer jumping turns parent links into (trajectory, step index).
+hashes (64-bit rolling) against every earlier call's full-sequence hash (hash join,
+vectorized); each chosen match is then verified with the BLAKE2b content ids of the slices
+(so a rolling-hash collision cannot join two conversations, and placed steps' tokens are
+never read back). Pointer jumping turns parent links into (trajectory, step index).
 
 A parent keeps one continuation: the earliest. A later call with the same parent (a retry, a
 fork) starts a trajectory of its own, as does a call whose parent already has a successor.
@@ -13,41 +15,42 @@ fork) starts a trajectory of its own, as does a call whose parent already has a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
-from claw_pipelines.transforms.hashing import concat_ranges, iter_prefix_hashes, list_parts
+from claw_pipelines.transforms.hashing import (
+    concat_ranges,
+    iter_prefix_hashes,
+    list_parts,
+    slice_content_hashes,
+)
 
 NO_PARENT = -1
-AnchorSequences = Callable[[np.ndarray], list[np.ndarray]]
 
 
 @dataclass(frozen=True)
 class StitchInput:
     """Calls to place and the earlier steps they may continue.
 
-    `calls`: tenant, received_us (int), prompt_ids, response_ids, trajectory_uid (the call's
-    own). `anchors`, already placed steps, without their tokens: tenant, received_us,
-    seq_len, sequence_hash (int64), trajectory_uid, step_index, has_successor.
-    `anchor_sequences(indices)` returns those anchors' prompt + response ids, to verify the
-    few that match.
+    `calls`: tenant, received_us (int), prompt_ids, response_ids, prompt_id, response_id,
+    trajectory_uid (the call's own). `anchors`, already placed steps, without their tokens:
+    tenant, received_us, seq_len, sequence_hash (int64), prompt_id, response_id, prompt_len,
+    trajectory_uid, step_index, has_successor.
     """
 
     calls: pl.DataFrame
     anchors: pl.DataFrame
     window_us: int
-    anchor_sequences: AnchorSequences | None = None
 
 
 def _as_int64(hashes: np.ndarray) -> np.ndarray:
     return hashes.view(np.int64)
 
 
-def _probes(data: StitchInput) -> tuple[pl.DataFrame, np.ndarray, np.ndarray, np.ndarray]:
-    """(probe rows, call full-sequence hashes, call offsets, call values).
+def _probes(data: StitchInput) -> tuple[pl.DataFrame, np.ndarray, np.ndarray]:
+    """(probe rows, the calls' full-sequence hashes, the calls' sequence lengths).
 
     A probe is a call's prompt prefix whose length some candidate parent sequence has."""
     calls, anchors = data.calls, data.anchors
@@ -81,14 +84,14 @@ def _probes(data: StitchInput) -> tuple[pl.DataFrame, np.ndarray, np.ndarray, np
             "child_us": calls["received_us"].to_numpy()[row],
         }
     )
-    return probes, full, offsets, values
+    return probes, full, seq_len
 
 
 def _parents(data: StitchInput) -> tuple[np.ndarray, np.ndarray]:
     """(each node's verified longest earlier match or NO_PARENT, the calls' sequence hashes).
     Nodes are the anchors, then the calls."""
     calls, anchors = data.calls, data.anchors
-    probes, full, offsets, values = _probes(data)
+    probes, full, seq_len = _probes(data)
     n_anchor = anchors.height
     candidates = pl.concat(
         [
@@ -103,7 +106,7 @@ def _parents(data: StitchInput) -> tuple[np.ndarray, np.ndarray]:
                 {
                     "parent": np.arange(calls.height, dtype=np.int64) + n_anchor,
                     "tenant": calls["tenant"],
-                    "length": np.diff(offsets),
+                    "length": seq_len,
                     "hash": _as_int64(full),
                     "parent_us": calls["received_us"].cast(pl.Int64),
                 }
@@ -122,23 +125,35 @@ def _parents(data: StitchInput) -> tuple[np.ndarray, np.ndarray]:
         .unique("child", keep="first", maintain_order=True)
     )
     child, parent, size = (best[c].to_numpy() for c in ("child", "parent", "length"))
-    from_anchor = parent < n_anchor
-    anchor_seqs: dict[int, np.ndarray] = {}
-    if from_anchor.any():
-        if data.anchor_sequences is None:
-            raise ValueError("anchors matched but no anchor_sequences to verify them")
-        needed = np.unique(parent[from_anchor])
-        anchor_seqs = dict(zip(needed.tolist(), data.anchor_sequences(needed), strict=True))
     links = np.full(n_anchor + calls.height, NO_PARENT, dtype=np.int64)
-    for c, p, n in zip(child.tolist(), parent.tolist(), size.tolist(), strict=True):
-        start = offsets[c - n_anchor]
-        if p < n_anchor:
-            other = anchor_seqs[p]
-        else:
-            other = values[offsets[p - n_anchor] : offsets[p - n_anchor + 1]]
-        if np.array_equal(values[start : start + n], other):  # a hash collision fails here
-            links[c] = p
+    verified = _verified(data, child - n_anchor, parent, size)
+    links[child[verified]] = parent[verified]
     return links, full
+
+
+def _verified(data: StitchInput, rows: np.ndarray, parent: np.ndarray, size: np.ndarray):
+    """Mask of matches whose child prompt really starts with the parent's prompt + response:
+    BLAKE2b of the child's prompt slices against the parent's content ids."""
+    if len(rows) == 0:
+        return np.zeros(0, dtype=bool)
+    ids = pl.concat(
+        [
+            data.anchors.select("prompt_id", "response_id", "prompt_len"),
+            data.calls.select(
+                "prompt_id", "response_id", prompt_len=pl.col("prompt_ids").list.len()
+            ),
+        ],
+        how="vertical_relaxed",
+    )[parent]
+    count = data.calls.height
+    middle, stop = np.full(count, -1, dtype=np.int64), np.full(count, -1, dtype=np.int64)
+    middle[rows] = ids["prompt_len"].to_numpy()
+    stop[rows] = size
+    prompts = data.calls["prompt_ids"].to_arrow()
+    head = pl.Series(slice_content_hashes(prompts, np.zeros(count, np.int64), middle))
+    tail = pl.Series(slice_content_hashes(prompts, middle, stop))
+    same = (head.gather(rows) == ids["prompt_id"]) & (tail.gather(rows) == ids["response_id"])
+    return same.fill_null(False).to_numpy()
 
 
 def _one_continuation(parent: np.ndarray, order_us: np.ndarray, taken: np.ndarray) -> np.ndarray:
