@@ -3,9 +3,11 @@ with Dagster in-process and with `claw materialize`."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import dagster as dg
 import httpx
@@ -98,6 +100,24 @@ def test_definitions_load_with_layered_asset_keys_descriptions_and_automation():
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
     assert [s.job.name for s in defs.schedules] == ["maintenance_job"]
     assert (REPO / "workspace.yaml").read_text().count("claw_pipelines.definitions") == 1
+
+
+def test_the_workspace_loads_in_dagster(tmp_path):
+    """What `dagster dev -w workspace.yaml` loads: the code location validates."""
+    (tmp_path / "dagster.yaml").write_text("")
+    dagster = Path(sys.executable).with_name("dagster")
+    done = subprocess.run(
+        [str(dagster), "definitions", "validate", "-w", "workspace.yaml"],
+        cwd=REPO,
+        env={**os.environ, "DAGSTER_HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Validation successful for code location claw_pipelines.definitions" in (
+        done.stdout + done.stderr
+    )
 
 
 def chat(client: openai.OpenAI, messages: list[dict]) -> tuple[str, dict]:
