@@ -11,7 +11,13 @@ from pathlib import Path
 import httpx
 import polars as pl
 
-from claw_pipelines.contracts.tables import BRONZE_EVENTS, STEP_KINDS
+from claw_pipelines.contracts.tables import (
+    BRONZE_EVENTS,
+    SILVER_STEP_REWARDS,
+    SILVER_STEPS,
+    SILVER_TRAJECTORIES,
+    STEP_KINDS,
+)
 from claw_pipelines.lake import Lake
 from claw_pipelines.processes import ServiceProcess
 from claw_pipelines.settings import ClawSettings
@@ -56,6 +62,8 @@ def run_demo(settings: ClawSettings, workdir: str | None = None, seed: int = 7) 
             tally = _drive_agents(sim.url, gateway.url, random.Random(seed))
             say("  stopping the gateway: it lands every acknowledged record in bronze")
         summary = summarize(lake, tally)
+    say("  materializing every asset (Dagster, in-process)")
+    summary |= materialize_all(settings, lake)
     print(render(summary, lake))
     return summary
 
@@ -74,14 +82,24 @@ def _drive_agents(sim_url: str, gateway_url: str, rng: random.Random) -> Tally:
         done = 0
         for version in POLICY_VERSIONS:
             finished: list[str] = []
-            for _ in range(TASKS_PER_VERSION):
+            for index in range(TASKS_PER_VERSION):
                 task = Task.random(rng)
+                scoped = index % 2 == 0  # half the black-box groups send unscoped calls
                 session_event(gateway, "session_started", None, tally)
                 finished += white_box_group(llm, gateway, task, ROLLOUTS, version, tally)
                 if proxy:
                     group = f"bb-group-{rng.getrandbits(48):012x}"
-                    for _ in range(ROLLOUTS):
-                        black_box_rollout(gateway_url, DEMO_KEY, task, group, version, tally)
+                    for rollout in range(ROLLOUTS):
+                        black_box_rollout(
+                            gateway_url,
+                            DEMO_KEY,
+                            task,
+                            group,
+                            version,
+                            tally,
+                            scoped=scoped,
+                            seed=None if scoped else rollout,
+                        )
                 done += 1
                 say(f"  [{done:>2}/{total}] policy v{version}: {task.question}")
             feedback_service(gateway, finished, rng, tally)
@@ -112,6 +130,31 @@ def summarize(lake: Lake, tally: Tally) -> dict:
     }
 
 
+def materialize_all(settings: ClawSettings, lake: Lake) -> dict:
+    """Run every Dagster asset on the lake; what silver holds afterwards."""
+    from claw_pipelines.materialize import materialize
+
+    report = materialize(settings)
+    if not report.success:
+        raise RuntimeError(f"materialization failed: {report.error}")
+    steps = lake.read(SILVER_STEPS, columns=["trajectory_uid", "origin_step_key"])
+    trajectories = lake.read(SILVER_TRAJECTORIES, columns=["status"])
+    rewards = lake.read(SILVER_STEP_REWARDS, columns=["reward_status"])
+    stitched = steps.filter(pl.col("origin_step_key").is_not_null())
+    return {
+        "silver_steps": steps.height,
+        "silver_trajectories": dict(
+            trajectories.group_by("status").len().sort("status").iter_rows()
+        ),
+        "stitched_unscoped": f"{stitched.height} calls -> "
+        f"{stitched['trajectory_uid'].n_unique()} trajectories",
+        "reward_status": dict(
+            rewards.group_by("reward_status").len().sort("reward_status").iter_rows()
+        ),
+        "checks": f"{sum(report.checks.values())}/{len(report.checks)} passed",
+    }
+
+
 def render(summary: dict, lake: Lake) -> str:
     """The summary as a small table."""
     rows = [
@@ -128,13 +171,20 @@ def render(summary: dict, lake: Lake) -> str:
             "response_tokens",
             "acknowledged",
             "bronze_version",
+            "silver_steps",
+            "silver_trajectories",
+            "stitched_unscoped",
+            "reward_status",
+            "checks",
         )
+        if name in summary
     ]
     width = max(len(name) for name, _ in rows)
     lines = ["", "claw demo: summary"] + [f"  {n:<{width}}  {v}" for n, v in rows]
     lines += [
         "",
         f"  lake: {lake.uri}",
-        f"  read it: polars.read_delta('{lake.table_uri(BRONZE_EVENTS)}')",
+        f"  read it: polars.read_delta('{lake.table_uri(SILVER_STEPS)}')",
+        f"  Dagster UI: CLAW_LAKE_URI={lake.uri} dagster dev -w workspace.yaml",
     ]
     return "\n".join(lines)

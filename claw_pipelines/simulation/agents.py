@@ -124,12 +124,16 @@ def black_box_rollout(
     policy_version: int,
     tally: Tally,
     max_turns: int = 4,
+    scoped: bool = True,
+    seed: int | None = None,
 ) -> str:
-    """A tool-using agent that only knows an OpenAI base URL (scoped to its trajectory)."""
+    """A tool-using agent that only knows an OpenAI base URL: scoped to its trajectory, or
+    the plain `/v1` (unscoped: the lake stitches its turns by their token prefixes). Returns
+    its trajectory uid (unscoped: its first call's, which stitching keeps)."""
     from openai import OpenAI
 
     trajectory = f"bb-{uuid.uuid4().hex[:12]}"
-    base_url = f"{gateway_url}/t/{trajectory}/g/{group}/v1"
+    base_url = f"{gateway_url}/t/{trajectory}/g/{group}/v1" if scoped else f"{gateway_url}/v1"
     client = OpenAI(
         base_url=base_url,
         api_key=api_key,
@@ -143,13 +147,12 @@ def black_box_rollout(
     final = None
     with client:
         for _ in range(max_turns):
-            reply = (
-                client.chat.completions.create(
-                    model="claw-sim-llm", messages=messages, tools=[CALCULATOR_TOOL]
-                )
-                .choices[0]
-                .message
+            raw = client.chat.completions.with_raw_response.create(
+                model="claw-sim-llm", messages=messages, tools=[CALCULATOR_TOOL], seed=seed
             )
+            reply = raw.parse().choices[0].message
+            if not scoped and len(messages) == 2:  # the first call names the trajectory
+                trajectory = raw.headers["x-claw-step-keys"].rsplit(":", 1)[0]
             tally.steps += 1
             messages.append(reply.model_dump(exclude_none=True))
             if not reply.tool_calls:
