@@ -126,6 +126,7 @@ def summarize(lake: Lake, tally: Tally) -> dict:
         "prompt_tokens": int(steps["prompt_ids"].list.len().sum()),
         "response_tokens": int(steps["response_ids"].list.len().sum()),
         "acknowledged": len(set(tally.event_ids)),
+        "steps_acknowledged": tally.steps,
         "bronze_version": lake.version(BRONZE_EVENTS),
     }
 
@@ -170,6 +171,7 @@ def render(summary: dict, lake: Lake) -> str:
             "prompt_tokens",
             "response_tokens",
             "acknowledged",
+            "steps_acknowledged",
             "bronze_version",
             "silver_steps",
             "silver_trajectories",

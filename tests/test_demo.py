@@ -1,0 +1,38 @@
+"""`claw demo` end to end in a temp directory: real processes, then the lake is checked."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+
+from claw_pipelines.contracts.tables import SILVER_STEPS
+from claw_pipelines.lake import Lake
+from claw_pipelines.silver import SILVER_TABLES
+from tests.servers import REPO
+
+
+@pytest.mark.slow
+def test_claw_demo_fills_bronze_and_silver(tmp_path):
+    lake_dir = tmp_path / "lake"
+    done = subprocess.run(
+        [sys.executable, "-m", "claw_pipelines.cli", "demo", "--lake", str(lake_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lake = Lake(str(lake_dir))
+    for table in ("bronze/events", *SILVER_TABLES):
+        assert lake.exists(table), table
+    acknowledged = int(re.search(r"steps acknowledged\s+(\d+)", done.stdout)[1])
+    steps = lake.read(SILVER_STEPS)
+    assert steps.height == acknowledged > 0
+    assert steps["step_key"].n_unique() == steps.height
+    stitched = steps.filter(pl.col("origin_step_key").is_not_null())
+    assert stitched.height > stitched["trajectory_uid"].n_unique() > 0  # turns were joined
+    assert re.search(r"checks\s+(\d+)/\1 passed", done.stdout)
