@@ -9,6 +9,7 @@ from typing import Any
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.fs as pafs
 from deltalake import (
     ColumnProperties,
     CommitProperties,
@@ -75,6 +76,55 @@ class Lake:
 
     def _options(self) -> dict[str, str] | None:
         return self.storage_options or None
+
+    # -- plain files (curation specs) -------------------------------------------------------
+    def _filesystem(self) -> tuple[pafs.FileSystem, str]:
+        """A pyarrow filesystem for the lake root and the root's path in it."""
+        if not self.is_remote:
+            return pafs.LocalFileSystem(), self.uri
+        scheme, _, rest = self.uri.partition("://")
+        if scheme in ("s3", "s3a"):
+            options = {k.upper(): v for k, v in self.storage_options.items()}
+            endpoint = options.get("AWS_ENDPOINT_URL", "")
+            return (
+                pafs.S3FileSystem(
+                    access_key=options.get("AWS_ACCESS_KEY_ID"),
+                    secret_key=options.get("AWS_SECRET_ACCESS_KEY"),
+                    region=options.get("AWS_REGION") or options.get("AWS_DEFAULT_REGION"),
+                    endpoint_override=endpoint.split("://", 1)[-1] or None,
+                    scheme="http" if endpoint.startswith("http://") else "https",
+                ),
+                rest,
+            )
+        filesystem, root = pafs.FileSystem.from_uri(self.uri)
+        return filesystem, root
+
+    def _file_path(self, name: str) -> tuple[pafs.FileSystem, str]:
+        self.table_uri(name)  # same safety rules as table names
+        filesystem, root = self._filesystem()
+        return filesystem, f"{root}/{name}"
+
+    def write_text(self, name: str, text: str) -> None:
+        """Write a small text file under the lake root (e.g. "specs/mine.yaml")."""
+        filesystem, path = self._file_path(name)
+        filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with filesystem.open_output_stream(path) as out:
+            out.write(text.encode())
+
+    def read_text(self, name: str) -> str | None:
+        """A small text file under the lake root, or None when it does not exist."""
+        filesystem, path = self._file_path(name)
+        if filesystem.get_file_info(path).type != pafs.FileType.File:
+            return None
+        with filesystem.open_input_stream(path) as stream:
+            return stream.read().decode()
+
+    def list_files(self, folder: str, suffix: str = "") -> list[str]:
+        """Names (relative to the lake root) of the files directly in `folder`."""
+        filesystem, path = self._file_path(folder)
+        infos = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        names = [i.base_name for i in infos if i.type == pafs.FileType.File]
+        return sorted(f"{folder}/{n}" for n in names if n.endswith(suffix))
 
     # -- metadata ---------------------------------------------------------------------------
     def exists(self, name: str) -> bool:

@@ -1,0 +1,104 @@
+"""Curation specs (DESIGN §6): which silver steps make a gold dataset, how they are merged and
+what advantage they carry. Stored as YAML in the lake (`specs/<name>.yaml`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from claw_pipelines.contracts.limits import LABEL_PATTERN
+
+DATASET_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+DatasetName = Annotated[str, StringConstraints(pattern=DATASET_NAME_PATTERN)]
+Label = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=LABEL_PATTERN)]
+RewardStatus = Literal["final", "pending", "missing"]
+TrajectoryStatus = Literal["open", "complete", "abandoned"]
+TokenSource = Literal["upstream", "local", "client"]
+SourceKind = Literal["white_box", "proxy", "claw_r1"]
+Length = Annotated[int, Field(ge=0)]
+
+
+class CurationSpec(BaseModel):
+    """A gold dataset's definition: filters on silver steps, merge scope and advantage.
+
+    Every filter left unset keeps everything. Its hash (`spec_hash`) identifies it in lineage.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: DatasetName = Field(description="the dataset: gold/datasets/<name>")
+    description: str = ""
+    reward_status: list[RewardStatus] = Field(
+        default_factory=lambda: ["final"], description="keep steps whose reward status is one of"
+    )
+    reward_min: float | None = Field(None, description="lowest resolved reward kept")
+    reward_max: float | None = Field(None, description="highest resolved reward kept")
+    require_labels: list[Label] = Field(default_factory=list, description="all must be present")
+    exclude_labels: list[Label] = Field(default_factory=list, description="none may be present")
+    min_rating: float | None = Field(None, description="lowest latest human rating kept")
+    token_sources: list[TokenSource] | None = None
+    finish_reasons: list[Label] | None = None
+    min_prompt_tokens: Length | None = None
+    max_prompt_tokens: Length | None = None
+    min_response_tokens: Length | None = None
+    max_response_tokens: Length | None = None
+    trajectory_status: list[TrajectoryStatus] | None = Field(
+        None, description="keep steps of trajectories in these states (e.g. only complete)"
+    )
+    complete_groups_only: bool = Field(
+        False, description="keep a prompt group only if all its trajectories are complete"
+    )
+    min_group_size: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="keep prompt groups with at least this many trajectories"
+    )
+    drop_zero_variance_groups: bool = Field(
+        False, description="drop prompt groups whose trajectory returns are all equal"
+    )
+    max_policy_staleness: Length | None = Field(
+        None, description="keep policy versions within this many of the newest one"
+    )
+    policy_versions: list[Length] | None = Field(None, description="keep only these versions")
+    sources: list[SourceKind] | None = None
+    tenants: list[Label] | None = None
+    merge: Literal["trajectory", "prompt_group", "none"] = Field(
+        "trajectory", description="prefix-tree scope"
+    )
+    advantage: Literal["none", "grpo"] = Field(
+        "none", description="grpo: (return - group mean) / (group std + eps)"
+    )
+    advantage_eps: Annotated[float, Field(gt=0)] = 1e-6
+
+    @model_validator(mode="after")
+    def _ranges_are_ordered(self) -> CurationSpec:
+        for low, high in (
+            ("reward_min", "reward_max"),
+            ("min_prompt_tokens", "max_prompt_tokens"),
+            ("min_response_tokens", "max_response_tokens"),
+        ):
+            a, b = getattr(self, low), getattr(self, high)
+            if a is not None and b is not None and a > b:
+                raise ValueError(f"{low} ({a}) is above {high} ({b})")
+        return self
+
+    def canonical_json(self) -> str:
+        """The spec as canonical JSON (sorted keys, no spaces): what its hash covers."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def spec_hash(self) -> str:
+        """SHA-256 of the canonical JSON, hex (first 16 characters)."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+
+DEFAULT_SPEC = CurationSpec(
+    name="default",
+    description="Final-reward steps of complete trajectories, merged per GRPO prompt group, "
+    "with GRPO advantages.",
+    reward_status=["final"],
+    trajectory_status=["complete"],
+    merge="prompt_group",
+    advantage="grpo",
+)

@@ -1,0 +1,132 @@
+"""Prefix-tree merge (DESIGN §7): steps that share token prefixes store those tokens once.
+
+Within each tree (a trajectory, a prompt group, or a single step), sequences are sorted
+lexicographically; each one then shares with its sorted predecessor exactly the longest
+prefix it shares with any earlier sequence (its LCP). Each sequence contributes one segment:
+its tokens after that LCP, attached to the segment of the nearest earlier sequence with a
+smaller LCP (the one that first stored the shared prefix), at depth = the LCP. So a tree
+holds sum(len - lcp) tokens = U, the number of distinct non-empty prefixes: the optimum.
+
+Work is per sequence (sort keys, neighbour comparisons done by memcmp or numpy, one slice
+copy), never per token in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from claw_pipelines.transforms.hashing import list_parts
+
+NO_PARENT = -1
+
+
+@dataclass(frozen=True)
+class PrefixForest:
+    """The merged trees of many sequences. Segment k (in sorted order) belongs to input row
+    `row[k]` and tree `tree[k]`; it holds `tokens[offsets[k]:offsets[k+1]]`, the depths
+    `start[k]` .. `length[k]` of that row's sequence, and hangs off segment `parent[k]`."""
+
+    row: np.ndarray
+    tree: np.ndarray
+    parent: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    offsets: np.ndarray
+    tokens: np.ndarray
+
+    @property
+    def raw_tokens(self) -> int:
+        """Tokens of all sequences, unmerged."""
+        return int(self.length.sum())
+
+    @property
+    def tree_tokens(self) -> int:
+        """Tokens stored in the trees (U)."""
+        return int(len(self.tokens))
+
+    def segment_of_row(self) -> np.ndarray:
+        """For each input row, its segment index."""
+        inverse = np.empty(len(self.row), dtype=np.int64)
+        inverse[self.row] = np.arange(len(self.row))
+        return inverse
+
+    def paths(self) -> list[list[int]]:
+        """For each segment, the segments from its root down to itself."""
+        paths: list[list[int]] = []
+        for k, p in enumerate(self.parent.tolist()):  # parents come first in sorted order
+            paths.append([*paths[p], k] if p != NO_PARENT else [k])
+        return paths
+
+    def rebuild(self, segment: int, path: list[int] | None = None) -> np.ndarray:
+        """The full sequence of a segment's row, from the tree alone."""
+        path = path if path is not None else self.paths()[segment]
+        pieces = []
+        for here, below in zip(path, [*path[1:], None], strict=True):
+            begin = self.offsets[here]
+            take = (self.start[below] - self.start[here]) if below is not None else None
+            end = self.offsets[here + 1] if take is None else begin + take
+            pieces.append(self.tokens[begin:end])
+        return np.concatenate(pieces) if pieces else self.tokens[:0]
+
+
+def _sort_keys(values: np.ndarray, offsets: np.ndarray) -> list[bytes]:
+    """Each row's sequence as bytes: byte order of fixed-width ids is a lexicographic order."""
+    data = np.ascontiguousarray(values, dtype="<i4")
+    return [data[a:b].tobytes() for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+
+
+def _mismatch(values: np.ndarray, a: int, b: int, m: int) -> int:
+    """Index of the first difference of values[a:a+m] and values[b:b+m] (one exists)."""
+    return int(np.argmax(values[a : a + m] != values[b : b + m]))
+
+
+def build_forest(tree: np.ndarray, sequences: pa.Array | pa.ChunkedArray) -> PrefixForest:
+    """Merge the sequences (one per row) into prefix trees, one per distinct `tree` value."""
+    offsets, values, _ = list_parts(sequences)
+    values = np.ascontiguousarray(values, dtype=np.int32)
+    keys = _sort_keys(values, offsets)
+    tree_list = tree.tolist()
+    order = sorted(range(len(keys)), key=lambda i: (tree_list[i], keys[i]))
+    count = len(order)
+    lcp = np.zeros(count, dtype=np.int64)
+    parent = np.full(count, NO_PARENT, dtype=np.int64)
+    stack: list[int] = []  # segments of this tree with increasing lcp: parent candidates
+    previous = None
+    starts_list = offsets[:-1].tolist()
+    for k, i in enumerate(order):
+        if previous is None or tree_list[previous] != tree_list[i]:
+            stack.clear()
+            depth = 0
+        else:
+            a, b = keys[previous], keys[i]
+            if b.startswith(a):  # memcmp: the common case of nested turns
+                depth = len(a) // 4
+            elif a.startswith(b):
+                depth = len(b) // 4
+            else:
+                m = min(len(a), len(b)) // 4
+                depth = _mismatch(values, starts_list[previous], starts_list[i], m)
+        while stack and lcp[stack[-1]] >= depth:
+            stack.pop()
+        lcp[k] = depth
+        parent[k] = stack[-1] if stack and depth > 0 else NO_PARENT
+        stack.append(k)
+        previous = i
+    rows = np.asarray(order, dtype=np.int64)
+    starts = offsets[:-1][rows] + lcp
+    ends = offsets[1:][rows]
+    pieces = [values[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    tokens = np.concatenate(pieces) if pieces else values[:0]
+    sizes = ends - starts
+    return PrefixForest(
+        row=rows,
+        tree=tree[rows] if count else tree[:0],
+        parent=parent,
+        start=lcp,
+        length=np.diff(offsets)[rows],
+        offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+        tokens=tokens,
+    )
