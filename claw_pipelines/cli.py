@@ -60,11 +60,12 @@ def _cmd_materialize(args: argparse.Namespace) -> None:
     from claw_pipelines.materialize import materialize
 
     try:
-        report = materialize(_settings(args), args.select)
+        report = materialize(_settings(args), args.select, args.dataset, args.policy_version)
     except LookupError as exc:
         raise CliError(str(exc)) from None
     for asset, meta in report.assets.items():
-        shown = ", ".join(f"{k}={meta[k]}" for k in ("delta_version", "rows_written") if k in meta)
+        fields = ("delta_version", "rows_written", "steps", "token_ratio")
+        shown = ", ".join(f"{k}={meta[k]}" for k in fields if k in meta)
         print(f"materialized {asset}" + (f" ({shown})" if shown else ""))
     for check, passed in report.checks.items():
         print(f"check {check}: {'passed' if passed else 'FAILED'}")
@@ -99,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="SELECTION",
         help="asset key (silver/steps, silver/*) or Dagster selection (group:silver); repeatable",
+    )
+    mat.add_argument("--dataset", action="append", help="only these gold datasets; repeatable")
+    mat.add_argument(
+        "--policy-version", type=int, action="append", help="only these policy versions"
     )
 
     keys = verbs.add_parser("keys", help="manage gateway API keys")

@@ -208,9 +208,33 @@ class Lake:
             table,
             conform(data, spec.schema),
             mode="append",
-            partition_by=list(spec.partition_by) or None,
+            partition_by=table.metadata().partition_columns or None,
             writer_properties=APPEND_HEAVY_WRITER if spec.append_heavy else None,
             commit_properties=CommitProperties(custom_metadata=custom, app_transactions=txns),
+        )
+        table.update_incremental()
+        return table.version()
+
+    def replace_partition(
+        self,
+        spec: TableSpec,
+        data: pa.Table,
+        column: str,
+        value: int,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Replace exactly the rows where `column = value` (a predicate overwrite: other
+        partitions are untouched, older versions stay readable); return the new version."""
+        table = self.ensure(spec)
+        custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
+        write_deltalake(
+            table,
+            conform(data, spec.schema),
+            mode="overwrite",
+            predicate=f"{column} = {int(value)}",
+            partition_by=table.metadata().partition_columns or None,
+            commit_properties=CommitProperties(custom_metadata=custom),
         )
         table.update_incremental()
         return table.version()

@@ -1,4 +1,8 @@
-"""`claw materialize`: run the Dagster assets in-process against the configured lake."""
+"""`claw materialize`: run the Dagster assets in-process against the configured lake.
+
+Unpartitioned assets (silver) run first, in one run; partitioned ones (gold) then run once per
+(dataset, policy version) partition that the lake's specs and silver define.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +13,34 @@ from dataclasses import dataclass, field
 
 from claw_pipelines.settings import ClawSettings
 
+QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+
 
 @dataclass
 class MaterializeReport:
     """What a materialization did: assets written, check outcomes, success."""
 
-    success: bool
+    success: bool = True
     assets: dict[str, dict[str, object]] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)
     error: str | None = None
+
+    def add(self, result, partition: str | None = None) -> None:
+        """Fold one Dagster run's outcome into the report."""
+        suffix = f"[{partition}]" if partition else ""
+        for event in result.get_asset_materialization_events():
+            materialization = event.materialization
+            self.assets[materialization.asset_key.to_user_string() + suffix] = {
+                k: getattr(v, "value", v) for k, v in materialization.metadata.items()
+            }
+        for evaluation in result.get_asset_check_evaluations():
+            name = f"{evaluation.asset_key.to_user_string()}{suffix}:{evaluation.check_name}"
+            self.checks[name] = evaluation.passed
+        if not result.success and self.success:
+            self.success = False
+            failures = [e for e in result.all_events if e.is_step_failure]
+            error = failures[0].step_failure_data.error if failures else None
+            self.error = error.message.strip().splitlines()[0] if error else "the run failed"
 
 
 def _selection(select: Sequence[str] | None):
@@ -27,17 +50,20 @@ def _selection(select: Sequence[str] | None):
         return dg.AssetSelection.all()
     chosen = None
     for item in select:
-        part = (
-            dg.AssetSelection.from_string(item)
-            if ":" in item
-            else dg.AssetSelection.from_string(f'key:"{item}"')
-        )
+        text = item if ":" in item else f'key:"{item}"'
+        part = dg.AssetSelection.from_string(text)
         chosen = part if chosen is None else chosen | part
     return chosen.required_multi_asset_neighbors()
 
 
-def materialize(settings: ClawSettings, select: Sequence[str] | None = None) -> MaterializeReport:
-    """Materialize the selected assets (all by default; `silver/*`, `key:...`, `group:...`).
+def materialize(
+    settings: ClawSettings,
+    select: Sequence[str] | None = None,
+    datasets: Sequence[str] | None = None,
+    policy_versions: Sequence[int] | None = None,
+) -> MaterializeReport:
+    """Materialize the selected assets (all by default; `silver/*`, `key:...`, `group:...`);
+    gold partitions can be narrowed to some datasets and policy versions.
 
     Uses the Dagster instance of `DAGSTER_HOME` when set (runs show in the UI), else an
     ephemeral one.
@@ -47,38 +73,46 @@ def materialize(settings: ClawSettings, select: Sequence[str] | None = None) -> 
         import dagster as dg
 
         from claw_pipelines.definitions import defs
+        from claw_pipelines.defs.gold import DATASETS, POLICY_VERSIONS, all_partition_keys
         from claw_pipelines.defs.resources import ClawLake
+        from claw_pipelines.lake import Lake
 
-        selection = _selection(select)
-        if not selection.resolve(defs.resolve_asset_graph()):
+        graph = defs.resolve_asset_graph()
+        chosen = _selection(select).resolve(graph)
+        if not chosen:
             raise LookupError(f"no asset matches {' '.join(select or [])!r}")
+        partitioned = {k for k in chosen if graph.get(k).partitions_def is not None}
+        plain = {k for k in chosen - partitioned if graph.get(k).is_materializable}
         instance = (
             dg.DagsterInstance.get()
             if os.environ.get("DAGSTER_HOME")
             else dg.DagsterInstance.ephemeral()
         )
-        result = dg.materialize(
-            defs.assets,
-            selection=selection,
-            resources={"claw": ClawLake(lake_uri=settings.lake_uri)},
-            instance=instance,
-            run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
-            raise_on_error=False,
-        )
-    report = MaterializeReport(success=result.success)
-    for event in result.get_asset_materialization_events():
-        materialization = event.materialization
-        report.assets[materialization.asset_key.to_user_string()] = {
-            k: getattr(v, "value", v) for k, v in materialization.metadata.items()
-        }
-    for evaluation in result.get_asset_check_evaluations():
-        name = f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"
-        report.checks[name] = evaluation.passed
-    if not result.success:
-        failures = [e for e in result.all_events if e.is_step_failure]
-        report.error = (
-            failures[0].step_failure_data.error.message.strip().splitlines()[0]
-            if failures and failures[0].step_failure_data.error
-            else "the run failed"
-        )
+        resources = {"claw": ClawLake(lake_uri=settings.lake_uri)}
+        report = MaterializeReport()
+
+        def run(keys, partition_key=None):
+            return dg.materialize(
+                defs.assets,
+                selection=dg.AssetSelection.assets(*keys),
+                resources=resources,
+                instance=instance,
+                partition_key=partition_key,
+                run_config=QUIET,
+                raise_on_error=False,
+            )
+
+        if plain:
+            report.add(run(plain))
+        if partitioned and report.success:
+            lake = Lake.from_settings(settings)
+            for key in all_partition_keys(lake):
+                dims = key.keys_by_dimension
+                if datasets and dims["dataset"] not in datasets:
+                    continue
+                if policy_versions and int(dims["policy_version"]) not in policy_versions:
+                    continue
+                instance.add_dynamic_partitions(DATASETS.name, [dims["dataset"]])
+                instance.add_dynamic_partitions(POLICY_VERSIONS.name, [dims["policy_version"]])
+                report.add(run(partitioned, key), str(key))
     return report

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
+from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.transforms.feedback import unresolved_targets
-from claw_pipelines.transforms.hashing import slice_content_hashes
+from claw_pipelines.transforms.hashing import list_parts, slice_content_hashes
+from claw_pipelines.transforms.prefix_tree import PrefixForest
 
 SAMPLE = 20
 
@@ -94,3 +96,75 @@ def no_conflicts(conflicts: pl.DataFrame) -> Finding:
         conflicts["step_key"] if conflicts.height else pl.Series([], dtype=pl.String),
         conflicts.height,
     )
+
+
+def trees_rebuild_steps(forest: PrefixForest, steps: pl.DataFrame) -> Finding:
+    """Every step's `prompt_ids + response_ids` is rebuilt exactly from its tree."""
+    if steps.is_empty():
+        return Finding(True)
+    p_offsets, p_values, _ = list_parts(steps["prompt_ids"].to_arrow())
+    r_offsets, r_values, _ = list_parts(steps["response_ids"].to_arrow())
+    segments, paths = forest.segment_of_row(), forest.paths()
+    broken = []
+    for row, segment in enumerate(segments.tolist()):
+        rebuilt = forest.rebuild(segment, paths[segment])
+        prompt = p_values[p_offsets[row] : p_offsets[row + 1]]
+        response = r_values[r_offsets[row] : r_offsets[row + 1]]
+        if not (
+            len(rebuilt) == len(prompt) + len(response)
+            and np.array_equal(rebuilt[: len(prompt)], prompt)
+            and np.array_equal(rebuilt[len(prompt) :], response)
+        ):
+            broken.append(row)
+    return Finding.of(steps["step_key"].gather(broken), steps.height)
+
+
+def trees_are_minimal(forest: PrefixForest) -> Finding:
+    """Every stored token is a distinct trie node, so trees hold exactly U tokens: no two
+    segments start with the same token at the same place, and none starts with the token its
+    parent continues with there."""
+    nonempty = np.flatnonzero(np.diff(forest.offsets) > 0)
+    if len(nonempty) == 0:
+        return Finding(True)
+    parent = forest.parent[nonempty]
+    start = forest.start[nonempty]
+    first = forest.tokens[forest.offsets[nonempty]]
+    has_parent = parent >= 0
+    safe_parent = np.where(has_parent, parent, 0)
+    along = start - forest.start[safe_parent]  # index of the parent's token at that depth
+    continues = has_parent & (start < forest.length[safe_parent])
+    position = np.where(continues, forest.offsets[safe_parent] + along, 0)
+    parent_token = np.where(continues, forest.tokens[position], -1)
+    frame = pl.DataFrame(
+        {
+            "segment": nonempty,
+            "tree": forest.tree[nonempty],
+            "parent": parent,
+            "start": start,
+            "first": first,
+            "parent_token": parent_token,
+        }
+    )
+    repeated = frame.filter(
+        (pl.len().over("tree", "parent", "start", "first") > 1)
+        | (pl.col("first") == pl.col("parent_token"))
+    )
+    return Finding.of(repeated["segment"].cast(pl.String), len(nonempty))
+
+
+def one_partition_per_step(step_keys: pl.Series) -> Finding:
+    """No step appears in two partitions (or twice) of a dataset."""
+    return unique_step_keys(step_keys)
+
+
+def group_completeness(spec: CurationSpec, steps: pl.DataFrame) -> Finding:
+    """With `complete_groups_only`, every kept step's prompt group is complete."""
+    if not spec.complete_groups_only or steps.is_empty():
+        return Finding(True, checked=steps.height)
+    return Finding.of(steps.filter(~pl.col("group_complete"))["step_key"], steps.height)
+
+
+def within_staleness(spec: CurationSpec, version: int, newest: int, rows: int) -> Finding:
+    """A partition outside `max_policy_staleness` of the newest version holds no steps."""
+    stale = spec.max_policy_staleness is not None and version < newest - spec.max_policy_staleness
+    return Finding(not (stale and rows > 0), failures=rows if stale else 0, checked=rows)

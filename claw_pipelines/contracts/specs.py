@@ -95,9 +95,9 @@ class CurationSpec(BaseModel):
 
 DEFAULT_SPEC = CurationSpec(
     name="default",
-    description="Final-reward steps of complete trajectories, merged per GRPO prompt group, "
-    "with GRPO advantages.",
-    reward_status=["final"],
+    description="Every step of complete trajectories (steps without their own reward carry "
+    "their trajectory's GRPO advantage), merged per prompt group.",
+    reward_status=["final", "missing"],
     trajectory_status=["complete"],
     merge="prompt_group",
     advantage="grpo",

@@ -116,6 +116,7 @@ SILVER_STEPS_SPEC = TableSpec(
             ("sequence_hash", pa.int64()),
         ]
     ),
+    partition_by=("policy_version",),
     description="One step: state (prompt ids), action (response ids) and provenance. "
     "`origin_step_key` is the key the gateway gave an unscoped call before stitching; "
     "`sequence_hash` (unscoped calls) is the rolling hash later calls are matched against.",
@@ -212,12 +213,15 @@ GOLD_LINEAGE_SPEC = TableSpec(
         [
             pa.field("dataset", pa.string(), nullable=False),
             pa.field("dataset_version", pa.int64(), nullable=False),
+            ("policy_version", pa.int64()),
+            ("trees_version", pa.int64()),
             ("spec_json", pa.string()),
             ("spec_hash", pa.string()),
             ("source_versions", pa.string()),
             ("code_version", pa.string()),
             ("rows", pa.int64()),
             ("steps", pa.int64()),
+            ("trees", pa.int64()),
             ("raw_tokens", pa.int64()),
             ("tree_tokens", pa.int64()),
             ("saved_tokens", pa.int64()),
@@ -225,7 +229,8 @@ GOLD_LINEAGE_SPEC = TableSpec(
             ("written_at", UTC_MICROS),
         ]
     ),
-    description="One gold dataset version and everything it was built from.",
+    description="One gold dataset write (one policy-version partition) and what it was built "
+    "from: spec and hash, source table versions, code version, counts and token savings.",
 )
 
 GOLD_CONSUMPTION_SPEC = TableSpec(
@@ -267,3 +272,77 @@ def gold_dataset_table(name: str) -> str:
 def gold_tree_table(name: str) -> str:
     """Table path of the merged prefix trees of dataset `name`."""
     return f"{GOLD_TREES_PREFIX}/{name}"
+
+
+GOLD_DATASET_SCHEMA = pa.schema(
+    [
+        pa.field("step_key", pa.string(), nullable=False),
+        pa.field("policy_version", pa.int64(), nullable=False),
+        ("trajectory_uid", pa.string()),
+        ("step_index", pa.int64()),
+        ("prompt_uid", pa.string()),
+        ("prompt_ids", TOKEN_LIST),
+        ("response_ids", TOKEN_LIST),
+        ("rollout_log_probs", LOGPROB_LIST),
+        ("response_mask", MASK_LIST),
+        ("prompt_len", pa.int64()),
+        ("response_len", pa.int64()),
+        ("reward", pa.float64()),
+        ("reward_status", pa.string()),
+        ("advantage", pa.float64()),
+        ("trajectory_status", pa.string()),
+        ("trajectory_return", pa.float64()),
+        ("rating", pa.float64()),
+        ("labels", pa.list_(pa.string())),
+        ("token_source", pa.string()),
+        ("finish_reason", pa.string()),
+        ("model", pa.string()),
+        ("tenant", pa.string()),
+        ("source_kind", pa.string()),
+        ("created_at", UTC_MICROS),
+        ("event_id", pa.string()),
+        ("tree_id", pa.string()),
+        ("segment", pa.int64()),
+        ("spec_hash", pa.string()),
+    ]
+)
+
+GOLD_TREE_SCHEMA = pa.schema(
+    [
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("tree_id", pa.string(), nullable=False),
+        pa.field("segment", pa.int64(), nullable=False),
+        ("parent", pa.int64()),
+        ("start_depth", pa.int64()),
+        ("end_depth", pa.int64()),
+        ("tokens", TOKEN_LIST),
+        ("step_key", pa.string()),
+        ("path", pa.list_(pa.int64())),
+    ]
+)
+
+
+def gold_dataset_spec(name: str) -> TableSpec:
+    """The table of gold dataset `name`: curated steps, partitioned by policy version."""
+    return TableSpec(
+        gold_dataset_table(name),
+        GOLD_DATASET_SCHEMA,
+        partition_by=("policy_version",),
+        description=f"Gold dataset {name}: curated, training-ready steps.",
+    )
+
+
+def gold_tree_spec(name: str) -> TableSpec:
+    """The prefix trees of dataset `name`: one segment per step, partitioned by version.
+
+    Segment `segment` (numbered within its partition) holds the step's tokens after depth
+    `start_depth` (shared ones are stored once, in ancestors), hangs off segment `parent`
+    (-1: a root) and `path` lists the segments from the root to it: concatenating each
+    ancestor's tokens up to the next one's `start_depth`, then its own, rebuilds the step's
+    `prompt_ids + response_ids` (`end_depth` tokens)."""
+    return TableSpec(
+        gold_tree_table(name),
+        GOLD_TREE_SCHEMA,
+        partition_by=("policy_version",),
+        description=f"Prefix trees of gold dataset {name}.",
+    )

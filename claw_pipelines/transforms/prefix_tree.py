@@ -45,7 +45,7 @@ class PrefixForest:
     @property
     def tree_tokens(self) -> int:
         """Tokens stored in the trees (U)."""
-        return int(len(self.tokens))
+        return len(self.tokens)
 
     def segment_of_row(self) -> np.ndarray:
         """For each input row, its segment index."""
@@ -75,7 +75,8 @@ class PrefixForest:
 def _sort_keys(values: np.ndarray, offsets: np.ndarray) -> list[bytes]:
     """Each row's sequence as bytes: byte order of fixed-width ids is a lexicographic order."""
     data = np.ascontiguousarray(values, dtype="<i4")
-    return [data[a:b].tobytes() for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    bounds = zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+    return [data[a:b].tobytes() for a, b in bounds]
 
 
 def _mismatch(values: np.ndarray, a: int, b: int, m: int) -> int:

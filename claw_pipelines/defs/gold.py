@@ -1,0 +1,202 @@
+"""Gold assets: per (dataset, policy version) partition, curated steps, prefix trees, lineage."""
+
+import json
+
+import dagster as dg
+import polars as pl
+
+from claw_pipelines.contracts.tables import (
+    GOLD_DATASETS_PREFIX,
+    GOLD_LINEAGE,
+    GOLD_TREES_PREFIX,
+    SILVER_STEP_REWARDS,
+    SILVER_STEPS,
+    SILVER_TRAJECTORIES,
+)
+from claw_pipelines.defs.keys import STEP_REWARDS, STEPS, TRAJECTORIES, table_key
+from claw_pipelines.defs.resources import ClawLake
+from claw_pipelines.gold import build_partition, partition_findings, policy_versions
+from claw_pipelines.lake import Lake
+from claw_pipelines.quality import Finding
+from claw_pipelines.specs import SpecError, load_specs
+
+DATASETS = dg.DynamicPartitionsDefinition(name="gold_datasets")
+POLICY_VERSIONS = dg.DynamicPartitionsDefinition(name="policy_versions")
+GOLD_PARTITIONS = dg.MultiPartitionsDefinition(
+    {"dataset": DATASETS, "policy_version": POLICY_VERSIONS}
+)
+DATASETS_KEY = table_key(GOLD_DATASETS_PREFIX)
+TREES_KEY = table_key(GOLD_TREES_PREFIX)
+LINEAGE_KEY = table_key(GOLD_LINEAGE)
+SOURCES = [STEPS, STEP_REWARDS, TRAJECTORIES]
+
+GOLD_SPECS = [
+    dg.AssetSpec(
+        DATASETS_KEY,
+        deps=SOURCES,
+        group_name="gold",
+        partitions_def=GOLD_PARTITIONS,
+        description="gold/datasets/<name>: the steps a curation spec keeps, with resolved "
+        "reward, status and GRPO advantage; one Delta table per dataset, partitioned by "
+        "policy version (a partition write replaces exactly that version).",
+    ),
+    dg.AssetSpec(
+        TREES_KEY,
+        deps=[DATASETS_KEY],
+        group_name="gold",
+        partitions_def=GOLD_PARTITIONS,
+        description="gold/trees/<name>: the dataset's steps merged into prefix trees (scope "
+        "from the spec): exactly U tokens, every step rebuilt exactly.",
+    ),
+    dg.AssetSpec(
+        LINEAGE_KEY,
+        deps=[DATASETS_KEY, TREES_KEY],
+        group_name="gold",
+        partitions_def=GOLD_PARTITIONS,
+        description="gold/lineage: one row per dataset partition write: spec and hash, silver "
+        "and bronze versions read, code version, counts, raw vs tree tokens.",
+    ),
+]
+
+GOLD_CHECKS = {
+    "steps_rebuild_from_trees": (TREES_KEY, "Every step rebuilds exactly from its tree.", True),
+    "tree_tokens_optimal": (TREES_KEY, "Trees hold exactly U tokens (no node twice).", True),
+    "one_partition_per_step": (DATASETS_KEY, "No step in two partitions.", True),
+    "group_completeness": (
+        DATASETS_KEY,
+        "When the spec requires it, every kept prompt group is complete.",
+        True,
+    ),
+    "within_staleness": (
+        DATASETS_KEY,
+        "No steps in a partition older than the spec's max_policy_staleness.",
+        True,
+    ),
+}
+
+
+def _check_spec(name: str) -> dg.AssetCheckSpec:
+    asset, description, blocking = GOLD_CHECKS[name]
+    return dg.AssetCheckSpec(name, asset=asset, description=description, blocking=blocking)
+
+
+def _result(name: str, finding: Finding) -> dg.AssetCheckResult:
+    asset, _, _ = GOLD_CHECKS[name]
+    return dg.AssetCheckResult(
+        check_name=name,
+        asset_key=asset,
+        passed=finding.passed,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={
+            "failures": finding.failures,
+            "checked": finding.checked,
+            "sample": dg.MetadataValue.json(finding.sample),
+        },
+    )
+
+
+@dg.multi_asset(
+    name="gold",
+    specs=GOLD_SPECS,
+    check_specs=[_check_spec(name) for name in GOLD_CHECKS],
+    can_subset=False,
+    description="Curate, merge into prefix trees and write one (dataset, policy version).",
+)
+def gold(context: dg.AssetExecutionContext, claw: ClawLake):
+    """Build the partition named by the run's partition key."""
+    keys = context.partition_key.keys_by_dimension
+    lake = claw.lake()
+    spec = load_specs(lake)[keys["dataset"]]
+    part = build_partition(lake, spec, int(keys["policy_version"]))
+    summary = {
+        "dataset": spec.name,
+        "spec_hash": spec.spec_hash,
+        "policy_version": part.policy_version,
+        "steps": part.steps.height,
+        "raw_tokens": part.raw_tokens,
+        "tree_tokens": part.tree_tokens,
+        "token_ratio": round(part.tree_tokens / part.raw_tokens, 4) if part.raw_tokens else 1.0,
+        "source_versions": dg.MetadataValue.json(part.source_versions),
+    }
+    versions = {
+        DATASETS_KEY: part.dataset_version,
+        TREES_KEY: part.trees_version,
+        LINEAGE_KEY: lake.version(GOLD_LINEAGE),
+    }
+    for spec_ in GOLD_SPECS:
+        yield dg.MaterializeResult(
+            asset_key=spec_.key, metadata=summary | {"delta_version": versions[spec_.key] or 0}
+        )
+    for name, finding in partition_findings(lake, part).items():
+        yield _result(name, finding)
+
+
+def partition_fingerprints(lake: Lake) -> dict[str, str]:
+    """For each (dataset, policy version) partition, a fingerprint of what its build reads:
+    the spec hash and the version's steps, rewards and trajectory states. A partition is
+    rebuilt when its fingerprint changes."""
+    specs = load_specs(lake)
+    if not lake.exists(SILVER_STEPS) or not lake.exists(SILVER_STEP_REWARDS):
+        return {}
+    steps = lake.read(SILVER_STEPS, columns=["step_key", "trajectory_uid", "policy_version"])
+    rewards = lake.read(SILVER_STEP_REWARDS, columns=["step_key", "reward", "reward_status"])
+    states = lake.read(SILVER_TRAJECTORIES, columns=["trajectory_uid", "status"])
+    per_version = (
+        steps.with_columns(pl.col("policy_version").fill_null(0))
+        .join(rewards, on="step_key", how="left")
+        .join(states, on="trajectory_uid", how="left")
+        .sort("step_key")
+        .group_by("policy_version")
+        .agg(fingerprint=pl.struct(pl.all()).hash().sum())
+    )
+    return {
+        dg.MultiPartitionKey({"dataset": name, "policy_version": str(version)}): (
+            f"{spec.spec_hash}-{fingerprint}"
+        )
+        for name, spec in specs.items()
+        for version, fingerprint in per_version.iter_rows()
+    }
+
+
+@dg.sensor(
+    asset_selection=dg.AssetSelection.assets(*(s.key for s in GOLD_SPECS)),
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=30,
+    description="Adds a dataset partition for each curation spec and a policy-version "
+    "partition for each version in silver, and requests a gold run for every partition "
+    "whose inputs (spec, steps, rewards, trajectory states) changed.",
+)
+def gold_partitions_sensor(context: dg.SensorEvaluationContext, claw: ClawLake):
+    """Keep the gold partitions in step with the specs and silver."""
+    lake = claw.lake()
+    try:
+        fingerprints = partition_fingerprints(lake)
+    except SpecError as exc:
+        return dg.SkipReason(f"a curation spec does not validate: {exc}")
+    seen = json.loads(context.cursor) if context.cursor else {}
+    datasets = sorted({k.keys_by_dimension["dataset"] for k in fingerprints})
+    versions = sorted({k.keys_by_dimension["policy_version"] for k in fingerprints}, key=int)
+    known_datasets = set(context.instance.get_dynamic_partitions(DATASETS.name))
+    known_versions = set(context.instance.get_dynamic_partitions(POLICY_VERSIONS.name))
+    requests = [
+        dg.RunRequest(run_key=f"{key}|{fingerprint}", partition_key=key)
+        for key, fingerprint in fingerprints.items()
+        if seen.get(str(key)) != fingerprint
+    ]
+    context.update_cursor(json.dumps({str(k): f for k, f in fingerprints.items()}))
+    return dg.SensorResult(
+        run_requests=requests,
+        dynamic_partitions_requests=[
+            DATASETS.build_add_request([d for d in datasets if d not in known_datasets]),
+            POLICY_VERSIONS.build_add_request([v for v in versions if v not in known_versions]),
+        ],
+    )
+
+
+def all_partition_keys(lake: Lake) -> list[dg.MultiPartitionKey]:
+    """Every (dataset, policy version) partition the lake's specs and silver define."""
+    return [
+        dg.MultiPartitionKey({"dataset": name, "policy_version": str(version)})
+        for name in sorted(load_specs(lake))
+        for version in policy_versions(lake)
+    ]

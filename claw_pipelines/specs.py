@@ -1,0 +1,72 @@
+"""Curation specs in the lake: `specs/<name>.yaml`, plus the built-in `default`."""
+
+from __future__ import annotations
+
+import yaml
+from pydantic import ValidationError
+
+from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec
+from claw_pipelines.lake import Lake
+
+SPEC_FOLDER = "specs"
+
+
+class SpecError(ValueError):
+    """A spec that does not validate; the message names the field."""
+
+
+def spec_path(name: str) -> str:
+    """Where spec `name` lives under the lake root."""
+    return f"{SPEC_FOLDER}/{name}.yaml"
+
+
+def parse_spec(text: str, expected_name: str | None = None) -> CurationSpec:
+    """A spec from YAML; errors name the field (`reward_min: Input should be a number`)."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SpecError("a spec is a YAML mapping of fields")
+    if expected_name is not None:
+        raw.setdefault("name", expected_name)
+    try:
+        spec = CurationSpec.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise SpecError(f"{field}: {message}" if field else message) from None
+    if expected_name is not None and spec.name != expected_name:
+        raise SpecError(f"name: {spec.name!r} does not match its file {expected_name}.yaml")
+    return spec
+
+
+def to_yaml(spec: CurationSpec) -> str:
+    """The spec as YAML (unset fields left out)."""
+    return yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+
+
+def save_spec(lake: Lake, spec: CurationSpec | dict) -> CurationSpec:
+    """Validate and store a spec as `specs/<name>.yaml`; return it."""
+    if isinstance(spec, dict):
+        spec = parse_spec(yaml.safe_dump(spec))
+    lake.write_text(spec_path(spec.name), to_yaml(spec))
+    return spec
+
+
+def load_specs(lake: Lake) -> dict[str, CurationSpec]:
+    """Every spec: the built-in `default` and the lake's (a lake spec may replace `default`)."""
+    specs = {DEFAULT_SPEC.name: DEFAULT_SPEC}
+    for path in lake.list_files(SPEC_FOLDER, ".yaml"):
+        name = path.rsplit("/", 1)[-1].removesuffix(".yaml")
+        specs[name] = parse_spec(lake.read_text(path) or "", expected_name=name)
+    return specs
+
+
+def load_spec(lake: Lake, name: str) -> CurationSpec:
+    """One spec by name."""
+    specs = load_specs(lake)
+    if name not in specs:
+        raise SpecError(f"no spec named {name!r} (known: {', '.join(sorted(specs))})")
+    return specs[name]

@@ -1,0 +1,144 @@
+"""Curation: which silver steps a spec keeps, and their GRPO advantages (DESIGN §6).
+
+Works on the small columns only (no token ids): the gold build fetches tokens for the rows
+kept. Rules:
+- step filters: reward status and range, labels, rating, token source, finish reason,
+  prompt/response length, trajectory status, sources, tenants, policy versions (explicit, or
+  within `max_policy_staleness` of the newest version in silver);
+- group filters, on the prompt group (its `prompt_uid`, else the trajectory alone), judged on
+  all of the group's trajectories in silver: all complete, at least N trajectories, returns
+  not all equal;
+- `advantage = grpo`: every step of a trajectory gets (R - mean) / (std + eps), R its
+  trajectory's resolved return, mean and std (sample std; 0 for one trajectory) over the
+  group's trajectories; null unless every trajectory of the group is complete with a return.
+Steps without a policy version belong to version 0.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from claw_pipelines.contracts.specs import CurationSpec
+
+GROUP = "group_key"
+
+
+def candidates(
+    steps: pl.DataFrame, rewards: pl.DataFrame, trajectories: pl.DataFrame
+) -> pl.DataFrame:
+    """Silver's small step columns beside each step's resolved reward and trajectory."""
+    return (
+        steps.join(
+            rewards.select("step_key", "reward", "reward_status", "rating", "labels"),
+            on="step_key",
+            how="left",
+        )
+        .join(
+            trajectories.select(
+                "trajectory_uid",
+                trajectory_status="status",
+                trajectory_return="resolved_return",
+            ),
+            on="trajectory_uid",
+            how="left",
+        )
+        .with_columns(
+            pl.col("policy_version").fill_null(0),
+            pl.col("reward_status").fill_null("pending"),
+            pl.col("labels").fill_null([]),
+            pl.coalesce("prompt_uid", "trajectory_uid").alias(GROUP),
+        )
+    )
+
+
+def _in(column: str, allowed: list | None) -> pl.Expr:
+    return pl.lit(True) if allowed is None else pl.col(column).is_in(allowed)
+
+
+def _at_least(column: str, bound: float | None) -> pl.Expr:
+    return pl.lit(True) if bound is None else (pl.col(column) >= bound).fill_null(False)
+
+
+def _at_most(column: str, bound: float | None) -> pl.Expr:
+    return pl.lit(True) if bound is None else (pl.col(column) <= bound).fill_null(False)
+
+
+def step_filter(spec: CurationSpec, newest_version: int) -> pl.Expr:
+    """The spec's per-step filters as one predicate."""
+    keep = [
+        pl.col("reward_status").is_in(spec.reward_status),
+        _at_least("reward", spec.reward_min),
+        _at_most("reward", spec.reward_max),
+        _at_least("rating", spec.min_rating),
+        _in("token_source", spec.token_sources),
+        _in("finish_reason", spec.finish_reasons),
+        _at_least("prompt_len", spec.min_prompt_tokens),
+        _at_most("prompt_len", spec.max_prompt_tokens),
+        _at_least("response_len", spec.min_response_tokens),
+        _at_most("response_len", spec.max_response_tokens),
+        _in("trajectory_status", spec.trajectory_status),
+        _in("source_kind", spec.sources),
+        _in("tenant", spec.tenants),
+        _in("policy_version", spec.policy_versions),
+        _at_least(
+            "policy_version",
+            None
+            if spec.max_policy_staleness is None
+            else newest_version - spec.max_policy_staleness,
+        ),
+    ]
+    for label in spec.require_labels:
+        keep.append(pl.col("labels").list.contains(label))
+    for label in spec.exclude_labels:
+        keep.append(~pl.col("labels").list.contains(label))
+    return pl.all_horizontal(keep)
+
+
+def group_stats(frame: pl.DataFrame) -> pl.DataFrame:
+    """Per prompt group, over its trajectories in silver: size, completeness, return stats."""
+    per_trajectory = frame.group_by("trajectory_uid").agg(
+        pl.col(GROUP).first(),
+        pl.col("trajectory_status").first(),
+        pl.col("trajectory_return").first(),
+    )
+    return per_trajectory.group_by(GROUP).agg(
+        group_size=pl.len().cast(pl.Int64),
+        group_complete=(pl.col("trajectory_status") == "complete").all(),
+        group_scored=(
+            (pl.col("trajectory_status") == "complete") & pl.col("trajectory_return").is_not_null()
+        ).all(),
+        group_mean=pl.col("trajectory_return").mean(),
+        group_std=pl.col("trajectory_return").std(ddof=1).fill_null(0.0),
+        group_distinct_returns=pl.col("trajectory_return").drop_nulls().n_unique(),
+    )
+
+
+def curate(frame: pl.DataFrame, spec: CurationSpec) -> pl.DataFrame:
+    """The steps `spec` keeps (all policy versions), with `advantage` and the group stats."""
+    newest = frame["policy_version"].max()
+    newest = 0 if newest is None else int(newest)
+    groups = group_stats(frame)
+    kept = frame.filter(step_filter(spec, newest)).join(groups, on=GROUP, how="left")
+    if spec.complete_groups_only:
+        kept = kept.filter(pl.col("group_complete"))
+    if spec.min_group_size is not None:
+        kept = kept.filter(pl.col("group_size") >= spec.min_group_size)
+    if spec.drop_zero_variance_groups:
+        kept = kept.filter(pl.col("group_distinct_returns") > 1)
+    advantage = pl.lit(None, pl.Float64)
+    if spec.advantage == "grpo":
+        advantage = (
+            pl.when(pl.col("group_scored"))
+            .then(
+                (pl.col("trajectory_return") - pl.col("group_mean"))
+                / (pl.col("group_std") + spec.advantage_eps)
+            )
+            .otherwise(None)
+        )
+    return kept.with_columns(advantage=advantage, spec_hash=pl.lit(spec.spec_hash))
+
+
+def tree_ids(frame: pl.DataFrame, spec: CurationSpec) -> pl.Series:
+    """Each step's prefix tree under the spec's merge scope."""
+    column = {"trajectory": "trajectory_uid", "prompt_group": GROUP, "none": "step_key"}
+    return frame[column[spec.merge]].alias("tree_id")
