@@ -13,6 +13,7 @@ import polars as pl
 
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
+    GOLD_LINEAGE,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
@@ -142,6 +143,18 @@ def materialize_all(settings: ClawSettings, lake: Lake) -> dict:
     trajectories = lake.read(SILVER_TRAJECTORIES, columns=["status"])
     rewards = lake.read(SILVER_STEP_REWARDS, columns=["reward_status"])
     stitched = steps.filter(pl.col("origin_step_key").is_not_null())
+    lineage = (
+        lake.read(GOLD_LINEAGE)
+        .sort("written_at")
+        .unique(["dataset", "policy_version"], keep="last")
+    )
+    raw, tree = int(lineage["raw_tokens"].sum()), int(lineage["tree_tokens"].sum())
+    datasets = {
+        f"{d} v{v}": n
+        for d, v, n in lineage.sort("dataset", "policy_version")
+        .select("dataset", "policy_version", "steps")
+        .iter_rows()
+    }
     return {
         "silver_steps": steps.height,
         "silver_trajectories": dict(
@@ -152,6 +165,11 @@ def materialize_all(settings: ClawSettings, lake: Lake) -> dict:
         "reward_status": dict(
             rewards.group_by("reward_status").len().sort("reward_status").iter_rows()
         ),
+        "gold_datasets": ", ".join(f"{k}: {n} steps" for k, n in datasets.items()),
+        "gold_tokens": f"raw {raw}, tree {tree}, saved {raw - tree} "
+        f"({1 - tree / raw:.0%}; token_ratio {tree / raw:.3f})"
+        if raw
+        else "none",
         "checks": f"{sum(report.checks.values())}/{len(report.checks)} passed",
     }
 
@@ -177,6 +195,8 @@ def render(summary: dict, lake: Lake) -> str:
             "silver_trajectories",
             "stitched_unscoped",
             "reward_status",
+            "gold_datasets",
+            "gold_tokens",
             "checks",
         )
         if name in summary
