@@ -21,6 +21,7 @@ import pyarrow as pa
 from claw_pipelines.transforms.hashing import list_parts
 
 NO_PARENT = -1
+BATCH_TOKENS = 1 << 21  # ~8 MiB of sort keys alive at a time
 
 
 @dataclass(frozen=True)
@@ -72,51 +73,72 @@ class PrefixForest:
         return np.concatenate(pieces) if pieces else self.tokens[:0]
 
 
-def _sort_keys(values: np.ndarray, offsets: np.ndarray) -> list[bytes]:
-    """Each row's sequence as bytes: byte order of fixed-width ids is a lexicographic order."""
-    data = np.ascontiguousarray(values, dtype="<i4")
-    bounds = zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
-    return [data[a:b].tobytes() for a, b in bounds]
-
-
 def _mismatch(values: np.ndarray, a: int, b: int, m: int) -> int:
     """Index of the first difference of values[a:a+m] and values[b:b+m] (one exists)."""
     return int(np.argmax(values[a : a + m] != values[b : b + m]))
+
+
+def _tree_batches(tree: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """Rows grouped by tree, trees packed into batches of about BATCH_TOKENS tokens: sort keys
+    live one batch at a time, so their memory is reused rather than faulted in anew."""
+    by_tree = np.argsort(tree, kind="stable")
+    if len(by_tree) == 0:
+        return []
+    sorted_trees = tree[by_tree]
+    firsts = np.flatnonzero(np.r_[True, sorted_trees[1:] != sorted_trees[:-1]])
+    tokens_before = np.r_[0, np.cumsum(lengths[by_tree])]
+    batches, begin = [], 0
+    bounds = [*firsts.tolist()[1:], len(by_tree)]
+    for end in bounds:
+        if tokens_before[end] - tokens_before[begin] >= BATCH_TOKENS or end == len(by_tree):
+            batches.append(by_tree[begin:end])
+            begin = end
+    return batches
 
 
 def build_forest(tree: np.ndarray, sequences: pa.Array | pa.ChunkedArray) -> PrefixForest:
     """Merge the sequences (one per row) into prefix trees, one per distinct `tree` value."""
     offsets, values, _ = list_parts(sequences)
     values = np.ascontiguousarray(values, dtype=np.int32)
-    keys = _sort_keys(values, offsets)
+    lengths = np.diff(offsets)
     tree_list = tree.tolist()
-    order = sorted(range(len(keys)), key=lambda i: (tree_list[i], keys[i]))
-    count = len(order)
-    lcp = np.zeros(count, dtype=np.int64)
-    parent = np.full(count, NO_PARENT, dtype=np.int64)
-    stack: list[int] = []  # segments of this tree with increasing lcp: parent candidates
-    previous = None
     starts_list = offsets[:-1].tolist()
-    for k, i in enumerate(order):
-        if previous is None or tree_list[previous] != tree_list[i]:
-            stack.clear()
-            depth = 0
-        else:
-            a, b = keys[previous], keys[i]
-            if b.startswith(a):  # memcmp: the common case of nested turns
-                depth = len(a) // 4
-            elif a.startswith(b):
-                depth = len(b) // 4
+    ends_list = offsets[1:].tolist()
+    order: list[int] = []
+    lcp: list[int] = []
+    parent: list[int] = []
+    for batch in _tree_batches(tree, lengths):
+        rows = batch.tolist()
+        # a row's ids as bytes: byte order of fixed-width ids is a lexicographic order
+        keys = {i: values[starts_list[i] : ends_list[i]].tobytes() for i in rows}
+        rows.sort(key=lambda i: (tree_list[i], keys[i]))
+        stack: list[int] = []  # segments of this tree with increasing lcp: parent candidates
+        previous = -1
+        for i in rows:
+            k = len(order)
+            if previous < 0 or tree_list[previous] != tree_list[i]:
+                stack.clear()
+                depth = 0
             else:
-                m = min(len(a), len(b)) // 4
-                depth = _mismatch(values, starts_list[previous], starts_list[i], m)
-        while stack and lcp[stack[-1]] >= depth:
-            stack.pop()
-        lcp[k] = depth
-        parent[k] = stack[-1] if stack and depth > 0 else NO_PARENT
-        stack.append(k)
-        previous = i
+                a, b = keys[previous], keys[i]
+                if b.startswith(a):  # memcmp: the common case of nested turns
+                    depth = len(a) >> 2
+                elif a.startswith(b):
+                    depth = len(b) >> 2
+                else:
+                    m = min(len(a), len(b)) >> 2
+                    depth = _mismatch(values, starts_list[previous], starts_list[i], m)
+            while stack and lcp[stack[-1]] >= depth:
+                stack.pop()
+            order.append(i)
+            lcp.append(depth)
+            parent.append(stack[-1] if stack and depth > 0 else NO_PARENT)
+            stack.append(k)
+            previous = i
+        keys.clear()  # free this batch's keys before the next one is built
     rows = np.asarray(order, dtype=np.int64)
+    lcp = np.asarray(lcp, dtype=np.int64)
+    parent = np.asarray(parent, dtype=np.int64)
     starts = offsets[:-1][rows] + lcp
     ends = offsets[1:][rows]
     pieces = [values[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
@@ -124,7 +146,7 @@ def build_forest(tree: np.ndarray, sequences: pa.Array | pa.ChunkedArray) -> Pre
     sizes = ends - starts
     return PrefixForest(
         row=rows,
-        tree=tree[rows] if count else tree[:0],
+        tree=tree[rows] if len(rows) else tree[:0],
         parent=parent,
         start=lcp,
         length=np.diff(offsets)[rows],
