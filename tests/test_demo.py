@@ -35,4 +35,10 @@ def test_claw_demo_fills_bronze_and_silver(tmp_path):
     assert steps["step_key"].n_unique() == steps.height
     stitched = steps.filter(pl.col("origin_step_key").is_not_null())
     assert stitched.height > stitched["trajectory_uid"].n_unique() > 0  # turns were joined
-    assert re.search(r"checks\s+(\d+)/\1 passed", done.stdout)
+    assert re.search(r"checks\s+(\d+)/\1 passed", done.stdout)  # gold checks included:
+    # every step rebuilds from its tree, trees hold exactly U tokens
+    lineage = lake.read("gold/lineage")
+    assert set(lineage["dataset"]) == {"default"} and lineage.height >= 3
+    dataset = lake.read("gold/datasets/default")
+    assert dataset.height == lineage["steps"].sum() > 0
+    assert lake.read("gold/trees/default").height == dataset.height  # a segment per step
