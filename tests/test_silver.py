@@ -85,6 +85,9 @@ def test_definitions_load_with_layered_asset_keys_descriptions_and_automation():
     keys = sorted(k.to_user_string() for k in graph.get_all_asset_keys())
     assert keys == [
         "bronze/events",
+        "gold/datasets",
+        "gold/lineage",
+        "gold/trees",
         "silver/feedback",
         "silver/step_conflicts",
         "silver/step_rewards",
@@ -96,8 +99,8 @@ def test_definitions_load_with_layered_asset_keys_descriptions_and_automation():
     checks_of = {c.name for c in graph.asset_check_keys}
     assert {"unique_step_key", "list_lengths", "turns_nest", "finite_rewards"} <= checks_of
     assert {j.name for j in defs.resolve_all_job_defs()} >= {"silver_job", "maintenance_job"}
-    sensor = defs.resolve_sensor_def("bronze_version_sensor")
-    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+    for name in ("bronze_version_sensor", "gold_partitions_sensor"):
+        assert defs.resolve_sensor_def(name).default_status == dg.DefaultSensorStatus.RUNNING
     assert [s.job.name for s in defs.schedules] == ["maintenance_job"]
     assert (REPO / "workspace.yaml").read_text().count("claw_pipelines.definitions") == 1
 
