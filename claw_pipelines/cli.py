@@ -73,6 +73,23 @@ def _cmd_materialize(args: argparse.Namespace) -> None:
         raise CliError(f"materialization failed: {report.error}")
 
 
+def _cmd_export(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from claw_pipelines.consume import open_dataset
+    from claw_pipelines.export import export
+
+    try:
+        dataset = open_dataset(args.dataset, _settings(args).lake_uri, args.version)
+        written = export(dataset, args.policy_version, args.format, Path(args.out))
+    except LookupError as exc:
+        raise CliError(str(exc)) from None
+    print(
+        f"exported {written} steps of {args.dataset} v{args.policy_version} "
+        f"(dataset version {dataset.version}) to {args.out}"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every verb."""
     parser = argparse.ArgumentParser(prog="claw", description=__doc__)
@@ -105,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     mat.add_argument(
         "--policy-version", type=int, action="append", help="only these policy versions"
     )
+
+    exp = verb("export", _cmd_export, "export a gold partition as verl-style Parquet or JSONL")
+    exp.add_argument("--dataset", required=True)
+    exp.add_argument("--policy-version", type=int, required=True)
+    exp.add_argument("--format", choices=["verl-parquet", "jsonl"], default="verl-parquet")
+    exp.add_argument("--out", required=True, help="file to write")
+    exp.add_argument("--version", type=int, help="dataset Delta version (default: newest)")
 
     keys = verbs.add_parser("keys", help="manage gateway API keys")
     key_verbs = keys.add_subparsers(dest="keys_verb", required=True, metavar="ACTION")

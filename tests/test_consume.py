@@ -1,0 +1,183 @@
+"""The consumption API on a real gold dataset: batches, their fields, the attention mask,
+reproducible order, the consumption log and resuming, time travel, exports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+
+from claw_pipelines.consume import open_dataset
+from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.contracts.tables import GOLD_CONSUMPTION
+from claw_pipelines.gold import build_partition
+from claw_pipelines.lake import Lake
+from claw_pipelines.silver import build_silver
+from tests.lakes import group_of, land
+from tests.servers import REPO
+
+SPEC = CurationSpec(
+    name="train", reward_status=["final", "missing"], merge="prompt_group", advantage="grpo"
+)
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory) -> Lake:
+    """Six GRPO groups of 3-turn trajectories over two policy versions, curated and merged."""
+    lake = Lake(str(tmp_path_factory.mktemp("consume") / "lake"))
+    rows = []
+    for g in range(6):
+        rows += group_of(f"g{g}", [7, g, 7, g], [1.0, 0.0, 0.5], version=1 + g % 2, turns=3)
+    land(lake, rows)
+    build_silver(lake)
+    for version in (1, 2):
+        build_partition(lake, SPEC, version)
+    return lake
+
+
+def sequences(lake: Lake) -> dict[str, list[int]]:
+    steps = open_dataset("train", lake.uri).steps()
+    return {
+        k: p + r for k, p, r in steps.select("step_key", "prompt_ids", "response_ids").iter_rows()
+    }
+
+
+def ancestors_brute_force(parent: np.ndarray) -> np.ndarray:
+    n = len(parent)
+    mask = np.zeros((n, n), dtype=bool)
+    for q in range(n):
+        k = q
+        while k >= 0:
+            mask[q, k] = True
+            k = parent[k]
+    return mask
+
+
+def test_open_dataset_versions_partitions_and_steps(lake):
+    ds = open_dataset("train", lake_uri=lake.uri)
+    assert ds.version == lake.version("gold/datasets/train")
+    assert ds.policy_versions() == [1, 2]
+    assert ds.steps(1).height == 27 and set(ds.steps(1)["policy_version"]) == {1}
+    assert ds.steps().height == 54
+    with pytest.raises(LookupError, match="no gold dataset 'nope'"):
+        open_dataset("nope", lake_uri=lake.uri)
+
+
+@pytest.mark.parametrize("layout", ["tree", "flat"])
+def test_batches_keep_trees_whole_count_steps_and_carry_exact_sequences(lake, layout):
+    ds, full = open_dataset("train", lake.uri), sequences(lake)
+    batches = list(ds.batches(1, batch_size=10, layout=layout))
+    taken = [k for b in batches for k in b.step_keys]
+    assert sorted(taken) == sorted(ds.steps(1)["step_key"])  # every step once
+    groups = [{k.split("-")[0] for k in b.step_keys} for b in batches]
+    assert all(len(b.step_keys) <= 10 for b in batches)  # groups of 9 steps: one per batch
+    assert sum(len(g) for g in groups) == len(set().union(*groups))  # no group split
+    for batch in batches:
+        assert batch.input_ids.dtype == np.int32 and batch.parent.dtype == np.int32
+        for key, index in zip(batch.step_keys, batch.step_token_index, strict=True):
+            assert batch.input_ids[index].tolist() == full[key]
+            assert batch.parent[index[0]] == -1 and (batch.parent[index[1:]] == index[:-1]).all()
+            assert (batch.position_ids[index] == np.arange(len(index))).all()
+        assert (batch.attention_mask() == ancestors_brute_force(batch.parent)).all()
+
+
+def test_tree_and_flat_carry_the_same_training_signal(lake):
+    ds = open_dataset("train", lake.uri)
+    tree = next(ds.batches(2, batch_size=9, layout="tree"))
+    flat = next(ds.batches(2, batch_size=9, layout="flat"))
+    assert tree.step_keys == flat.step_keys
+    assert tree.num_tokens < flat.num_tokens  # the shared prompt and turns are stored once
+    steps = ds.steps(2).filter(pl.col("step_key").is_in(tree.step_keys))
+    assert tree.advantages.sum() == pytest.approx(flat.advantages.sum(), abs=1e-5)
+    assert tree.token_rewards.sum() == pytest.approx(steps["reward"].fill_null(0).sum())
+    for key, t_index, f_index in zip(
+        tree.step_keys, tree.step_token_index, flat.step_token_index, strict=True
+    ):
+        assert (tree.position_ids[t_index] == flat.position_ids[f_index]).all()
+        trained = flat.loss_mask[f_index].astype(bool)
+        assert tree.loss_mask[t_index][trained].all(), key
+
+
+def test_a_seed_fixes_the_order(lake):
+    ds = open_dataset("train", lake.uri)
+    order = lambda seed: [b.step_keys for b in ds.batches(1, 9, seed=seed)]  # noqa: E731
+    assert order(5) == order(5)
+    assert sorted(map(tuple, order(5))) == sorted(map(tuple, order(6)))
+    assert any(order(s) != order(5) for s in range(6, 12))
+
+
+def test_consumption_is_logged_and_a_run_resumes_without_repeats(lake):
+    ds = open_dataset("train", lake.uri)
+    before = lake.read("gold/datasets/train").height
+    first = next(ds.batches(1, 9, consumer="run-a"))
+    log = ds.consumed("run-a")
+    assert log.height == 1 and log["step_keys"].to_list()[0] == first.step_keys
+    assert log["dataset_version"].to_list() == [ds.version] and log["policy_version"].to_list() == [
+        1
+    ]
+    rest = [
+        k for b in ds.batches(1, 9, consumer="run-a", skip_consumed_by="run-a") for k in b.step_keys
+    ]
+    assert not set(rest) & set(first.step_keys)
+    assert len(rest) + len(first.step_keys) == ds.steps(1).height
+    assert lake.read("gold/datasets/train").height == before  # consumption deletes nothing
+    assert lake.read(GOLD_CONSUMPTION).filter(pl.col("consumer") == "run-a").height == 3
+
+
+def test_an_old_dataset_version_is_consumed_exactly(lake):
+    old = open_dataset("train", lake.uri)
+    keys = sorted(old.steps(1)["step_key"])
+    land(lake, group_of("late", [9, 9], [1.0, 0.0], version=1, turns=2))
+    build_silver(lake)
+    build_partition(lake, SPEC, 1)
+    new = open_dataset("train", lake.uri)
+    assert new.version > old.version and new.steps(1).height == len(keys) + 4
+    pinned = open_dataset("train", lake.uri, version=old.version)
+    assert sorted(k for b in pinned.batches(1, 100) for k in b.step_keys) == keys
+
+
+def test_to_torch_gives_tensors_and_the_mask(lake, monkeypatch):
+    torch = pytest.importorskip("torch")
+    batch = next(open_dataset("train", lake.uri).batches(1, 9))
+    tensors = batch.to_torch()
+    assert (
+        tensors["input_ids"].dtype == torch.int64 and tensors["advantages"].dtype == torch.float32
+    )
+    assert tensors["attention_mask"].dtype == torch.bool
+    assert tensors["attention_mask"].shape == (batch.num_tokens, batch.num_tokens)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(ImportError, match=r"pip install 'claw-lakehouse\[train\]'"):
+        batch.to_torch()
+
+
+def test_claw_export_writes_verl_parquet_and_jsonl(lake, tmp_path):
+    base = [sys.executable, "-m", "claw_pipelines.cli", "export", "--lake", lake.uri]
+    base += ["--dataset", "train", "--policy-version", "1"]
+    out = tmp_path / "train-v1.parquet"
+    done = subprocess.run([*base, "--out", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    table = pq.read_table(out).to_pylist()
+    steps = {r["step_key"]: r for r in open_dataset("train", lake.uri).steps(1).to_dicts()}
+    assert len(table) == len(steps)
+    for row in table:
+        step = steps[row["step_key"]]
+        assert row["prompts"] == step["prompt_ids"] and row["responses"] == step["response_ids"]
+        assert row["uid"] == step["prompt_uid"]
+        assert row["response_mask"] == [1] * len(step["response_ids"])
+        assert row["token_level_rewards"][-1] == (step["reward"] or 0.0)
+        assert sum(row["token_level_rewards"][:-1]) == 0
+    lines = tmp_path / "train-v1.jsonl"
+    done = subprocess.run(
+        [*base, "--format", "jsonl", "--out", str(lines)], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(x)["step_key"] for x in lines.read_text().splitlines()] == [
+        r["step_key"] for r in table
+    ]
+    missing = subprocess.run([*base[:-1], "9", "--out", str(out)], capture_output=True, text=True)
+    assert missing.returncode == 1 and missing.stderr.startswith("claw: error: train has no steps")
