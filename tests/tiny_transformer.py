@@ -1,0 +1,67 @@
+"""A small decoder-only transformer (random init, CPU) that attends through an explicit mask:
+enough to prove that training on tree batches equals training on flat sequences."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    """Pre-norm attention + MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        tokens, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
+        shape = (tokens, self.heads, width // self.heads)
+        q, k, v = (t.view(shape).transpose(0, 1) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(width // self.heads)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        mixed = (scores.softmax(-1) @ v).transpose(0, 1).reshape(tokens, width)
+        x = x + self.out(mixed)
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    """Token + learned position embeddings, a few blocks, a vocabulary head."""
+
+    def __init__(
+        self, vocab: int, width: int = 32, heads: int = 2, layers: int = 2, positions: int = 4096
+    ) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(positions, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [T, vocab]; row i may see row j iff mask[i, j]."""
+        x = self.tokens(ids) + self.positions(positions)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+
+def token_logprobs(model: TinyLM, tensors: dict) -> torch.Tensor:
+    """Each token's log-prob under the model, read from its parent's row (0 at a root)."""
+    logits = model(tensors["input_ids"], tensors["position_ids"], tensors["attention_mask"])
+    logp = logits.log_softmax(-1)
+    parent = tensors["parent"]
+    rows = parent.clamp(min=0)
+    picked = logp[rows, tensors["input_ids"]]
+    return torch.where(parent >= 0, picked, torch.zeros_like(picked))
