@@ -61,6 +61,7 @@ class Batch:
     step_keys: list[str]
     step_token_index: list[np.ndarray]
     tree_offsets: np.ndarray  # tokens of tree i are input_ids[tree_offsets[i]:tree_offsets[i+1]]
+    step_starts: np.ndarray  # per step: the depth where its own tokens start (0 when flat)
     trees: list[str] = field(default_factory=list)
 
     @property
@@ -150,17 +151,19 @@ def _weights(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(loss_mask, advantages, token_rewards) per token: sums over the steps whose response
     holds the token (masked by the step's response_mask); rewards on each step's last token."""
-    loss = np.zeros(total, dtype=np.float32)
-    advantages = np.zeros(total, dtype=np.float32)
-    rewards = np.zeros(total, dtype=np.float32)
-    for s, tokens in enumerate(token_of):
-        response = tokens[steps["prompt_len"][s] :]
-        mask = steps["mask"][steps["mask_offsets"][s] : steps["mask_offsets"][s + 1]]
-        np.add.at(loss, response, mask)
-        np.add.at(advantages, response, mask * steps["advantage"][s])
-        if len(response):
-            rewards[response[-1]] += steps["reward"][s]
-    return (loss > 0).astype(np.int8), advantages, rewards
+    prompt_len, lengths = steps["prompt_len"], steps["lengths"]
+    response = np.concatenate([t[p:] for t, p in zip(token_of, prompt_len.tolist(), strict=True)])
+    response_len = lengths - prompt_len
+    mask = steps["mask"]
+    weight = mask * np.repeat(steps["advantage"], response_len)
+    loss = np.bincount(response, weights=mask, minlength=total) > 0
+    advantages = np.bincount(response, weights=weight, minlength=total).astype(np.float32)
+    has_response = response_len > 0
+    last = np.cumsum(response_len)[has_response] - 1
+    rewards = np.bincount(
+        response[last], weights=steps["reward"][has_response], minlength=total
+    ).astype(np.float32)
+    return loss.astype(np.int8), advantages, rewards
 
 
 def tree_batch(frame: pl.DataFrame, policy_version: int) -> Batch:
@@ -180,8 +183,9 @@ def tree_batch(frame: pl.DataFrame, policy_version: int) -> Batch:
     firsts = seg_first[sizes > 0]
     first_segments = np.flatnonzero(sizes > 0)
     parent[firsts] = _attach_points(forest, first_segments)
-    segment_of_row, paths = forest.segment_of_row(), forest.paths()
-    token_of = [_path_tokens(forest, paths[segment_of_row[row]]) for row in range(frame.height)]
+    segment_of_row = forest.segment_of_row()
+    by_segment = _segment_tokens(forest)
+    token_of = [by_segment[k] for k in segment_of_row.tolist()]
     loss, advantages, rewards = _weights(steps, token_of, total)
     tree_starts = (
         np.flatnonzero(np.r_[True, forest.tree[1:] != forest.tree[:-1]]) if len(sizes) else []
@@ -197,8 +201,9 @@ def tree_batch(frame: pl.DataFrame, policy_version: int) -> Batch:
         token_rewards=rewards,
         advantages=advantages,
         step_keys=frame["step_key"].to_list(),
-        step_token_index=[t.astype(np.int32) for t in token_of],
+        step_token_index=token_of,
         tree_offsets=tree_offsets,
+        step_starts=forest.start[segment_of_row],
         trees=[str(t) for t in tree_names],
     )
 
@@ -212,18 +217,15 @@ def _attach_points(forest, segments: np.ndarray) -> np.ndarray:
     return np.where(parents == NO_PARENT, -1, at)
 
 
-def _path_tokens(forest, path: list[int]) -> np.ndarray:
-    """Batch indices of a step's whole sequence along its path of segments."""
-    pieces = []
-    for here, below in zip(path, [*path[1:], None], strict=True):
-        begin = forest.offsets[here]
-        take = (
-            forest.offsets[here + 1] - begin
-            if below is None
-            else forest.start[below] - forest.start[here]
-        )
-        pieces.append(np.arange(begin, begin + take))
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+def _segment_tokens(forest) -> list[np.ndarray]:
+    """For each segment (parents first), the batch indices of its row's whole sequence: its
+    parent's up to the depth where it branches, then its own."""
+    indices: list[np.ndarray] = []
+    offsets, starts = forest.offsets.tolist(), forest.start.tolist()
+    for k, p in enumerate(forest.parent.tolist()):
+        own = np.arange(offsets[k], offsets[k + 1], dtype=np.int32)
+        indices.append(own if p == NO_PARENT else np.concatenate([indices[p][: starts[k]], own]))
+    return indices
 
 
 def flat_batch(frame: pl.DataFrame, policy_version: int) -> Batch:
@@ -248,6 +250,7 @@ def flat_batch(frame: pl.DataFrame, policy_version: int) -> Batch:
         step_keys=frame["step_key"].to_list(),
         step_token_index=[t.astype(np.int32) for t in token_of],
         tree_offsets=offsets.astype(np.int64),
+        step_starts=np.zeros(frame.height, dtype=np.int64),
         trees=frame["step_key"].to_list(),
     )
 

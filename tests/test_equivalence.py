@@ -14,7 +14,7 @@ from claw_pipelines.gold import build_partition  # noqa: E402
 from claw_pipelines.lake import Lake  # noqa: E402
 from claw_pipelines.silver import build_silver  # noqa: E402
 from tests.lakes import completion, land, step  # noqa: E402
-from tests.tiny_transformer import TinyLM, token_logprobs  # noqa: E402
+from tests.tiny_transformer import TinyLM, forward_by_path, token_logprobs  # noqa: E402
 
 VOCAB = 512
 
@@ -105,3 +105,16 @@ def test_tree_batch_gives_the_flat_logprobs_and_gradients(dataset):
     assert tree_loss.item() == pytest.approx(flat_loss.item(), rel=1e-4)
     for a, b in zip(tree_grads, flat_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_path_sparse_attention_gives_the_dense_tree_logits(dataset):
+    """The efficient form a trainer would run (each step's own tokens attend to its path
+    only) computes the same logits as one dense forward with the ancestor mask."""
+    torch.manual_seed(1)
+    model = TinyLM(VOCAB).float()
+    tree = next(dataset.batches(1, batch_size=100, layout="tree"))
+    tensors = tree.to_torch()
+    starts = [int(s) for s in tree.step_starts]
+    dense = model(tensors["input_ids"], tensors["position_ids"], tensors["attention_mask"])
+    sparse = forward_by_path(model, tensors, starts)
+    torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-5)

@@ -65,3 +65,29 @@ def token_logprobs(model: TinyLM, tensors: dict) -> torch.Tensor:
     rows = parent.clamp(min=0)
     picked = logp[rows, tensors["input_ids"]]
     return torch.where(parent >= 0, picked, torch.zeros_like(picked))
+
+
+def forward_by_path(model: TinyLM, tensors: dict, starts: list[int]) -> torch.Tensor:
+    """The same logits as `model(...)` with the ancestor mask, computed sparsely: each step's
+    own tokens (its path after `start`, the depth where it left its parent) attend only to its
+    path. Attention work is then sum(own x path), not (tree tokens)^2."""
+    ids, positions = tensors["input_ids"], tensors["position_ids"]
+    paths = tensors["step_token_index"]
+    x = model.tokens(ids) + model.positions(positions)
+    pieces = [(path, path[start:], start) for path, start in zip(paths, starts, strict=True)]
+    pieces = [p for p in pieces if len(p[1])]
+    for block in model.blocks:
+        tokens, width = x.shape
+        heads = block.heads
+        q, k, v = block.qkv(block.norm1(x)).split(width, dim=-1)
+        shape = (tokens, heads, width // heads)
+        q, k, v = (t.view(shape).transpose(0, 1) for t in (q, k, v))
+        mixed = torch.zeros_like(q)
+        for path, own, start in pieces:
+            scores = q[:, own] @ k[:, path].transpose(-1, -2) / math.sqrt(width // heads)
+            visible = torch.ones(len(own), len(path), dtype=torch.bool).tril(start)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            mixed = mixed.index_copy(1, own, scores.softmax(-1) @ v[:, path])
+        x = x + block.out(mixed.transpose(0, 1).reshape(tokens, width))
+        x = x + block.mlp(block.norm2(x))
+    return model.head(model.norm(x))
