@@ -20,9 +20,9 @@ of token t is read from the logits at row `parent[t]`.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -31,10 +31,8 @@ import pyarrow as pa
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, gold_dataset_table
 from claw_pipelines.lake import Lake
 from claw_pipelines.settings import ClawSettings
-from claw_pipelines.transforms.hashing import list_parts
-from claw_pipelines.transforms.prefix_tree import NO_PARENT, build_forest
+from claw_pipelines.transforms.packing import Layout, Packed, pack
 
-Layout = Literal["tree", "flat"]
 BATCH_COLUMNS = [
     "step_key",
     "tree_id",
@@ -60,9 +58,8 @@ class Batch:
     advantages: np.ndarray
     step_keys: list[str]
     step_token_index: list[np.ndarray]
-    tree_offsets: np.ndarray  # tokens of tree i are input_ids[tree_offsets[i]:tree_offsets[i+1]]
+    tree_offsets: np.ndarray  # attention blocks: a tree (or, flat, a step) per block
     step_starts: np.ndarray  # per step: the depth where its own tokens start (0 when flat)
-    trees: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -119,139 +116,33 @@ def _ancestors(parent: np.ndarray) -> np.ndarray:
         reach, jump = widened, jump_next
 
 
-def _per_step(frame: pl.DataFrame) -> dict[str, Any]:
-    """Arrays of a batch's steps: sequences, response starts, per-token masks and weights."""
-    prompt_offsets, _, _ = list_parts(frame["prompt_ids"].to_arrow())
-    sequences = frame.select(pl.concat_list("prompt_ids", "response_ids")).to_series()
-    offsets, values, _ = list_parts(sequences.to_arrow())
-    values, offsets = values[offsets[0] : offsets[-1]], offsets - offsets[0]
-    lengths = np.diff(offsets)
-    prompt_len = np.diff(prompt_offsets)
-    mask = frame.select(
-        pl.coalesce(
-            pl.col("response_mask"),
-            pl.col("response_ids").list.eval(pl.element() * 0 + 1).cast(pl.List(pl.Int8)),
-        )
-    ).to_series()
-    mask_offsets, mask_values, _ = list_parts(mask.to_arrow())
-    return {
-        "offsets": offsets,
-        "values": np.ascontiguousarray(values, dtype=np.int32),
-        "lengths": lengths,
-        "prompt_len": prompt_len,
-        "mask": mask_values.astype(np.float32),
-        "mask_offsets": mask_offsets,
-        "advantage": frame["advantage"].fill_null(0.0).to_numpy().astype(np.float32),
-        "reward": frame["reward"].fill_null(0.0).to_numpy().astype(np.float32),
-    }
+def _step_indices(packed: Packed, first: int, stop: int, lo: int) -> list[np.ndarray]:
+    """Steps [first, stop)'s token indices, relative to a batch starting at token `lo`."""
+    if lo == 0:
+        return packed.token_of[first:stop]
+    shift = np.int32(lo)
+    return [t - shift for t in packed.token_of[first:stop]]
 
 
-def _weights(
-    steps: dict[str, Any], token_of: list[np.ndarray], total: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(loss_mask, advantages, token_rewards) per token: sums over the steps whose response
-    holds the token (masked by the step's response_mask); rewards on each step's last token."""
-    prompt_len, lengths = steps["prompt_len"], steps["lengths"]
-    response = np.concatenate([t[p:] for t, p in zip(token_of, prompt_len.tolist(), strict=True)])
-    response_len = lengths - prompt_len
-    mask = steps["mask"]
-    weight = mask * np.repeat(steps["advantage"], response_len)
-    loss = np.bincount(response, weights=mask, minlength=total) > 0
-    advantages = np.bincount(response, weights=weight, minlength=total).astype(np.float32)
-    has_response = response_len > 0
-    last = np.cumsum(response_len)[has_response] - 1
-    rewards = np.bincount(
-        response[last], weights=steps["reward"][has_response], minlength=total
-    ).astype(np.float32)
-    return loss.astype(np.int8), advantages, rewards
-
-
-def tree_batch(frame: pl.DataFrame, policy_version: int) -> Batch:
-    """Pack the steps of whole trees into one tree batch (depth-first, shared tokens once)."""
-    steps = _per_step(frame)
-    tree_names, tree_codes = np.unique(frame["tree_id"].to_numpy(), return_inverse=True)
-    sequences = pa.ListArray.from_arrays(
-        pa.array(steps["offsets"].astype(np.int32)), pa.array(steps["values"])
-    )
-    forest = build_forest(tree_codes.astype(np.int64), sequences)
-    sizes = np.diff(forest.offsets)
-    seg_first = forest.offsets[:-1]  # batch index of each segment's first token
-    total = forest.tree_tokens
-    depth_in_segment = np.arange(total) - np.repeat(seg_first, sizes)
-    position = np.repeat(forest.start, sizes) + depth_in_segment
-    parent = np.arange(total, dtype=np.int64) - 1
-    firsts = seg_first[sizes > 0]
-    first_segments = np.flatnonzero(sizes > 0)
-    parent[firsts] = _attach_points(forest, first_segments)
-    segment_of_row = forest.segment_of_row()
-    by_segment = _segment_tokens(forest)
-    token_of = [by_segment[k] for k in segment_of_row.tolist()]
-    loss, advantages, rewards = _weights(steps, token_of, total)
-    tree_starts = (
-        np.flatnonzero(np.r_[True, forest.tree[1:] != forest.tree[:-1]]) if len(sizes) else []
-    )
-    tree_offsets = np.r_[seg_first[tree_starts] if len(sizes) else [], total].astype(np.int64)
+def _batch(packed: Packed, first: int, stop: int, policy_version: int) -> Batch:
+    """Steps [first, stop) of a packed partition (whole trees) as one batch."""
+    lo, hi = int(packed.block_lo[first]), int(packed.block_hi[stop - 1])
+    parent = packed.parent[lo:hi].astype(np.int64) - lo
+    parent[parent < 0] = -1
+    blocks = np.unique(np.r_[packed.block_lo[first:stop], hi]) - lo
     return Batch(
-        layout="tree",
+        layout=packed.layout,
         policy_version=policy_version,
-        input_ids=forest.tokens.astype(np.int32),
+        input_ids=packed.input_ids[lo:hi],
         parent=parent.astype(np.int32),
-        position_ids=position.astype(np.int32),
-        loss_mask=loss,
-        token_rewards=rewards,
-        advantages=advantages,
-        step_keys=frame["step_key"].to_list(),
-        step_token_index=token_of,
-        tree_offsets=tree_offsets,
-        step_starts=forest.start[segment_of_row],
-        trees=[str(t) for t in tree_names],
-    )
-
-
-def _attach_points(forest, segments: np.ndarray) -> np.ndarray:
-    """For each segment, the batch index of the token it hangs from (-1 for a root)."""
-    parents = forest.parent[segments]
-    at = forest.offsets[np.maximum(parents, 0)] + (
-        forest.start[segments] - 1 - forest.start[np.maximum(parents, 0)]
-    )
-    return np.where(parents == NO_PARENT, -1, at)
-
-
-def _segment_tokens(forest) -> list[np.ndarray]:
-    """For each segment (parents first), the batch indices of its row's whole sequence: its
-    parent's up to the depth where it branches, then its own."""
-    indices: list[np.ndarray] = []
-    offsets, starts = forest.offsets.tolist(), forest.start.tolist()
-    for k, p in enumerate(forest.parent.tolist()):
-        own = np.arange(offsets[k], offsets[k + 1], dtype=np.int32)
-        indices.append(own if p == NO_PARENT else np.concatenate([indices[p][: starts[k]], own]))
-    return indices
-
-
-def flat_batch(frame: pl.DataFrame, policy_version: int) -> Batch:
-    """The same steps as unmerged sequences, one after another."""
-    steps = _per_step(frame)
-    offsets, lengths = steps["offsets"], steps["lengths"]
-    total = int(offsets[-1])
-    starts = np.repeat(offsets[:-1], lengths)
-    position = np.arange(total, dtype=np.int64) - starts
-    parent = np.where(position == 0, -1, np.arange(total) - 1)
-    token_of = [np.arange(offsets[s], offsets[s + 1]) for s in range(frame.height)]
-    loss, advantages, rewards = _weights(steps, token_of, total)
-    return Batch(
-        layout="flat",
-        policy_version=policy_version,
-        input_ids=steps["values"].copy(),
-        parent=parent.astype(np.int32),
-        position_ids=position.astype(np.int32),
-        loss_mask=loss,
-        token_rewards=rewards,
-        advantages=advantages,
-        step_keys=frame["step_key"].to_list(),
-        step_token_index=[t.astype(np.int32) for t in token_of],
-        tree_offsets=offsets.astype(np.int64),
-        step_starts=np.zeros(frame.height, dtype=np.int64),
-        trees=frame["step_key"].to_list(),
+        position_ids=packed.position_ids[lo:hi],
+        loss_mask=packed.loss_mask[lo:hi],
+        token_rewards=packed.token_rewards[lo:hi],
+        advantages=packed.advantages[lo:hi],
+        step_keys=packed.step_keys[first:stop],
+        step_token_index=_step_indices(packed, first, stop, lo),
+        tree_offsets=blocks.astype(np.int64),
+        step_starts=packed.step_starts[first:stop],
     )
 
 
@@ -331,12 +222,13 @@ class Dataset:
         trees = frame.group_by("tree_id").agg(pl.len().alias("n")).sort("tree_id")
         if seed is not None:
             trees = trees[np.random.default_rng(seed).permutation(trees.height)]
-        build = tree_batch if layout == "tree" else flat_batch
-        for index, chosen in enumerate(_pack(trees, batch_size)):
-            rows = frame.filter(pl.col("tree_id").is_in(chosen.implode()))
-            order = pl.DataFrame({"tree_id": chosen}).with_row_index("tree_rank")
-            rows = rows.join(order, on="tree_id").sort("tree_rank", "step_key").drop("tree_rank")
-            batch = build(rows, policy_version)
+        trees = trees.with_row_index("rank")
+        rank = frame.select("tree_id").join(trees, on="tree_id", how="left", maintain_order="left")
+        packed = pack(frame, rank["rank"].to_numpy().astype(np.int64), layout)
+        bounds = np.r_[0, np.cumsum(trees["n"].to_numpy())]
+        for index, (first_tree, stop_tree) in enumerate(_groups(trees["n"].to_numpy(), batch_size)):
+            first, stop = int(bounds[first_tree]), int(bounds[stop_tree])
+            batch = _batch(packed, first, stop, policy_version)
             if consumer is not None:
                 self._log(consumer, policy_version, index, batch.step_keys)
             yield batch
@@ -354,18 +246,17 @@ class Dataset:
         self.lake.append(GOLD_CONSUMPTION, pa.Table.from_pylist([row]))
 
 
-def _pack(trees: pl.DataFrame, batch_size: int) -> Iterator[pl.Series]:
-    """Consecutive trees, cut into groups of at most `batch_size` steps (never splitting one)."""
-    chosen: list[str] = []
-    count = 0
-    for tree, n in trees.select("tree_id", "n").iter_rows():
-        if chosen and count + n > batch_size:
-            yield pl.Series("tree_id", chosen, dtype=pl.String)
-            chosen, count = [], 0
-        chosen.append(tree)
+def _groups(sizes: np.ndarray, batch_size: int) -> Iterator[tuple[int, int]]:
+    """Consecutive trees (by their step counts) cut into groups of at most `batch_size`
+    steps, never splitting a tree; yields (first tree, stop tree)."""
+    first, count = 0, 0
+    for i, n in enumerate(sizes.tolist()):
+        if i > first and count + n > batch_size:
+            yield first, i
+            first, count = i, 0
         count += n
-    if chosen:
-        yield pl.Series("tree_id", chosen, dtype=pl.String)
+    if len(sizes):
+        yield first, len(sizes)
 
 
 def open_dataset(name: str, lake_uri: str | None = None, version: int | None = None) -> Dataset:

@@ -73,9 +73,10 @@ class PrefixForest:
         return np.concatenate(pieces) if pieces else self.tokens[:0]
 
 
-def _mismatch(values: np.ndarray, a: int, b: int, m: int) -> int:
-    """Index of the first difference of values[a:a+m] and values[b:b+m] (one exists)."""
-    return int(np.argmax(values[a : a + m] != values[b : b + m]))
+def _mismatch(a: bytes, b: bytes, m: int) -> int:
+    """Index of the first differing token of two id byte strings within their first m ids."""
+    x, y = np.frombuffer(a, dtype=np.int32, count=m), np.frombuffer(b, dtype=np.int32, count=m)
+    return int(np.argmax(x != y))  # a mismatch exists within m
 
 
 def _tree_batches(tree: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
@@ -98,58 +99,63 @@ def _tree_batches(tree: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
 
 def build_forest(tree: np.ndarray, sequences: pa.Array | pa.ChunkedArray) -> PrefixForest:
     """Merge the sequences (one per row) into prefix trees, one per distinct `tree` value."""
-    offsets, values, _ = list_parts(sequences)
-    values = np.ascontiguousarray(values, dtype=np.int32)
-    lengths = np.diff(offsets)
+    return build_forest_from_parts(tree, [sequences])
+
+
+def build_forest_from_parts(
+    tree: np.ndarray, parts: list[pa.Array | pa.ChunkedArray]
+) -> PrefixForest:
+    """Like `build_forest`, for sequences given as several list columns concatenated row by
+    row (e.g. prompt ids then response ids): no merged copy of the columns is made."""
+    split = [list_parts(p) for p in parts]
+    arrays = [
+        (o[:-1].tolist(), o[1:].tolist(), np.ascontiguousarray(v, dtype=np.int32))
+        for o, v, _ in split
+    ]
+    lengths = sum(np.diff(o) for o, _, _ in split)
     tree_list = tree.tolist()
-    starts_list = offsets[:-1].tolist()
-    ends_list = offsets[1:].tolist()
     order: list[int] = []
     lcp: list[int] = []
     parent: list[int] = []
+    pieces: list[np.ndarray] = []
     for batch in _tree_batches(tree, lengths):
         rows = batch.tolist()
         # a row's ids as bytes: byte order of fixed-width ids is a lexicographic order
-        keys = {i: values[starts_list[i] : ends_list[i]].tobytes() for i in rows}
+        keys = {i: b"".join(v[s[i] : e[i]].tobytes() for s, e, v in arrays) for i in rows}
         rows.sort(key=lambda i: (tree_list[i], keys[i]))
         stack: list[int] = []  # segments of this tree with increasing lcp: parent candidates
         previous = -1
         for i in rows:
             k = len(order)
+            key = keys[i]
             if previous < 0 or tree_list[previous] != tree_list[i]:
                 stack.clear()
                 depth = 0
             else:
-                a, b = keys[previous], keys[i]
-                if b.startswith(a):  # memcmp: the common case of nested turns
-                    depth = len(a) >> 2
-                elif a.startswith(b):
-                    depth = len(b) >> 2
+                before = keys[previous]
+                if key.startswith(before):  # memcmp: the common case of nested turns
+                    depth = len(before) >> 2
+                elif before.startswith(key):
+                    depth = len(key) >> 2
                 else:
-                    m = min(len(a), len(b)) >> 2
-                    depth = _mismatch(values, starts_list[previous], starts_list[i], m)
+                    depth = _mismatch(before, key, min(len(before), len(key)) >> 2)
             while stack and lcp[stack[-1]] >= depth:
                 stack.pop()
             order.append(i)
             lcp.append(depth)
             parent.append(stack[-1] if stack and depth > 0 else NO_PARENT)
             stack.append(k)
+            pieces.append(np.frombuffer(key, dtype=np.int32)[depth:].copy())
             previous = i
         keys.clear()  # free this batch's keys before the next one is built
     rows = np.asarray(order, dtype=np.int64)
-    lcp = np.asarray(lcp, dtype=np.int64)
-    parent = np.asarray(parent, dtype=np.int64)
-    starts = offsets[:-1][rows] + lcp
-    ends = offsets[1:][rows]
-    pieces = [values[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
-    tokens = np.concatenate(pieces) if pieces else values[:0]
-    sizes = ends - starts
+    sizes = np.array([len(p) for p in pieces], dtype=np.int64)
     return PrefixForest(
         row=rows,
         tree=tree[rows] if len(rows) else tree[:0],
-        parent=parent,
-        start=lcp,
-        length=np.diff(offsets)[rows],
-        offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-        tokens=tokens,
+        parent=np.asarray(parent, dtype=np.int64),
+        start=np.asarray(lcp, dtype=np.int64),
+        length=lengths[rows] if len(rows) else np.zeros(0, np.int64),
+        offsets=np.r_[0, np.cumsum(sizes)].astype(np.int64),
+        tokens=np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32),
     )

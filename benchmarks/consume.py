@@ -1,0 +1,173 @@
+"""Benchmark: trainer consumption.
+
+In one run:
+  (a) tokens/s of producing tree batches from a gold partition vs reading the same
+      partition's token columns with polars (the ceiling). Target >= 0.5x.
+  (b) forward + backward time of a small transformer on tree batches vs flat batches of the
+      same steps (tree: each step's own tokens attend to its path; flat: each step alone).
+      Target: tree/flat time <= 1.25 x token_ratio.
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from claw_pipelines.consume import open_dataset  # noqa: E402
+from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
+from claw_pipelines.gold import build_partition  # noqa: E402
+from claw_pipelines.lake import Lake  # noqa: E402
+from claw_pipelines.silver import build_silver  # noqa: E402
+from tests.lakes import completion, land, step  # noqa: E402
+
+PRODUCTION_TARGET = 0.5
+COMPUTE_SLACK = 1.25
+
+
+def grpo_lake(root: Path, groups: int, rollouts: int, turns: int, scale: int, vocab: int) -> Lake:
+    """Multi-turn GRPO groups landed in bronze, built into silver and one gold partition."""
+    rng = np.random.default_rng(11)
+    lake = Lake(str(root))
+    rows: list[dict] = []
+    for g in range(groups):
+        prompt = rng.integers(1, vocab, 5 * scale).tolist()
+        for r in range(rollouts):
+            trajectory, history = f"g{g}-r{r}", prompt
+            for turn in range(turns):
+                response = rng.integers(1, vocab, scale).tolist()
+                rows.append(step(trajectory, turn, history, response, group=f"g{g}"))
+                history = [*history, *response, *rng.integers(1, vocab, scale // 2).tolist()]
+            rows.append(completion(trajectory, float(rng.random())))
+        if len(rows) > 2000:
+            land(lake, rows)
+            rows = []
+    if rows:
+        land(lake, rows)
+    build_silver(lake)
+    spec = CurationSpec(
+        name="bench", reward_status=["final", "missing"], merge="prompt_group", advantage="grpo"
+    )
+    build_partition(lake, spec, 1)
+    return lake
+
+
+def production(lake: Lake, rounds: int) -> dict:
+    """(a): tree batches vs reading the token columns, raw tokens per second."""
+    ds = open_dataset("bench", lake.uri)
+    raw = int(ds.steps(1).select(pl.col("prompt_len").sum() + pl.col("response_len").sum()).item())
+    reads, builds = [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        lake.scan("gold/datasets/bench").filter(pl.col("policy_version") == 1).select(
+            "prompt_ids", "response_ids"
+        ).collect()
+        reads.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        tree_tokens = sum(b.num_tokens for b in ds.batches(1, batch_size=64, layout="tree"))
+        builds.append(time.perf_counter() - started)
+    read, build = min(reads), min(builds)
+    return {
+        "raw_tokens": raw,
+        "tree_tokens": tree_tokens,
+        "read_tokens_per_s": round(raw / read),
+        "batch_tokens_per_s": round(raw / build),
+        "production_vs_read": round(read / build, 3),
+    }
+
+
+def compute(lake: Lake, rounds: int, vocab: int) -> dict:
+    """(b): forward + backward on tree batches vs flat batches of the same steps."""
+    import torch
+
+    from tests.tiny_transformer import TinyLM, forward_by_path
+
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    model = TinyLM(vocab, width=128, heads=4, layers=2, positions=8192)
+    ds = open_dataset("bench", lake.uri)
+    trees = list(ds.batches(1, batch_size=1, layout="tree"))  # one prompt group per batch
+    flats = list(ds.batches(1, batch_size=1, layout="flat"))
+    tree_inputs = [(b.to_torch(), [int(s) for s in b.step_starts]) for b in trees]
+    flat_inputs = [
+        (b.to_torch()["input_ids"][i], torch.arange(len(i)))
+        for b in flats
+        for i in b.to_torch()["step_token_index"]
+    ]
+
+    def run_trees() -> None:
+        for tensors, starts in tree_inputs:
+            model.zero_grad()
+            forward_by_path(model, tensors, starts).float().logsumexp(-1).sum().backward()
+
+    def run_flat() -> None:
+        for ids, positions in flat_inputs:
+            model.zero_grad()
+            causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
+            model(ids, positions, causal).logsumexp(-1).sum().backward()
+
+    tree_times, flat_times = [], []
+    for _ in range(rounds):  # alternate, so noise hits both alike
+        started = time.perf_counter()
+        run_trees()
+        tree_times.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        run_flat()
+        flat_times.append(time.perf_counter() - started)
+    tree_tokens = sum(t["input_ids"].numel() for t, _ in tree_inputs)
+    flat_tokens = sum(ids.numel() for ids, _ in flat_inputs)
+    return {
+        "tree_s": round(min(tree_times), 3),
+        "flat_s": round(min(flat_times), 3),
+        "compute_ratio": round(min(tree_times) / min(flat_times), 3),
+        "token_ratio": round(tree_tokens / flat_tokens, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--groups", type=int, default=100)
+    parser.add_argument("--rollouts", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--scale", type=int, default=300, help="response tokens per turn")
+    parser.add_argument("--compute-groups", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    vocab = 4096
+    with tempfile.TemporaryDirectory(prefix="claw-bench-consume-") as tmp:
+        big = grpo_lake(
+            Path(tmp) / "big", args.groups, args.rollouts, args.turns, args.scale, vocab
+        )
+        produced = production(big, args.rounds)
+        small = grpo_lake(Path(tmp) / "small", args.compute_groups, 4, 3, 40, vocab)
+        computed = compute(small, args.rounds, vocab)
+    compute_target = COMPUTE_SLACK * computed["token_ratio"]
+    print(
+        json.dumps(
+            {
+                "benchmark": "consume",
+                "production": produced,
+                "compute": computed,
+                "target": {
+                    "production_vs_read": PRODUCTION_TARGET,
+                    "compute_ratio": round(compute_target, 3),
+                },
+                "target_met": produced["production_vs_read"] >= PRODUCTION_TARGET
+                and computed["compute_ratio"] <= compute_target,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
