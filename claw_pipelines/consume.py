@@ -28,16 +28,21 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, gold_dataset_table
+from claw_pipelines.contracts.tables import (
+    GOLD_CONSUMPTION,
+    GOLD_LINEAGE,
+    gold_dataset_table,
+    gold_tree_table,
+)
 from claw_pipelines.lake import Lake
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.packing import Layout, Packed, pack
 
-BATCH_COLUMNS = [
+STEP_COLUMNS = [
     "step_key",
     "tree_id",
-    "prompt_ids",
-    "response_ids",
+    "prompt_len",
+    "response_len",
     "response_mask",
     "reward",
     "advantage",
@@ -152,6 +157,7 @@ class Dataset:
     def __init__(self, lake: Lake, name: str, version: int | None = None) -> None:
         self.lake, self.name = lake, name
         self.table = gold_dataset_table(name)
+        self.trees_table = gold_tree_table(name)
         if not lake.exists(self.table):
             raise LookupError(f"no gold dataset {name!r} in {lake.uri}")
         self.version: int = lake.version(self.table) if version is None else int(version)
@@ -208,23 +214,23 @@ class Dataset:
             raise ValueError("batch_size must be at least 1")
         if layout not in ("tree", "flat"):
             raise ValueError(f"layout must be 'tree' or 'flat', not {layout!r}")
-        frame = (
-            self._scan()
-            .filter(pl.col("policy_version") == policy_version)
-            .select(BATCH_COLUMNS)
-            .collect()
-        )
+        in_partition = self._scan().filter(pl.col("policy_version") == policy_version)
+        frame = in_partition.select(STEP_COLUMNS).collect()
         if skip_consumed_by is not None:
             taken = self.consumed(skip_consumed_by)
             if taken.height:
                 keys = taken["step_keys"].explode().unique().implode()
                 frame = frame.filter(~pl.col("step_key").is_in(keys))
+        segments = self._segments(policy_version, frame) if layout == "tree" else None
+        if segments is None:  # flat, a partly consumed partition, or no usable stored trees
+            tokens = in_partition.select("step_key", "prompt_ids", "response_ids").collect()
+            frame = frame.join(tokens, on="step_key", how="left", maintain_order="left")
         trees = frame.group_by("tree_id").agg(pl.len().alias("n")).sort("tree_id")
         if seed is not None:
             trees = trees[np.random.default_rng(seed).permutation(trees.height)]
         trees = trees.with_row_index("rank")
         rank = frame.select("tree_id").join(trees, on="tree_id", how="left", maintain_order="left")
-        packed = pack(frame, rank["rank"].to_numpy().astype(np.int64), layout)
+        packed = pack(frame, rank["rank"].to_numpy().astype(np.int64), layout, segments)
         bounds = np.r_[0, np.cumsum(trees["n"].to_numpy())]
         for index, (first_tree, stop_tree) in enumerate(_groups(trees["n"].to_numpy(), batch_size)):
             first, stop = int(bounds[first_tree]), int(bounds[stop_tree])
@@ -232,6 +238,42 @@ class Dataset:
             if consumer is not None:
                 self._log(consumer, policy_version, index, batch.step_keys)
             yield batch
+
+    def _segments(self, policy_version: int, steps: pl.DataFrame) -> pl.DataFrame | None:
+        """The partition's stored prefix trees, as written with this dataset version's rows
+        (found through lineage); None when they cannot stand for exactly these steps."""
+        if not (self.lake.exists(GOLD_LINEAGE) and self.lake.exists(self.trees_table)):
+            return None
+        written = (
+            self.lake.scan(GOLD_LINEAGE)
+            .filter(
+                (pl.col("dataset") == self.name)
+                & (pl.col("policy_version") == policy_version)
+                & (pl.col("dataset_version") <= self.version)
+            )
+            .sort("dataset_version")
+            .select("trees_version")
+            .collect()
+        )
+        if written.is_empty() or written["trees_version"][-1] is None:
+            return None
+        segments = (
+            self.lake.scan(self.trees_table, int(written["trees_version"][-1]))
+            .filter(pl.col("policy_version") == policy_version)
+            .select(
+                "segment", "tree_id", "parent", "start_depth", "end_depth", "tokens", "step_key"
+            )
+            .collect()
+        )
+        expected = steps.select(
+            "step_key", "tree_id", end_depth=pl.col("prompt_len") + pl.col("response_len")
+        )
+        found = segments.select("step_key", "tree_id", "end_depth")
+        if found.height != expected.height or not found.sort("step_key").equals(
+            expected.sort("step_key"), null_equal=True
+        ):
+            return None
+        return segments
 
     def _log(self, consumer: str, policy_version: int, index: int, step_keys: list[str]) -> None:
         row = {

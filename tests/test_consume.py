@@ -181,3 +181,27 @@ def test_claw_export_writes_verl_parquet_and_jsonl(lake, tmp_path):
     ]
     missing = subprocess.run([*base[:-1], "9", "--out", str(out)], capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr.startswith("claw: error: train has no steps")
+
+
+def test_tree_batches_from_the_stored_trees_equal_rebuilt_ones(lake):
+    """Batches are read from gold/trees (U tokens, not raw); rebuilding from the raw tokens
+    gives the very same arrays."""
+    from claw_pipelines.transforms.packing import pack
+
+    ds = open_dataset("train", lake.uri)
+    steps = ds.steps(2)
+    segments = ds._segments(2, steps)
+    assert segments is not None and segments.height == steps.height
+    rank = steps.select(pl.col("tree_id").rank("dense") - 1)["tree_id"].to_numpy()
+    stored, rebuilt = pack(steps, rank, "tree", segments), pack(steps, rank, "tree")
+    for field in (
+        "input_ids",
+        "parent",
+        "position_ids",
+        "loss_mask",
+        "advantages",
+        "token_rewards",
+    ):
+        assert np.array_equal(getattr(stored, field), getattr(rebuilt, field)), field
+    assert stored.step_keys == rebuilt.step_keys
+    assert all(np.array_equal(a, b) for a, b in zip(stored.token_of, rebuilt.token_of, strict=True))

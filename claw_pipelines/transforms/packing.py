@@ -55,16 +55,16 @@ def _ordered_tokens(
 ) -> dict[str, np.ndarray]:
     """Lengths, response masks and (when asked) the concatenated prompt + response ids of the
     rows in `order`."""
-    p_off, p_val, _ = list_parts(frame["prompt_ids"].to_arrow())
-    r_off, r_val, _ = list_parts(frame["response_ids"].to_arrow())
     m_off, m_val, m_ok = list_parts(frame["response_mask"].to_arrow())
     rows = order.tolist()
     pieces = []
     if with_values:
+        p_off, p_val, _ = list_parts(frame["prompt_ids"].to_arrow())
+        r_off, r_val, _ = list_parts(frame["response_ids"].to_arrow())
         prompts, responses = _slices(p_val, p_off, rows), _slices(r_val, r_off, rows)
         pieces = [piece for pair in zip(prompts, responses, strict=True) for piece in pair]
-    prompt_len = np.diff(p_off)[order]
-    response_len = np.diff(r_off)[order]
+    prompt_len = frame["prompt_len"].to_numpy().astype(np.int64)[order]
+    response_len = frame["response_len"].to_numpy().astype(np.int64)[order]
     mask = np.ones(int(response_len.sum()), dtype=np.float32)  # absent mask: all trained
     given = np.flatnonzero(m_ok[order])
     if len(given):
@@ -123,9 +123,13 @@ def _tree_layout(frame: pl.DataFrame, order: np.ndarray, trees: np.ndarray):
     """Tree-merged arrays for the rows in `order` (whose tree ranks are `trees`)."""
     by_row = np.empty(len(order), dtype=np.int64)
     by_row[order] = trees
-    forest = build_forest_from_parts(
-        by_row, [frame["prompt_ids"].to_arrow(), frame["response_ids"].to_arrow()]
-    )
+    parts = [frame["prompt_ids"].to_arrow(), frame["response_ids"].to_arrow()]
+    return _forest_layout(build_forest_from_parts(by_row, parts), order, trees)
+
+
+def _forest_layout(forest: PrefixForest, order: np.ndarray, trees: np.ndarray):
+    """Per-token arrays of a forest whose trees are in rank order, and per step (rows in
+    `order`, tree ranks `trees`) its token indices, own start depth and attention block."""
     sizes = np.diff(forest.offsets)
     total = forest.tree_tokens
     seg_first = forest.offsets[:-1]
@@ -154,9 +158,46 @@ def _tree_layout(frame: pl.DataFrame, order: np.ndarray, trees: np.ndarray):
     )
 
 
-def pack(frame: pl.DataFrame, tree_rank: np.ndarray, layout: Layout) -> Packed:
-    """Lay out the steps of `frame` (step_key, prompt_ids, response_ids, response_mask,
-    reward, advantage), grouped by `tree_rank` (per row; a tree's steps stay together)."""
+def forest_from_segments(
+    segments: pl.DataFrame, step_row: dict[str, int], rank_of_row: np.ndarray
+) -> PrefixForest | None:
+    """The stored prefix trees of a partition (`gold/trees` rows) as a forest over the steps'
+    rows, trees reordered by rank; None when they do not match the steps one to one."""
+    segments = segments.sort("segment")
+    keys = segments["step_key"].to_list()
+    if len(keys) != len(step_row) or any(k not in step_row for k in keys):
+        return None
+    rows = np.array([step_row[k] for k in keys], dtype=np.int64)
+    ranks = rank_of_row[rows]
+    move = np.argsort(ranks, kind="stable")  # trees in rank order; parents still first
+    where = np.empty(len(move), dtype=np.int64)
+    where[move] = np.arange(len(move))
+    offsets, values, _ = list_parts(segments["tokens"].to_arrow())
+    old = offsets[:-1][move].tolist(), offsets[1:][move].tolist()
+    pieces = [values[a:b] for a, b in zip(*old, strict=True)]
+    parent = segments["parent"].to_numpy()[move]
+    sizes = np.diff(offsets)[move]
+    return PrefixForest(
+        row=rows[move],
+        tree=ranks[move],
+        parent=np.where(parent < 0, NO_PARENT, where[np.maximum(parent, 0)]),
+        start=segments["start_depth"].to_numpy()[move].astype(np.int64),
+        length=segments["end_depth"].to_numpy()[move].astype(np.int64),
+        offsets=np.r_[0, np.cumsum(sizes)].astype(np.int64),
+        tokens=np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32),
+    )
+
+
+def pack(
+    frame: pl.DataFrame,
+    tree_rank: np.ndarray,
+    layout: Layout,
+    segments: pl.DataFrame | None = None,
+) -> Packed:
+    """Lay out the steps of `frame` (step_key, prompt_len, response_len, response_mask,
+    reward, advantage, and prompt_ids/response_ids unless `segments` is given), grouped by
+    `tree_rank` (per row; a tree's steps stay together). With `segments` (the partition's
+    stored prefix trees) the tree layout is read from them instead of being rebuilt."""
     keyed = pl.DataFrame({"step_key": frame["step_key"], "rank": tree_rank}).with_row_index("row")
     ordered = keyed.sort("rank", "step_key")
     order = ordered["row"].to_numpy().astype(np.int64)
@@ -164,7 +205,15 @@ def pack(frame: pl.DataFrame, tree_rank: np.ndarray, layout: Layout) -> Packed:
     lengths = tokens["prompt_len"] + tokens["response_len"]
     seq_offsets = np.r_[0, np.cumsum(lengths)].astype(np.int64)
     trees = ordered["rank"].to_numpy().astype(np.int64)
-    if layout == "tree":
+    stored = None
+    if layout == "tree" and segments is not None:
+        step_row = dict(zip(frame["step_key"].to_list(), range(frame.height), strict=True))
+        stored = forest_from_segments(segments, step_row, np.asarray(tree_rank, dtype=np.int64))
+        if stored is None:
+            raise ValueError("the stored trees do not match the dataset's steps")
+    if stored is not None:
+        input_ids, parent, position, token_of, starts, lo, hi = _forest_layout(stored, order, trees)
+    elif layout == "tree":
         input_ids, parent, position, token_of, starts, lo, hi = _tree_layout(frame, order, trees)
     else:
         total = int(seq_offsets[-1])
