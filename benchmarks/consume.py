@@ -94,7 +94,7 @@ def compute(lake: Lake, rounds: int, vocab: int) -> dict:
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    model = TinyLM(vocab, width=128, heads=4, layers=2, positions=8192)
+    model = TinyLM(vocab, width=256, heads=4, layers=2, positions=8192)
     ds = open_dataset("bench", lake.uri)
     trees = list(ds.batches(1, batch_size=1, layout="tree"))  # one prompt group per batch
     flats = list(ds.batches(1, batch_size=1, layout="flat"))
