@@ -57,6 +57,12 @@ class ClawSettings(BaseSettings):
     trajectory_reward_to: Literal["last", "every"] = Field(
         "last", description="steps a trajectory-level reward addresses"
     )
+    gateway_url: str | None = Field(
+        None, description="the gateway the dashboard shows health from (its /metrics)"
+    )
+    dagster_url: str | None = Field(
+        None, description="Dagster webserver the dashboard asks for runs (GraphQL)"
+    )
     retention_hours: int = Field(
         168, ge=168, description="maintenance keeps files of versions younger than this"
     )

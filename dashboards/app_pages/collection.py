@@ -1,0 +1,54 @@
+"""Collection: what is entering now, from each source, and the gateway's health."""
+
+from __future__ import annotations
+
+import altair as alt
+import polars as pl
+import streamlit as st
+
+from claw_pipelines.contracts.tables import BRONZE_EVENTS
+from dashboards import data
+
+st.title("Collection")
+at = data.where()
+gateway = st.text_input(
+    "gateway URL (for /metrics)", value=at.gateway_url or "http://127.0.0.1:8080"
+)
+
+
+@st.fragment(run_every=5)
+def live() -> None:
+    """Refreshes every 5 s."""
+    versions = data.versions(at)
+    health = data.gateway_health(gateway)
+    if health is None:
+        st.caption(f"gateway at {gateway} is not answering (start it with `claw up`).")
+    else:
+        columns = st.columns(min(4, max(1, len(health))))
+        for slot, (name, value) in zip(columns * 10, sorted(health.items())[:8], strict=False):
+            slot.metric(name.removeprefix("claw_"), f"{value:,.0f}")
+    if versions[BRONZE_EVENTS] is None:
+        st.info(data.empty_lake_help())
+        return
+    per_second = data.records_per_second(at, versions[BRONZE_EVENTS])
+    st.subheader("Records entering, by source")
+    st.altair_chart(
+        alt.Chart(per_second.to_pandas())
+        .mark_line(point=True)
+        .encode(x="second:T", y="records:Q", color="source:N"),
+        use_container_width=True,
+    )
+    recent = (
+        at.lake()
+        .scan(BRONZE_EVENTS, versions[BRONZE_EVENTS])
+        .select("received_at", "kind", "tenant", "trajectory_uid", "event_id")
+        .sort("received_at", descending=True)
+        .head(50)
+        .collect()
+        .with_columns(source=pl.col("kind").replace_strict(data.SOURCE_OF_KIND, default="other"))
+    )
+    st.subheader("Latest records")
+    st.dataframe(recent, hide_index=True, use_container_width=True)
+
+
+live()

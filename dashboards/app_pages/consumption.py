@@ -1,0 +1,137 @@
+"""Consumption: batches exactly as trainers get them, who took what, lineage and diffs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import streamlit as st
+
+from claw_pipelines.consume import Dataset
+from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_LINEAGE, gold_dataset_table
+from dashboards import data
+
+st.title("Consumption")
+at = data.where()
+names = data.datasets(at)
+if not names:
+    st.info("No gold dataset yet. " + data.empty_lake_help())
+    st.stop()
+lake = at.lake()
+name = st.selectbox("dataset", names)
+newest = lake.version(gold_dataset_table(name))
+version = st.number_input("dataset version", min_value=0, max_value=newest, value=newest)
+dataset = Dataset(lake, name, int(version))
+partitions = dataset.policy_versions()
+if not partitions:
+    st.caption("this version holds no steps")
+    st.stop()
+a, b, c = st.columns(3)
+policy = a.selectbox("policy version", partitions)
+layout = b.radio("layout", ["tree", "flat"], horizontal=True)
+size = c.number_input("batch size (steps)", min_value=1, value=32)
+
+st.subheader("First batch, as `consume.batches` yields it")
+batch = next(dataset.batches(int(policy), int(size), layout=layout), None)
+if batch is not None:
+    left, middle, right = st.columns(3)
+    left.metric("steps", len(batch.step_keys))
+    middle.metric("tokens", f"{batch.num_tokens:,}")
+    right.metric("trained tokens", f"{int(batch.loss_mask.sum()):,}")
+    lo, hi = int(batch.tree_offsets[0]), int(batch.tree_offsets[1])
+    block = batch.parent[lo:hi]
+    if hi - lo <= 2000:
+        from claw_pipelines.consume import _ancestors
+
+        mask = _ancestors(block.astype(np.int64) - lo)
+        st.image(
+            (~mask).astype(np.uint8) * 255,
+            caption="ancestor mask of the first tree (black: may attend)",
+            clamp=True,
+        )
+    else:
+        st.caption(f"first tree has {hi - lo} tokens: mask not drawn")
+    st.dataframe(
+        pl.DataFrame(
+            {"step_key": batch.step_keys, "tokens": [len(i) for i in batch.step_token_index]}
+        ),
+        hide_index=True,
+    )
+
+st.subheader("Consumption log")
+log = data.table(
+    at,
+    GOLD_CONSUMPTION,
+    (
+        "consumer",
+        "dataset",
+        "dataset_version",
+        "policy_version",
+        "batch_index",
+        "step_keys",
+        "consumed_at",
+    ),
+)
+if log is None or log.is_empty():
+    st.caption("No trainer has pulled batches with `consumer=` yet.")
+else:
+    mine = log.filter(pl.col("dataset") == name).with_columns(steps=pl.col("step_keys").list.len())
+    st.dataframe(
+        mine.group_by("consumer").agg(
+            batches=pl.len(), steps=pl.col("steps").sum(), last=pl.col("consumed_at").max()
+        ),
+        hide_index=True,
+    )
+
+st.subheader("Lineage of each version")
+lineage = data.table(
+    at,
+    GOLD_LINEAGE,
+    (
+        "dataset",
+        "dataset_version",
+        "policy_version",
+        "spec_hash",
+        "source_versions",
+        "code_version",
+        "steps",
+        "token_ratio",
+        "written_at",
+    ),
+)
+if lineage is not None:
+    st.dataframe(
+        lineage.filter(pl.col("dataset") == name).sort("dataset_version"),
+        hide_index=True,
+        use_container_width=True,
+    )
+
+st.subheader("Diff between two versions")
+a, b = st.columns(2)
+old = a.number_input("from version", min_value=0, max_value=newest, value=max(0, newest - 1))
+new = b.number_input("to version", min_value=0, max_value=newest, value=newest)
+columns = ("step_key", "policy_version", "reward", "advantage")
+before = data.dataset_steps(at, name, int(old), columns)
+after = data.dataset_steps(at, name, int(new), columns)
+added = after.join(before, on="step_key", how="anti")
+removed = before.join(after, on="step_key", how="anti")
+changed = after.join(before, on="step_key", suffix="_before").filter(
+    (pl.col("reward") != pl.col("reward_before"))
+    | (pl.col("advantage") != pl.col("advantage_before"))
+)
+st.write(
+    json.dumps(
+        {
+            "added": added.height,
+            "removed": removed.height,
+            "reward or advantage changed": changed.height,
+        }
+    )
+)
+st.dataframe(
+    pl.concat(
+        [added.with_columns(change=pl.lit("added")), removed.with_columns(change=pl.lit("removed"))]
+    ),
+    hide_index=True,
+)

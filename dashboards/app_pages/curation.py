@@ -1,0 +1,209 @@
+"""Curation: build a spec with a widget per filter, watch what it keeps, save it, build it."""
+
+from __future__ import annotations
+
+import altair as alt
+import httpx
+import polars as pl
+import streamlit as st
+from pydantic import ValidationError
+
+from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.contracts.tables import SILVER_STEP_REWARDS, SILVER_STEPS, SILVER_TRAJECTORIES
+from claw_pipelines.specs import SpecError, load_specs, parse_spec, save_spec, to_yaml
+from claw_pipelines.transforms.curation import candidates, curate
+from dashboards import data
+
+st.title("Curation")
+at = data.where()
+lake = at.lake()
+versions = data.versions(at)
+steps = data.table(
+    at,
+    SILVER_STEPS,
+    (
+        "step_key",
+        "trajectory_uid",
+        "step_index",
+        "prompt_uid",
+        "policy_version",
+        "token_source",
+        "finish_reason",
+        "tenant",
+        "source_kind",
+        "prompt_len",
+        "response_len",
+    ),
+)
+if steps is None or steps.is_empty():
+    st.info(data.empty_lake_help())
+    st.stop()
+rewards = data.table(
+    at, SILVER_STEP_REWARDS, ("step_key", "reward", "reward_status", "rating", "labels")
+)
+trajectories = data.table(at, SILVER_TRAJECTORIES, ("trajectory_uid", "status", "resolved_return"))
+frame = candidates(steps, rewards, trajectories)
+
+
+def options(column: str) -> list:
+    return sorted(v for v in frame[column].unique().to_list() if v is not None)
+
+
+existing = load_specs(lake)
+start_from = st.selectbox("start from", sorted(existing))
+base = existing[start_from]
+with st.form("spec"):
+    name = st.text_input("name", value=base.name if base.name != "default" else "my-dataset")
+    description = st.text_input("description", value=base.description)
+    a, b, c = st.columns(3)
+    reward_status = a.multiselect(
+        "reward status", ["final", "pending", "missing"], base.reward_status
+    )
+    reward_min = b.number_input("reward min", value=base.reward_min, step=0.1)
+    reward_max = c.number_input("reward max", value=base.reward_max, step=0.1)
+    labels = sorted({x for xs in frame["labels"].to_list() for x in xs})
+    require_labels = a.multiselect(
+        "require labels", labels, [x for x in base.require_labels if x in labels]
+    )
+    exclude_labels = b.multiselect(
+        "exclude labels", labels, [x for x in base.exclude_labels if x in labels]
+    )
+    min_rating = c.number_input("min rating", value=base.min_rating, step=1.0)
+    token_sources = a.multiselect(
+        "token sources (empty: all)", ["upstream", "local", "client"], base.token_sources or []
+    )
+    finish_reasons = b.multiselect(
+        "finish reasons (empty: all)", options("finish_reason"), base.finish_reasons or []
+    )
+    sources = c.multiselect(
+        "sources (empty: all)", ["white_box", "proxy", "claw_r1"], base.sources or []
+    )
+    tenants = a.multiselect("tenants (empty: all)", options("tenant"), base.tenants or [])
+    trajectory_status = b.multiselect(
+        "trajectory status (empty: all)",
+        ["open", "complete", "abandoned"],
+        base.trajectory_status or [],
+    )
+    policy_versions = c.multiselect(
+        "policy versions (empty: all)", options("policy_version"), base.policy_versions or []
+    )
+    min_prompt_tokens = a.number_input("min prompt tokens", value=base.min_prompt_tokens, step=1)
+    max_prompt_tokens = b.number_input("max prompt tokens", value=base.max_prompt_tokens, step=1)
+    max_policy_staleness = c.number_input(
+        "max policy staleness", value=base.max_policy_staleness, step=1
+    )
+    min_response_tokens = a.number_input(
+        "min response tokens", value=base.min_response_tokens, step=1
+    )
+    max_response_tokens = b.number_input(
+        "max response tokens", value=base.max_response_tokens, step=1
+    )
+    min_group_size = c.number_input("min group size", value=base.min_group_size, step=1)
+    complete_groups_only = a.checkbox("complete groups only", base.complete_groups_only)
+    drop_zero_variance_groups = b.checkbox(
+        "drop zero-variance groups", base.drop_zero_variance_groups
+    )
+    merge = c.selectbox(
+        "merge",
+        ["trajectory", "prompt_group", "none"],
+        ["trajectory", "prompt_group", "none"].index(base.merge),
+    )
+    advantage = a.selectbox("advantage", ["none", "grpo"], ["none", "grpo"].index(base.advantage))
+    preview, save = st.columns(2)
+    previewed = preview.form_submit_button("preview")
+    saved = save.form_submit_button("save spec", type="primary")
+
+fields = {
+    "name": name,
+    "description": description,
+    "reward_status": reward_status,
+    "reward_min": reward_min,
+    "reward_max": reward_max,
+    "require_labels": require_labels,
+    "exclude_labels": exclude_labels,
+    "min_rating": min_rating,
+    "token_sources": token_sources or None,
+    "finish_reasons": finish_reasons or None,
+    "sources": sources or None,
+    "tenants": tenants or None,
+    "trajectory_status": trajectory_status or None,
+    "policy_versions": policy_versions or None,
+    "min_prompt_tokens": min_prompt_tokens,
+    "max_prompt_tokens": max_prompt_tokens,
+    "max_policy_staleness": max_policy_staleness,
+    "min_response_tokens": min_response_tokens,
+    "max_response_tokens": max_response_tokens,
+    "min_group_size": min_group_size,
+    "complete_groups_only": complete_groups_only,
+    "drop_zero_variance_groups": drop_zero_variance_groups,
+    "merge": merge,
+    "advantage": advantage,
+}
+try:
+    spec = CurationSpec.model_validate(fields)
+except ValidationError as exc:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    st.error(f"invalid spec: {where + ': ' if where else ''}{message}")
+    st.stop()
+
+kept = curate(frame, spec)
+a, b, c, d = st.columns(4)
+a.metric("steps kept", f"{kept.height:,} / {frame.height:,}")
+b.metric("trajectories", f"{kept['trajectory_uid'].n_unique():,}")
+c.metric("prompt groups", f"{kept['group_key'].n_unique():,}")
+complete = kept.filter(pl.col("group_complete")).height if kept.height else 0
+d.metric("in complete groups", f"{complete:,}")
+if kept.height:
+    newest = frame["policy_version"].max()
+    shown = kept.with_columns(staleness=newest - pl.col("policy_version")).to_pandas()
+    charts = st.columns(3)
+    charts[0].altair_chart(
+        alt.Chart(shown).mark_bar().encode(alt.X("reward:Q", bin=True), y="count()"),
+        use_container_width=True,
+    )
+    charts[1].altair_chart(
+        alt.Chart(shown).mark_bar().encode(alt.X("response_len:Q", bin=True), y="count()"),
+        use_container_width=True,
+    )
+    charts[2].altair_chart(
+        alt.Chart(shown).mark_bar().encode(alt.X("staleness:O"), y="count()"),
+        use_container_width=True,
+    )
+st.code(to_yaml(spec), language="yaml")
+
+if saved:
+    try:
+        save_spec(lake, parse_spec(to_yaml(spec)))
+        st.success(f"saved specs/{spec.name}.yaml (hash {spec.spec_hash})")
+    except SpecError as exc:
+        st.error(f"invalid spec: {exc}")
+
+if st.button("build this dataset now"):
+    dagster = at.dagster_url
+    up = False
+    if dagster:
+        try:
+            up = httpx.get(dagster.rstrip("/") + "/server_info", timeout=1.0).is_success
+        except httpx.HTTPError:
+            up = False
+    if up:
+        st.info(
+            f"Dagster is running at {dagster}: its gold_partitions_sensor builds every "
+            "partition of a saved spec within a minute (watch the runs there)."
+        )
+    else:
+        from claw_pipelines.gold import build_partition
+        from claw_pipelines.gold import policy_versions as all_versions
+
+        saved_spec = load_specs(lake).get(spec.name)
+        if saved_spec is None:
+            st.error("save the spec first")
+        else:
+            for version in all_versions(lake):
+                part = build_partition(lake, saved_spec, version)
+                st.write(
+                    f"built {spec.name} v{version}: {part.steps.height} steps, "
+                    f"dataset version {part.dataset_version}"
+                )

@@ -1,0 +1,84 @@
+"""Optimization: how much the prefix trees save, per dataset and partition, and one drawn."""
+
+from __future__ import annotations
+
+import altair as alt
+import polars as pl
+import streamlit as st
+
+from claw_pipelines.contracts.tables import GOLD_LINEAGE
+from dashboards import data
+
+st.title("Optimization")
+at = data.where()
+names = data.datasets(at)
+if not names:
+    st.info("No gold dataset yet. " + data.empty_lake_help())
+    st.stop()
+
+lineage = data.table(
+    at,
+    GOLD_LINEAGE,
+    (
+        "dataset",
+        "policy_version",
+        "dataset_version",
+        "steps",
+        "raw_tokens",
+        "tree_tokens",
+        "written_at",
+    ),
+)
+latest = lineage.sort("written_at").group_by("dataset", "policy_version").agg(pl.all().last())
+name = st.selectbox("dataset", names)
+mine = latest.filter(pl.col("dataset") == name).sort("policy_version")
+raw, tree = int(mine["raw_tokens"].sum()), int(mine["tree_tokens"].sum())
+a, b, c = st.columns(3)
+a.metric("raw tokens", f"{raw:,}")
+b.metric("tree tokens", f"{tree:,}")
+c.metric("saved", f"{raw - tree:,}", f"token_ratio {tree / raw:.3f}" if raw else None)
+st.dataframe(
+    mine.with_columns(token_ratio=pl.col("tree_tokens") / pl.col("raw_tokens")),
+    hide_index=True,
+    use_container_width=True,
+)
+
+version = st.selectbox("policy version", mine["policy_version"].to_list())
+segments = data.tree_segments(at, name, int(version))
+if segments.is_empty():
+    st.caption("this partition holds no steps")
+    st.stop()
+per_tree = (
+    segments.group_by("tree_id")
+    .agg(
+        steps=pl.len(),
+        tree_tokens=pl.col("own").sum(),
+        raw_tokens=pl.col("end_depth").sum(),
+        raw_attention=(pl.col("end_depth") ** 2).sum(),
+        tree_attention=(pl.col("own") * pl.col("end_depth")).sum(),
+    )
+    .with_columns(token_ratio=pl.col("tree_tokens") / pl.col("raw_tokens"))
+)
+st.subheader("token_ratio per tree")
+st.altair_chart(
+    alt.Chart(per_tree.to_pandas())
+    .mark_bar()
+    .encode(alt.X("token_ratio:Q", bin=alt.Bin(maxbins=30)), y="count()"),
+    use_container_width=True,
+)
+saved_attention = 1 - per_tree["tree_attention"].sum() / max(1, per_tree["raw_attention"].sum())
+st.metric("attention work saved (query x key pairs)", f"{saved_attention:.0%}")
+
+st.subheader("A tree")
+tree_id = st.selectbox("tree", per_tree.sort("steps", descending=True)["tree_id"].to_list())
+nodes = segments.filter(pl.col("tree_id") == tree_id).sort("segment")
+lines = ["digraph tree {", "rankdir=LR;", "node [shape=box, fontsize=10];"]
+for row in nodes.iter_rows(named=True):
+    label = (
+        f"{row['step_key']}\\n+{row['own']} tokens (depth {row['start_depth']}-{row['end_depth']})"
+    )
+    lines.append(f's{row["segment"]} [label="{label}"];')
+    if row["parent"] >= 0:
+        lines.append(f's{row["parent"]} -> s{row["segment"]} [label="at {row["start_depth"]}"];')
+lines.append("}")
+st.graphviz_chart("\n".join(lines))

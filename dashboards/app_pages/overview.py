@@ -1,0 +1,72 @@
+"""Overview: records over time by source, steps, trajectories, tokens, datasets, versions."""
+
+from __future__ import annotations
+
+import altair as alt
+import polars as pl
+import streamlit as st
+
+from claw_pipelines.contracts.tables import (
+    BRONZE_EVENTS,
+    GOLD_LINEAGE,
+    SILVER_STEPS,
+    SILVER_TRAJECTORIES,
+)
+from dashboards import data
+
+st.title("Overview")
+at = data.where()
+versions = data.versions(at)
+if versions[BRONZE_EVENTS] is None:
+    st.info(data.empty_lake_help())
+    st.stop()
+
+steps = data.table(at, SILVER_STEPS, ("prompt_len", "response_len"))
+trajectories = data.table(at, SILVER_TRAJECTORIES, ("status",))
+bronze = data.records_per_second(at, versions[BRONZE_EVENTS])
+left, middle, right, last = st.columns(4)
+left.metric("bronze records", f"{int(bronze['records'].sum()):,}")
+middle.metric("silver steps", f"{steps.height:,}" if steps is not None else "—")
+tokens = (
+    int(steps.select(pl.sum("prompt_len") + pl.sum("response_len")).item())
+    if steps is not None and steps.height
+    else 0
+)
+right.metric("tokens in steps", f"{tokens:,}")
+last.metric("trajectories", f"{trajectories.height:,}" if trajectories is not None else "—")
+
+st.subheader("Records per second, by source")
+st.altair_chart(
+    alt.Chart(bronze.to_pandas())
+    .mark_bar()
+    .encode(x="second:T", y="records:Q", color="source:N", tooltip=["second", "source", "records"]),
+    use_container_width=True,
+)
+
+if trajectories is not None and trajectories.height:
+    st.subheader("Trajectories by status")
+    counts = trajectories.group_by("status").len().sort("status")
+    st.bar_chart(counts.to_pandas(), x="status", y="len")
+else:
+    st.caption("No silver yet: run `claw materialize` (or let the Dagster sensor do it).")
+
+st.subheader("Datasets and their freshness")
+lineage = data.table(
+    at, GOLD_LINEAGE, ("dataset", "policy_version", "dataset_version", "steps", "written_at")
+)
+if lineage is None or lineage.is_empty():
+    st.caption("No gold dataset yet: `claw materialize` builds the built-in `default` one.")
+else:
+    latest = (
+        lineage.sort("written_at")
+        .group_by("dataset", "policy_version")
+        .agg(pl.all().last())
+        .sort("dataset", "policy_version")
+    )
+    st.dataframe(latest, hide_index=True, use_container_width=True)
+
+st.subheader("Table versions")
+st.dataframe(
+    pl.DataFrame({"table": list(versions), "delta version": list(versions.values())}),
+    hide_index=True,
+)

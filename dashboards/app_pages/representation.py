@@ -1,0 +1,126 @@
+"""Representation: one step as the lake holds it — tokens, text, log-probs, rewards, lineage."""
+
+from __future__ import annotations
+
+import html
+import math
+
+import altair as alt
+import polars as pl
+import streamlit as st
+
+from claw_pipelines.contracts.tables import (
+    BRONZE_EVENTS,
+    SILVER_FEEDBACK,
+    SILVER_STEP_REWARDS,
+    SILVER_STEPS,
+)
+from claw_pipelines.tokenization import decode, load_tokenizer
+from dashboards import data
+
+st.title("Representation")
+at = data.where()
+versions = data.versions(at)
+if versions[SILVER_STEPS] is None:
+    st.info(data.empty_lake_help())
+    st.stop()
+
+by = st.radio(
+    "find by", ["step_key", "trajectory_uid", "prompt_id", "response_id"], horizontal=True
+)
+index = data.table(at, SILVER_STEPS, ("step_key", "trajectory_uid", "prompt_id", "response_id"))
+suggestion = index[by][0] if index is not None and index.height else ""
+value = st.text_input(by, value=suggestion)
+found = data.steps_matching(at, versions[SILVER_STEPS], by, value) if value else pl.DataFrame()
+if found.is_empty():
+    st.warning(f"no step with {by} = {value!r}")
+    st.stop()
+key = (
+    st.selectbox("step", found["step_key"].to_list()) if found.height > 1 else found["step_key"][0]
+)
+step = found.filter(pl.col("step_key") == key).to_dicts()[0]
+
+left, right = st.columns(2)
+left.markdown(
+    f"**{step['step_key']}** · {step['source_kind']} · token source `{step['token_source']}` · "
+    f"policy v{step['policy_version']} · model `{step['model']}`"
+)
+right.markdown(f"prompt `{step['prompt_id']}` · response `{step['response_id']}`")
+boundaries = st.toggle("show token boundaries", value=False)
+tokenizer = load_tokenizer()
+
+
+def pieces(ids: list[int]) -> list[str]:
+    return [decode([token], tokenizer) for token in ids]
+
+
+def render(ids: list[int], logprobs: list[float] | None = None) -> str:
+    spans = []
+    for position, text in enumerate(pieces(ids)):
+        style = "border-right:1px solid #bbb;" if boundaries else ""
+        title = f"id {ids[position]}"
+        if logprobs is not None and position < len(logprobs):
+            p = math.exp(logprobs[position])
+            style += f"background: rgba(255, 80, 0, {0.75 * (1 - p):.2f});"
+            title += f", logprob {logprobs[position]:.3f}"
+        spans.append(f'<span style="{style}" title="{title}">{html.escape(text)}</span>')
+    body = "".join(spans)
+    return f'<div style="white-space: pre-wrap; font-family: monospace">{body}</div>'
+
+
+st.subheader("Prompt")
+st.html(render(step["prompt_ids"][-2000:]))
+st.subheader("Response (shaded by how unlikely each sampled token was)")
+st.html(render(step["response_ids"], step["rollout_log_probs"]))
+
+st.subheader("Reward facts and how they resolved")
+rewards = data.table(
+    at,
+    SILVER_STEP_REWARDS,
+    (
+        "step_key",
+        "reward",
+        "reward_status",
+        "reward_source",
+        "reward_target",
+        "num_reward_facts",
+        "rating",
+        "labels",
+    ),
+)
+if rewards is not None:
+    st.dataframe(rewards.filter(pl.col("step_key") == key), hide_index=True)
+facts = data.table(
+    at,
+    SILVER_FEEDBACK,
+    (
+        "feedback_id",
+        "step_key",
+        "trajectory_uid",
+        "kind",
+        "value_number",
+        "value_text",
+        "source",
+        "created_at",
+    ),
+)
+if facts is not None:
+    mine = facts.filter(
+        (pl.col("step_key") == key) | (pl.col("trajectory_uid") == step["trajectory_uid"])
+    )
+    st.dataframe(mine.sort("created_at"), hide_index=True, use_container_width=True)
+
+st.subheader("Lineage: the bronze record")
+st.dataframe(data.bronze_event(at, versions[BRONZE_EVENTS], step["event_id"]), hide_index=True)
+
+st.subheader("Trajectory timeline")
+turns = data.steps_matching(at, versions[SILVER_STEPS], "trajectory_uid", step["trajectory_uid"])
+timeline = turns.select("step_index", "created_at", "prompt_len", "response_len").to_pandas()
+st.altair_chart(
+    alt.Chart(timeline)
+    .mark_circle(size=120)
+    .encode(
+        x="created_at:T", y="step_index:O", size="response_len:Q", tooltip=list(timeline.columns)
+    ),
+    use_container_width=True,
+)

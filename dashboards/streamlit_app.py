@@ -1,0 +1,25 @@
+"""The Claw lakehouse dashboard: the data lifecycle, read from the lake only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+from dashboards.data import where
+
+PAGES = Path(__file__).parent / "app_pages"
+
+st.set_page_config(page_title="Claw lakehouse", page_icon="🦀", layout="wide")
+st.sidebar.caption(f"lake: `{where().lake_uri}`")
+navigation = st.navigation(
+    [
+        st.Page(PAGES / "overview.py", title="Overview", icon="🏠", default=True),
+        st.Page(PAGES / "collection.py", title="Collection", icon="📥"),
+        st.Page(PAGES / "representation.py", title="Representation", icon="🔎"),
+        st.Page(PAGES / "curation.py", title="Curation", icon="🧪"),
+        st.Page(PAGES / "optimization.py", title="Optimization", icon="🌳"),
+        st.Page(PAGES / "consumption.py", title="Consumption", icon="🏋️"),
+    ]
+)
+navigation.run()
