@@ -73,6 +73,20 @@ def _cmd_materialize(args: argparse.Namespace) -> None:
         raise CliError(f"materialization failed: {report.error}")
 
 
+def _cmd_dashboard(args: argparse.Namespace) -> None:
+    import os
+    from pathlib import Path
+
+    import dashboards
+
+    app = Path(dashboards.__file__).parent / "streamlit_app.py"
+    os.environ["CLAW_LAKE_URI"] = _settings(args).lake_uri
+    command = [sys.executable, "-m", "streamlit", "run", str(app)]
+    command += ["--server.address", args.host, "--server.port", str(args.port)]
+    command += ["--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    os.execv(sys.executable, command)
+
+
 def _cmd_export(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -122,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     mat.add_argument(
         "--policy-version", type=int, action="append", help="only these policy versions"
     )
+
+    dash = verb("dashboard", _cmd_dashboard, "run the Streamlit dashboard on the lake")
+    dash.add_argument("--host", default="127.0.0.1", help="loopback by default")
+    dash.add_argument("--port", type=int, default=8501)
 
     exp = verb("export", _cmd_export, "export a gold partition as verl-style Parquet or JSONL")
     exp.add_argument("--dataset", required=True)
