@@ -99,7 +99,7 @@ def _drive_agents(sim_url: str, gateway_url: str, rng: random.Random) -> Tally:
                             version,
                             tally,
                             scoped=scoped,
-                            seed=None if scoped else rollout,
+                            seed=rollout,  # rollouts of a group sample differently
                         )
                 done += 1
                 say(f"  [{done:>2}/{total}] policy v{version}: {task.question}")

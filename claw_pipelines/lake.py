@@ -9,6 +9,7 @@ from typing import Any
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 from deltalake import (
     ColumnProperties,
@@ -47,6 +48,15 @@ def conform(data: pa.Table, schema: pa.Schema) -> pa.Table:
         else:
             raise ValueError(f"column {field.name!r} is required by the table schema")
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _writer(spec: TableSpec) -> WriterProperties | None:
+    """Parquet writer settings of a table's appends."""
+    if spec.append_heavy:
+        return APPEND_HEAVY_WRITER
+    if spec.row_group_rows:
+        return WriterProperties(max_row_group_size=spec.row_group_rows)
+    return None
 
 
 class Lake:
@@ -204,12 +214,15 @@ class Lake:
             table = self._writers[spec.name] = self.ensure(spec)
         custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
         txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
+        rows = conform(data, spec.schema)
+        if spec.sort_by:
+            rows = rows.take(pc.sort_indices(rows, [(c, "ascending") for c in spec.sort_by]))
         write_deltalake(
             table,
-            conform(data, spec.schema),
+            rows,
             mode="append",
             partition_by=table.metadata().partition_columns or None,
-            writer_properties=APPEND_HEAVY_WRITER if spec.append_heavy else None,
+            writer_properties=_writer(spec),
             commit_properties=CommitProperties(custom_metadata=custom, app_transactions=txns),
         )
         table.update_incremental()

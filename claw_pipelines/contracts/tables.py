@@ -43,6 +43,8 @@ class TableSpec:
     description: str = ""
     append_heavy: bool = False  # written in many small commits: cheap parquet encoding
     change_feed: bool = False  # Delta change data feed on: readers can ask what a version added
+    sort_by: tuple[str, ...] = ()  # rows of each write sorted so row-group stats prune lookups
+    row_group_rows: int | None = None  # small row groups: a point lookup reads little
 
 
 # Step fields lifted out of the JSON payload into typed columns so silver reads them fast.
@@ -117,6 +119,8 @@ SILVER_STEPS_SPEC = TableSpec(
         ]
     ),
     partition_by=("policy_version",),
+    sort_by=("step_key",),
+    row_group_rows=1024,
     description="One step: state (prompt ids), action (response ids) and provenance. "
     "`origin_step_key` is the key the gateway gave an unscoped call before stitching; "
     "`sequence_hash` (unscoped calls) is the rolling hash later calls are matched against.",

@@ -36,7 +36,7 @@ def live() -> None:
         alt.Chart(per_second.to_pandas())
         .mark_line(point=True)
         .encode(x="second:T", y="records:Q", color="source:N"),
-        use_container_width=True,
+        width="stretch",
     )
     recent = (
         at.lake()
@@ -48,7 +48,7 @@ def live() -> None:
         .with_columns(source=pl.col("kind").replace_strict(data.SOURCE_OF_KIND, default="other"))
     )
     st.subheader("Latest records")
-    st.dataframe(recent, hide_index=True, use_container_width=True)
+    st.dataframe(recent, hide_index=True, width="stretch")
 
 
 live()

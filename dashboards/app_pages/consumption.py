@@ -104,7 +104,7 @@ if lineage is not None:
     st.dataframe(
         lineage.filter(pl.col("dataset") == name).sort("dataset_version"),
         hide_index=True,
-        use_container_width=True,
+        width="stretch",
     )
 
 st.subheader("Diff between two versions")

@@ -161,15 +161,15 @@ if kept.height:
     charts = st.columns(3)
     charts[0].altair_chart(
         alt.Chart(shown).mark_bar().encode(alt.X("reward:Q", bin=True), y="count()"),
-        use_container_width=True,
+        width="stretch",
     )
     charts[1].altair_chart(
         alt.Chart(shown).mark_bar().encode(alt.X("response_len:Q", bin=True), y="count()"),
-        use_container_width=True,
+        width="stretch",
     )
     charts[2].altair_chart(
         alt.Chart(shown).mark_bar().encode(alt.X("staleness:O"), y="count()"),
-        use_container_width=True,
+        width="stretch",
     )
 st.code(to_yaml(spec), language="yaml")
 

@@ -40,7 +40,7 @@ c.metric("saved", f"{raw - tree:,}", f"token_ratio {tree / raw:.3f}" if raw else
 st.dataframe(
     mine.with_columns(token_ratio=pl.col("tree_tokens") / pl.col("raw_tokens")),
     hide_index=True,
-    use_container_width=True,
+    width="stretch",
 )
 
 version = st.selectbox("policy version", mine["policy_version"].to_list())
@@ -64,7 +64,7 @@ st.altair_chart(
     alt.Chart(per_tree.to_pandas())
     .mark_bar()
     .encode(alt.X("token_ratio:Q", bin=alt.Bin(maxbins=30)), y="count()"),
-    use_container_width=True,
+    width="stretch",
 )
 saved_attention = 1 - per_tree["tree_attention"].sum() / max(1, per_tree["raw_attention"].sum())
 st.metric("attention work saved (query x key pairs)", f"{saved_attention:.0%}")

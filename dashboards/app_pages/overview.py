@@ -40,7 +40,7 @@ st.altair_chart(
     alt.Chart(bronze.to_pandas())
     .mark_bar()
     .encode(x="second:T", y="records:Q", color="source:N", tooltip=["second", "source", "records"]),
-    use_container_width=True,
+    width="stretch",
 )
 
 if trajectories is not None and trajectories.height:
@@ -63,7 +63,7 @@ else:
         .agg(pl.all().last())
         .sort("dataset", "policy_version")
     )
-    st.dataframe(latest, hide_index=True, use_container_width=True)
+    st.dataframe(latest, hide_index=True, width="stretch")
 
 st.subheader("Table versions")
 st.dataframe(

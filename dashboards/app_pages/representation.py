@@ -108,7 +108,7 @@ if facts is not None:
     mine = facts.filter(
         (pl.col("step_key") == key) | (pl.col("trajectory_uid") == step["trajectory_uid"])
     )
-    st.dataframe(mine.sort("created_at"), hide_index=True, use_container_width=True)
+    st.dataframe(mine.sort("created_at"), hide_index=True, width="stretch")
 
 st.subheader("Lineage: the bronze record")
 st.dataframe(data.bronze_event(at, versions[BRONZE_EVENTS], step["event_id"]), hide_index=True)
@@ -122,5 +122,5 @@ st.altair_chart(
     .encode(
         x="created_at:T", y="step_index:O", size="response_len:Q", tooltip=list(timeline.columns)
     ),
-    use_container_width=True,
+    width="stretch",
 )
