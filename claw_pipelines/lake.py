@@ -9,7 +9,6 @@ from typing import Any
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 from deltalake import (
     ColumnProperties,
@@ -215,8 +214,8 @@ class Lake:
         custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
         txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
         rows = conform(data, spec.schema)
-        if spec.sort_by:
-            rows = rows.take(pc.sort_indices(rows, [(c, "ascending") for c in spec.sort_by]))
+        if spec.sort_by:  # polars sorts list columns far faster than pyarrow's take
+            rows = conform(pl.from_arrow(rows).sort(spec.sort_by).to_arrow(), spec.schema)
         write_deltalake(
             table,
             rows,
