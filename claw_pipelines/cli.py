@@ -47,7 +47,14 @@ def _cmd_keys_create(args: argparse.Namespace) -> None:
 def _cmd_up(args: argparse.Namespace) -> None:
     from claw_pipelines.up import run_up
 
-    run_up(_settings(args), host=args.host, port=args.port)
+    run_up(
+        _settings(args),
+        host=args.host,
+        port=args.port,
+        dashboard_port=args.dashboard_port,
+        dagster_port=args.dagster_port,
+        demo_traffic=args.demo_traffic,
+    )
 
 
 def _cmd_demo(args: argparse.Namespace) -> None:
@@ -155,9 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--file", help="append the key's hash to this keys file")
     create.set_defaults(handler=_cmd_keys_create)
 
-    up = verb("up", _cmd_up, "run the local stack (gateway, simulated model) until Ctrl-C")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8080)
+    up = verb(
+        "up",
+        _cmd_up,
+        "run the local stack (gateway, Dagster webserver + daemon, dashboard, and the "
+        "simulated model when no upstream is set) until Ctrl-C",
+    )
+    up.add_argument("--host", default="127.0.0.1", help="the gateway's bind address")
+    up.add_argument("--port", type=int, default=8080, help="the gateway's port")
+    up.add_argument("--dashboard-port", type=int, default=8501, help="0: any free port")
+    up.add_argument("--dagster-port", type=int, default=3000, help="0: any free port")
+    up.add_argument(
+        "--demo-traffic", action="store_true", help="keep simulated agents sending steps"
+    )
 
     demo = verb("demo", _cmd_demo, "one end-to-end run on simulated agents, then a summary")
     demo.add_argument("--workdir", help="where to keep logs (default: a temp dir)")

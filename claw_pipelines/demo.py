@@ -60,7 +60,7 @@ def run_demo(settings: ClawSettings, workdir: str | None = None, seed: int = 7) 
         ) as gateway:
             say(f"  simulated model {sim.url} (a test double, not a language model)")
             say(f"  gateway {gateway.url}")
-            tally = _drive_agents(sim.url, gateway.url, random.Random(seed))
+            tally = drive_agents(sim.url, gateway.url, random.Random(seed))
             say("  stopping the gateway: it lands every acknowledged record in bronze")
         summary = summarize(lake, tally)
     say("  materializing every asset (Dagster, in-process)")
@@ -69,7 +69,8 @@ def run_demo(settings: ClawSettings, workdir: str | None = None, seed: int = 7) 
     return summary
 
 
-def _drive_agents(sim_url: str, gateway_url: str, rng: random.Random) -> Tally:
+def drive_agents(sim_url: str, gateway_url: str, rng: random.Random) -> Tally:
+    """One round of every simulated agent against a gateway (and its inference server)."""
     tally = Tally()
     auth = {"Authorization": f"Bearer {DEMO_KEY}"}
     with (

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,7 +41,9 @@ def wait_until(
 
 
 class ServiceProcess:
-    """`python -m claw_pipelines.cli VERB ...` on a loopback port, logging to a file."""
+    """`python -m claw_pipelines.cli VERB ...` (or any `command`, where "{port}" is replaced)
+    on a loopback port, logging to a file; started when `health` answers 200 (or `ready`
+    says so)."""
 
     def __init__(
         self,
@@ -53,8 +55,11 @@ class ServiceProcess:
         args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
+        command: Sequence[str] | None = None,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         self.verb, self.health, self.args = verb, health, args
+        self.command, self.ready = command, ready
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, **(env or {})}
@@ -66,15 +71,11 @@ class ServiceProcess:
         """Start the process and wait until its health route answers 200."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()/kill()
-        command = [
-            sys.executable,
-            "-m",
-            "claw_pipelines.cli",
-            self.verb,
-            "--port",
-            str(self.port),
-            *self.args,
-        ]
+        if self.command is not None:
+            command = [part.replace("{port}", str(self.port)) for part in self.command]
+        else:
+            command = [sys.executable, "-m", "claw_pipelines.cli", self.verb]
+            command += ["--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(
             command, env=self.env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT
         )
@@ -85,6 +86,8 @@ class ServiceProcess:
         if self.proc.poll() is not None:
             tail = self.log_path.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"{self.verb} exited with {self.proc.returncode}: {tail}")
+        if self.ready is not None:
+            return self.ready()
         try:
             return httpx.get(self.url + self.health, timeout=1).status_code == 200
         except httpx.HTTPError:

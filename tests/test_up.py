@@ -9,7 +9,10 @@ import sys
 import threading
 
 import httpx
+import polars as pl
+import pytest
 
+from claw_pipelines.up import daemons_healthy
 from tests.servers import REPO, free_port, wait_until
 
 
@@ -31,12 +34,16 @@ def children_of(pid: int) -> set[int]:
     return found
 
 
-def test_claw_up_starts_services_and_ctrl_c_stops_them_all(tmp_path):
-    port = free_port()
+@pytest.mark.slow
+def test_claw_up_starts_services_data_flows_and_ctrl_c_stops_them_all(tmp_path):
+    port, dashboard, dagster = free_port(), free_port(), free_port()
+    lake = tmp_path / "lake"
     proc = subprocess.Popen(
         [sys.executable, "-m", "claw_pipelines.cli", "up", "--port", str(port),
-         "--lake", str(tmp_path / "lake")],
+         "--dashboard-port", str(dashboard), "--dagster-port", str(dagster),
+         "--lake", str(lake)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"},
         start_new_session=True,  # so a failed test can stop the whole group
     )  # fmt: skip
     lines: list[str] = []
@@ -44,25 +51,46 @@ def test_claw_up_starts_services_and_ctrl_c_stops_them_all(tmp_path):
     reader.start()
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: any("Ctrl-C" in line for line in lines), 90, what="claw up ready")
+        wait_until(lambda: any("Ctrl-C" in line for line in lines), 240, what="claw up ready")
         assert _ok(url + "/readyz")
+        assert _ok(f"http://127.0.0.1:{dagster}/server_info")
+        assert daemons_healthy(f"http://127.0.0.1:{dagster}")
+        assert _ok(f"http://127.0.0.1:{dashboard}/_stcore/health")
+        assert (lake / "_dagster" / "dagster.yaml").exists()
         descendants = children_of(proc.pid)
-        assert len(descendants) >= 4  # sim-llm, gateway, its syncer and flusher
+        assert len(descendants) >= 7  # sim, gateway (+ syncer, flusher), webserver, daemon, ui
         assert httpx.get(url + "/v1/models", timeout=5).status_code == 200  # via the sim
+        # data flows without clicking: bronze's new version -> the sensor -> a silver run
+        step = {
+            "trajectory_uid": "up-1",
+            "step_index": 0,
+            "prompt_ids": [1, 2],
+            "response_ids": [3],
+        }
+        assert httpx.post(url + "/v1/steps", json={"steps": [step]}, timeout=10).status_code == 200
+        wait_until(lambda: _silver_has(lake, "up-1:0"), 180, interval=2, what="the step in silver")
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        proc.wait(timeout=90)
         reader.join(10)
         output = "".join(lines)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert "gateway" in output and "simulated model" in output
+    for name in ("gateway", "simulated model", "dagster", "dashboard"):
+        assert name in output
     assert wait_until(
         lambda: not any(os.path.exists(f"/proc/{p}") and _alive(p) for p in descendants),
         30,
         what="children to exit",
     )
     assert not _ok(f"http://127.0.0.1:{port}/healthz")
+
+
+def _silver_has(lake, step_key: str) -> bool:
+    try:
+        return step_key in pl.read_delta(str(lake / "silver" / "steps"))["step_key"].to_list()
+    except Exception:  # not created yet
+        return False
 
 
 def _ok(url: str) -> bool:
