@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import polars as pl
+from tqdm import tqdm
 
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -65,6 +66,7 @@ def run_demo(settings: ClawSettings, workdir: str | None = None, seed: int = 7) 
         summary = summarize(lake, tally)
     say("  materializing every asset (Dagster, in-process)")
     summary |= materialize_all(settings, lake)
+    summary |= consume_a_batch(lake)
     print(render(summary, lake))
     return summary
 
@@ -81,7 +83,7 @@ def drive_agents(sim_url: str, gateway_url: str, rng: random.Random) -> Tally:
         if not proxy:
             say("  (this gateway has no OpenAI proxy routes: black-box agents skipped)")
         total = len(POLICY_VERSIONS) * TASKS_PER_VERSION
-        done = 0
+        progress = tqdm(total=total, unit="task", desc="  agents", file=sys.stderr)
         for version in POLICY_VERSIONS:
             finished: list[str] = []
             for index in range(TASKS_PER_VERSION):
@@ -102,9 +104,10 @@ def drive_agents(sim_url: str, gateway_url: str, rng: random.Random) -> Tally:
                             scoped=scoped,
                             seed=rollout,  # rollouts of a group sample differently
                         )
-                done += 1
-                say(f"  [{done:>2}/{total}] policy v{version}: {task.question}")
+                progress.set_postfix_str(f"policy v{version}: {task.question}")
+                progress.update()
             feedback_service(gateway, finished, rng, tally)
+        progress.close()
     return tally
 
 
@@ -175,6 +178,23 @@ def materialize_all(settings: ClawSettings, lake: Lake) -> dict:
     }
 
 
+def consume_a_batch(lake: Lake) -> dict:
+    """Pull one tree batch per policy version of `default`, as a trainer would (logged)."""
+    from claw_pipelines.consume import Dataset
+
+    dataset = Dataset(lake, "default")
+    pulled = []
+    for version in dataset.policy_versions():
+        batch = next(dataset.batches(version, batch_size=16, consumer="claw-demo"), None)
+        if batch is not None:
+            flat = sum(len(i) for i in batch.step_token_index)
+            pulled.append(
+                f"v{version}: {len(batch.step_keys)} steps in {batch.num_tokens} tokens "
+                f"(flat {flat})"
+            )
+    return {"consumed": "; ".join(pulled) or "nothing"}
+
+
 def render(summary: dict, lake: Lake) -> str:
     """The summary as a small table."""
     rows = [
@@ -199,6 +219,7 @@ def render(summary: dict, lake: Lake) -> str:
             "gold_datasets",
             "gold_tokens",
             "checks",
+            "consumed",
         )
         if name in summary
     ]
@@ -209,5 +230,7 @@ def render(summary: dict, lake: Lake) -> str:
         f"  lake: {lake.uri}",
         f"  read it: polars.read_delta('{lake.table_uri(SILVER_STEPS)}')",
         f"  Dagster UI: CLAW_LAKE_URI={lake.uri} dagster dev -w workspace.yaml",
+        f"  dashboard:  claw dashboard --lake {lake.uri}",
+        f"  everything: claw up --lake {lake.uri}",
     ]
     return "\n".join(lines)

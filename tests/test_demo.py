@@ -41,4 +41,22 @@ def test_claw_demo_fills_bronze_and_silver(tmp_path):
     assert set(lineage["dataset"]) == {"default"} and lineage.height >= 3
     dataset = lake.read("gold/datasets/default")
     assert dataset.height == lineage["steps"].sum() > 0
-    assert lake.read("gold/trees/default").height == dataset.height  # a segment per step
+    trees = lake.read("gold/trees/default")
+    assert trees.height == dataset.height  # a segment per step
+    assert lake.read("gold/consumption")["consumer"].unique().to_list() == ["claw-demo"]
+    # every step rebuilds from the stored tree rows alone
+    sequences = {
+        k: p + r for k, p, r in dataset.select("step_key", "prompt_ids", "response_ids").iter_rows()
+    }
+    for version in trees["policy_version"].unique().to_list():
+        rows = trees.filter(pl.col("policy_version") == version)
+        by_segment = {r["segment"]: r for r in rows.to_dicts()}
+        for row in rows.to_dicts():
+            rebuilt: list[int] = []
+            for here, below in zip(row["path"], [*row["path"][1:], None], strict=True):
+                seg = by_segment[here]
+                cut = (
+                    None if below is None else by_segment[below]["start_depth"] - seg["start_depth"]
+                )
+                rebuilt += seg["tokens"][:cut]
+            assert rebuilt == sequences[row["step_key"]]
