@@ -47,6 +47,9 @@ class ClawSettings(BaseSettings):
     wal_max_backlog_bytes: int = Field(1 * 2**30, ge=1)
     max_body_bytes: int = Field(32 * 2**20, ge=1)
     dedup_capacity: int = Field(500_000, ge=0, description="recent event_ids kept for retries")
+    redact_secrets: bool = Field(
+        True, description="replace credential shapes in stored payloads by [REDACTED:kind]"
+    )
 
     stitch_window_s: float = Field(
         3600.0, gt=0, description="longest gap between turns stitched into one trajectory"

@@ -21,6 +21,7 @@ from gateway.flusher import FLUSHER_LOCK, STATUS_FILE
 from gateway.idempotency import IdempotencyIndex
 from gateway.metrics import GatewayMetrics
 from gateway.records import BronzeRecord, encode_frame
+from gateway.redaction import redact_payload
 from gateway.wal import (
     SEALED_SUFFIX,
     WalUnavailable,
@@ -160,6 +161,9 @@ class Landing:
             )
         fresh_positions, waits = self.index.claim([r.event_id for r in records])
         fresh = [records[i] for i in fresh_positions]
+        if self.settings.redact_secrets:
+            for record in fresh:
+                record.payload = redact_payload(record.payload)
         if fresh:
             future = asyncio.get_running_loop().create_future()
             self.index.begin([r.event_id for r in fresh], future)
