@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,22 @@ def conform(data: pa.Table, schema: pa.Schema) -> pa.Table:
         else:
             raise ValueError(f"column {field.name!r} is required by the table schema")
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _retry_conflicts(table: DeltaTable, write, attempts: int = 5) -> int:
+    """Run a replacing write; if a concurrent commit (compaction, another writer) removed the
+    files it read, reload the table and write again. Returns the new version."""
+    for attempt in range(attempts):
+        try:
+            write()
+            break
+        except CommitFailedError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+            table.update_incremental()
+    table.update_incremental()
+    return table.version()
 
 
 def _writer(spec: TableSpec) -> WriterProperties | None:
@@ -240,16 +257,18 @@ class Lake:
         partitions are untouched, older versions stay readable); return the new version."""
         table = self.ensure(spec)
         custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
-        write_deltalake(
+        rows = conform(data, spec.schema)
+        return _retry_conflicts(
             table,
-            conform(data, spec.schema),
-            mode="overwrite",
-            predicate=f"{column} = {int(value)}",
-            partition_by=table.metadata().partition_columns or None,
-            commit_properties=CommitProperties(custom_metadata=custom),
+            lambda: write_deltalake(
+                table,
+                rows,
+                mode="overwrite",
+                predicate=f"{column} = {int(value)}",
+                partition_by=table.metadata().partition_columns or None,
+                commit_properties=CommitProperties(custom_metadata=custom),
+            ),
         )
-        table.update_incremental()
-        return table.version()
 
     def overwrite(
         self, spec: TableSpec | str, data: pa.Table, *, metadata: Mapping[str, Any] | None = None
@@ -258,27 +277,32 @@ class Lake:
         spec = TABLES[spec] if isinstance(spec, str) else spec
         table = self.ensure(spec)
         custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
-        write_deltalake(
+        rows = conform(data, spec.schema)
+        return _retry_conflicts(
             table,
-            conform(data, spec.schema),
-            mode="overwrite",
-            partition_by=list(spec.partition_by) or None,
-            commit_properties=CommitProperties(custom_metadata=custom),
+            lambda: write_deltalake(
+                table,
+                rows,
+                mode="overwrite",
+                partition_by=list(spec.partition_by) or None,
+                commit_properties=CommitProperties(custom_metadata=custom),
+            ),
         )
-        table.update_incremental()
-        return table.version()
 
     def maintain(self, name: str, retention_hours: int = 168) -> dict[str, Any]:
         """Compact small files, write a checkpoint, vacuum files unreferenced for longer than
         `retention_hours` and expired log entries. Safe beside appends: compaction only
         rewrites files (`dataChange = false`) and vacuum never drops a retained version's."""
         table = self.open(name)
-        compacted = table.optimize.compact(
-            commit_properties=CommitProperties(
-                custom_metadata={COMMIT_METADATA_KEY: json.dumps({"maintenance": "compact"})},
-                max_commit_retries=20,
+        try:
+            compacted = table.optimize.compact(
+                commit_properties=CommitProperties(
+                    custom_metadata={COMMIT_METADATA_KEY: json.dumps({"maintenance": "compact"})},
+                    max_commit_retries=20,
+                )
             )
-        )
+        except CommitFailedError:  # a writer replaced those files first: compact next time
+            compacted = {"skipped": "a concurrent write replaced the files"}
         table.update_incremental()
         table.create_checkpoint()
         removed = table.vacuum(retention_hours=retention_hours, dry_run=False)
