@@ -46,6 +46,9 @@ class ClawSettings(BaseSettings):
     flush_max_bytes: int = Field(64 * 2**20, ge=1)
     wal_max_backlog_bytes: int = Field(1 * 2**30, ge=1)
     max_body_bytes: int = Field(32 * 2**20, ge=1)
+    body_read_timeout_s: float = Field(
+        30.0, gt=0, description="a request body not fully received by then gets 408"
+    )
     dedup_capacity: int = Field(500_000, ge=0, description="recent event_ids kept for retries")
     redact_secrets: bool = Field(
         True, description="replace credential shapes in stored payloads by [REDACTED:kind]"

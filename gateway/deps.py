@@ -18,7 +18,6 @@ from gateway.errors import ApiError, from_pydantic
 from gateway.landing import Landing
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
-BODY_READ_TIMEOUT_S = 30.0
 _UID = re.compile(UID_PATTERN)
 
 
@@ -81,11 +80,11 @@ IDEMPOTENCY_HEADER_DOC = {
 }
 
 
-async def read_asgi_body(receive: Receive, limit: int) -> bytes:
+async def read_asgi_body(receive: Receive, limit: int, timeout_s: float) -> bytes:
     """An ASGI request body, bounded in size (413) and in time (408)."""
     chunks, size = [], 0
     try:
-        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+        async with asyncio.timeout(timeout_s):
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
@@ -105,7 +104,10 @@ async def read_asgi_body(receive: Receive, limit: int) -> bytes:
 
 async def read_body(request: Request) -> bytes:
     """The request's body, bounded by `CLAW_MAX_BODY_BYTES` and in time."""
-    return await read_asgi_body(request.receive, request.app.state.settings.max_body_bytes)
+    settings = request.app.state.settings
+    return await read_asgi_body(
+        request.receive, settings.max_body_bytes, settings.body_read_timeout_s
+    )
 
 
 def parse_json(model: type[ModelT], body: bytes, *, optional: bool = False) -> ModelT:

@@ -52,6 +52,7 @@ class GatewayMiddleware:
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = state.settings.body_read_timeout_s
         self.metrics = metrics
         self.state = state
         self._children: dict[tuple[str, int], tuple] = {}  # cached labelled metrics
@@ -98,7 +99,7 @@ class GatewayMiddleware:
                 route,
                 self.state,
                 headers,
-                await read_asgi_body(receive, self.max_body_bytes),
+                await read_asgi_body(receive, self.max_body_bytes, self.body_read_timeout_s),
                 params,
             )
         except ApiError as exc:
