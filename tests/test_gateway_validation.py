@@ -160,6 +160,8 @@ def test_server_survives_hostile_bodies(gateway):
         '{"steps": [{"trajectory_uid": "\ud800"}]}'.encode("utf-8", "surrogatepass"),
         b'{"steps": [{"prompt_ids": [' + b"9" * 5000 + b"]}]}",
         b'{"type": "' + b"\\u0000" * 10 + b'"}',
+        b'{"steps": [' + b",".join([b"{}"] * 10_000) + b"]}",  # 10,000 elements
+        b'{"steps": [{"trajectory_uid": "t", "step_index": 99999999999999999999999}]}',
     ]
     for body in hostile:
         response = httpx.post(
