@@ -10,18 +10,24 @@ from __future__ import annotations
 
 import re
 
+# (kind, the literal every match contains, pattern): a pattern runs only if its literal occurs
 _SHAPES = [
-    ("private_key", r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----"),
-    ("anthropic_key", r"sk-ant-[A-Za-z0-9_\-]{16,}"),
-    ("openai_key", r"sk-(?:proj-)?[A-Za-z0-9_\-]{20,}"),
-    ("aws_access_key", r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"),
-    ("github_token", r"\bgh[pousr]_[A-Za-z0-9]{30,}"),
-    ("slack_token", r"\bxox[abprs]-[A-Za-z0-9\-]{10,}"),
-    ("google_api_key", r"\bAIza[0-9A-Za-z_\-]{35}"),
-    ("jwt", r"\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"),
-    ("bearer_token", r"\b(?i:bearer)\s+[A-Za-z0-9._~+/=\-]{16,}"),
+    (
+        "private_key",
+        "PRIVATE KEY",
+        r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----",
+    ),
+    ("anthropic_key", "sk-ant-", r"sk-ant-[A-Za-z0-9_\-]{16,}"),
+    ("openai_key", "sk-", r"sk-(?:proj-)?[A-Za-z0-9_\-]{20,}"),
+    ("aws_access_key", "AKIA", r"\bAKIA[0-9A-Z]{16}\b"),
+    ("aws_access_key", "ASIA", r"\bASIA[0-9A-Z]{16}\b"),
+    ("github_token", "_", r"\bgh[pousr]_[A-Za-z0-9]{30,}"),
+    ("slack_token", "xox", r"\bxox[abprs]-[A-Za-z0-9\-]{10,}"),
+    ("google_api_key", "AIza", r"\bAIza[0-9A-Za-z_\-]{35}"),
+    ("jwt", "eyJ", r"\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"),
+    ("bearer_token", "", r"\b[Bb][Ee][Aa][Rr][Ee][Rr]\s+[A-Za-z0-9._~+/=\-]{16,}"),
 ]
-_ANY_SHAPE = re.compile("|".join(f"(?P<{name}>{pattern})" for name, pattern in _SHAPES), re.DOTALL)
+_COMPILED = [(kind, literal, re.compile(pattern, re.DOTALL)) for kind, literal, pattern in _SHAPES]
 # "api_key": "...", "db_password": "...": the string value of a field named as a secret
 _SECRET_FIELD = re.compile(
     r'("(?:[A-Za-z0-9]+[_\-])*(?:api[_\-]?key|apikey|secret|password|passwd|'
@@ -29,20 +35,44 @@ _SECRET_FIELD = re.compile(
     r'((?:[^"\\]|\\.){4,}?)(")',
     re.IGNORECASE,
 )
-_QUICK = re.compile(
-    rb"sk-|AKIA|ASIA|gh[pousr]_|xox|AIza|eyJ|(?i:bearer|key|secret|passw|token|authoriz|credential)"
+# Cheap literal screens (C substring search, no regex) run first: a payload none of them
+# hits holds no secret shape and no secret-named string field, and is stored untouched.
+_CASED_MARKERS = (b"AKIA", b"ASIA", b"AIza", b"eyJ", b"PRIVATE KEY", b"sk-", b"xox")
+_GITHUB_MARKERS = (b"ghp_", b"gho_", b"ghu_", b"ghs_", b"ghr_")
+_LOWER_MARKERS = (
+    b"bearer",
+    b'key"',
+    b'secret"',
+    b'password"',
+    b'passwd"',
+    b'token"',
+    b'authorization"',
+    b'credential"',
+    b'credentials"',
 )
+
+
+def _may_hold_secrets(payload: bytes) -> bool:
+    if any(m in payload for m in _CASED_MARKERS) or any(m in payload for m in _GITHUB_MARKERS):
+        return True
+    lowered = payload.lower()
+    return any(m in lowered for m in _LOWER_MARKERS)
 
 
 def redact(text: str) -> str:
     """`text` with every secret replaced by `[REDACTED:<kind>]` (JSON stays valid)."""
-    text = _ANY_SHAPE.sub(lambda m: f"[REDACTED:{m.lastgroup}]", text)
-    return _SECRET_FIELD.sub(lambda m: f"{m[1]}[REDACTED:secret_field]{m[3]}", text)
+    lowered = text.lower()
+    for kind, literal, pattern in _COMPILED:
+        if (literal in text) if literal else ("bearer" in lowered):
+            text = pattern.sub(f"[REDACTED:{kind}]", text)
+    if any(marker.decode() in lowered for marker in _LOWER_MARKERS[1:]):
+        text = _SECRET_FIELD.sub(lambda m: f"{m[1]}[REDACTED:secret_field]{m[3]}", text)
+    return text
 
 
 def redact_payload(payload: bytes) -> bytes:
     """A record's JSON payload, redacted (untouched, and uncopied, when nothing looks secret)."""
-    if not _QUICK.search(payload):
+    if not _may_hold_secrets(payload):
         return payload
     text = payload.decode("utf-8", "surrogatepass")
     cleaned = redact(text)
