@@ -16,6 +16,10 @@ from dagster._core.definitions.unresolved_asset_job_definition import (
 )
 
 import claw_pipelines.defs
+from claw_pipelines.defs.gold import DATASETS, POLICY_VERSIONS, all_partition_keys
+from claw_pipelines.defs.resources import ClawLake
+
+__all__ = ["DATASETS", "POLICY_VERSIONS", "ClawLake", "all_partition_keys", "defs"]
 
 _KINDS: dict[str, tuple[type, ...]] = {
     "assets": (dg.AssetsDefinition, dg.SourceAsset),

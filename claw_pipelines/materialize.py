@@ -72,9 +72,13 @@ def materialize(
         warnings.simplefilter("ignore")  # Dagster's own beta/deprecation notices
         import dagster as dg
 
-        from claw_pipelines.definitions import defs
-        from claw_pipelines.defs.gold import DATASETS, POLICY_VERSIONS, all_partition_keys
-        from claw_pipelines.defs.resources import ClawLake
+        from claw_pipelines.definitions import (
+            DATASETS,
+            POLICY_VERSIONS,
+            ClawLake,
+            all_partition_keys,
+            defs,
+        )
         from claw_pipelines.lake import Lake
 
         graph = defs.resolve_asset_graph()
