@@ -14,7 +14,7 @@ def make_request(rng: random.Random) -> tuple[str, dict, list[str]]:
     """A random write with client-chosen event ids: a step batch, feedback or an event."""
     choice = rng.random()
     if choice < 0.6:
-        trajectory = f"traj-{uuid.uuid4().hex[:8]}"
+        trajectory = f"traj-{uuid.uuid4().hex}"  # unique: a reused key is a conflict
         steps = []
         for index in range(rng.randint(1, 3)):
             n = rng.randint(1, 50)
