@@ -83,6 +83,7 @@ def test_appends_silver_runs_and_maintenance_together_lose_and_double_nothing(tm
     in_silver = pl.concat([steps, facts])
     assert in_silver.n_unique() == in_silver.len()
     events = set(bronze.filter(pl.col("kind") == "event")["event_id"])
+    assert lake.read("silver/step_conflicts").is_empty()  # every trajectory id is unique
     assert set(in_silver) == set(acked) - events
 
     newest = lake.version(BRONZE_EVENTS)

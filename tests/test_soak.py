@@ -92,6 +92,7 @@ def test_five_sigkills_under_mixed_load_then_silver_holds_each_acknowledged_reco
     build_silver(lake)
     steps = lake.read("silver/steps", columns=["event_id"])["event_id"]
     facts = lake.read("silver/feedback", columns=["event_id"])["event_id"]
+    assert lake.read("silver/step_conflicts").is_empty()  # every trajectory id is unique
     stored = pl.concat([steps, facts]).to_list()
     assert len(stored) == len(set(stored)), "a record is in silver twice"
     events = set(
