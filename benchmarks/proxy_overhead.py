@@ -91,6 +91,9 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--warmup-seconds", type=float, default=3.0, help="unmeasured load on both first"
+    )
     parser.add_argument("--latency-ms", type=float, default=250.0)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     args = parser.parse_args()
@@ -123,6 +126,17 @@ def main() -> None:
     sim_busy = {name: 0.0 for name in targets}
     gateway_busy = 0.0
     try:
+        for port in targets.values():  # connections, caches, the first WAL segment: not measured
+            request = encode_post("127.0.0.1", port, "/v1/chat/completions", body)
+            asyncio.run(
+                run_load(
+                    "127.0.0.1",
+                    port,
+                    request,
+                    connections=args.connections,
+                    seconds=args.warmup_seconds,
+                )
+            )
         for _ in range(args.rounds):
             for name, port in targets.items():
                 request = encode_post("127.0.0.1", port, "/v1/chat/completions", body)
@@ -162,6 +176,7 @@ def main() -> None:
                 "connections": args.connections,
                 "seconds_per_round": args.seconds,
                 "rounds": args.rounds,
+                "warmup_seconds": args.warmup_seconds,
                 "cpus": os.cpu_count(),
                 "direct": direct,
                 "through_gateway": through,
