@@ -119,5 +119,6 @@ def test_a_flood_beyond_capacity_gets_503s_while_memory_stays_bounded(tmp_path):
         codes = {a.status_code for a in answers}
         assert codes <= {200, 503} and 503 in codes and 200 in codes
         assert all(a.headers.get("retry-after") for a in answers if a.status_code == 503)
-        assert peak - before < 400, f"RSS grew from {before:.0f} to {peak:.0f} MiB"
+        # 400 requests x ~300 KB = 120 MB offered; what is refused is not kept (measured: +21 MiB)
+        assert peak - before < 150, f"RSS grew from {before:.0f} to {peak:.0f} MiB"
         assert httpx.get(gateway.url + "/healthz", timeout=5).status_code == 200
