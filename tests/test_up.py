@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 
 from claw_pipelines.up import daemons_healthy
+from dashboards.dagster_graphql import launch_gold, run_status
 from tests.servers import REPO, free_port, wait_until
 
 
@@ -69,6 +70,17 @@ def test_claw_up_starts_services_data_flows_and_ctrl_c_stops_them_all(tmp_path):
         }
         assert httpx.post(url + "/v1/steps", json={"steps": [step]}, timeout=10).status_code == 200
         wait_until(lambda: _silver_has(lake, "up-1:0"), 180, interval=2, what="the step in silver")
+        # the dashboard's "build" button: gold runs launched over Dagster's GraphQL API
+        dagster_url = f"http://127.0.0.1:{dagster}"
+        (run,) = launch_gold(dagster_url, "default", [0])
+        wait_until(
+            lambda: run_status(dagster_url, run) in ("SUCCESS", "FAILURE"),
+            180,
+            interval=2,
+            what="the gold run",
+        )
+        assert run_status(dagster_url, run) == "SUCCESS"
+        assert (lake / "gold" / "datasets" / "default").exists()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=90)
         reader.join(10)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import altair as alt
-import httpx
 import polars as pl
 import streamlit as st
 from pydantic import ValidationError
@@ -12,7 +11,7 @@ from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import SILVER_STEP_REWARDS, SILVER_STEPS, SILVER_TRAJECTORIES
 from claw_pipelines.specs import SpecError, load_specs, parse_spec, save_spec, to_yaml
 from claw_pipelines.transforms.curation import candidates, curate
-from dashboards import data
+from dashboards import dagster_graphql, data
 
 st.title("Curation")
 at = data.where()
@@ -181,29 +180,27 @@ if saved:
         st.error(f"invalid spec: {exc}")
 
 if st.button("build this dataset now"):
-    dagster = at.dagster_url
-    up = False
-    if dagster:
+    saved_spec = load_specs(lake).get(spec.name)
+    if saved_spec is None:
+        st.error("save the spec first")
+        st.stop()
+    from claw_pipelines.gold import policy_versions as all_versions
+
+    versions_to_build = all_versions(lake)
+    if dagster_graphql.is_up(at.dagster_url):
         try:
-            up = httpx.get(dagster.rstrip("/") + "/server_info", timeout=1.0).is_success
-        except httpx.HTTPError:
-            up = False
-    if up:
-        st.info(
-            f"Dagster is running at {dagster}: its gold_partitions_sensor builds every "
-            "partition of a saved spec within a minute (watch the runs there)."
-        )
+            runs = dagster_graphql.launch_gold(at.dagster_url, spec.name, versions_to_build)
+        except dagster_graphql.DagsterUnavailable as exc:
+            st.error(str(exc))
+        else:
+            links = ", ".join(f"[{r[:8]}]({at.dagster_url}/runs/{r})" for r in runs)
+            st.success(f"Dagster runs launched for {spec.name}: {links}")
     else:
         from claw_pipelines.gold import build_partition
-        from claw_pipelines.gold import policy_versions as all_versions
 
-        saved_spec = load_specs(lake).get(spec.name)
-        if saved_spec is None:
-            st.error("save the spec first")
-        else:
-            for version in all_versions(lake):
-                part = build_partition(lake, saved_spec, version)
-                st.write(
-                    f"built {spec.name} v{version}: {part.steps.height} steps, "
-                    f"dataset version {part.dataset_version}"
-                )
+        for version in versions_to_build:
+            part = build_partition(lake, saved_spec, version)
+            st.write(
+                f"built {spec.name} v{version} in-process: {part.steps.height} steps, "
+                f"dataset version {part.dataset_version}"
+            )

@@ -1,0 +1,92 @@
+"""Ask a running Dagster webserver, over its GraphQL API, to build gold partitions (plain HTTP:
+the dashboard never imports Dagster)."""
+
+from __future__ import annotations
+
+import httpx
+
+LOCATION = "claw_pipelines.definitions"
+REPOSITORY = "__repository__"
+GOLD_ASSETS = [["gold", "datasets"], ["gold", "trees"], ["gold", "lineage"]]
+_ADD = """
+mutation Add($repo: RepositorySelector!, $name: String!, $key: String!) {
+  addDynamicPartition(repositorySelector: $repo, partitionsDefName: $name, partitionKey: $key) {
+    __typename
+    ... on PythonError { message }
+    ... on UnauthorizedError { message }
+  }
+}"""
+_LAUNCH = """
+mutation Launch($params: ExecutionParams!) {
+  launchRun(executionParams: $params) {
+    __typename
+    ... on LaunchRunSuccess { run { runId } }
+    ... on PythonError { message }
+    ... on InvalidSubsetError { message }
+    ... on UnauthorizedError { message }
+    ... on PipelineNotFoundError { message }
+  }
+}"""
+_STATUS = """
+query Status($id: ID!) { runOrError(runId: $id) { __typename ... on Run { status } } }"""
+
+
+class DagsterUnavailable(Exception):
+    """The webserver does not answer, or refused the request (the message says why)."""
+
+
+def _call(url: str, query: str, variables: dict) -> dict:
+    try:
+        answer = httpx.post(
+            url.rstrip("/") + "/graphql", json={"query": query, "variables": variables}, timeout=10
+        )
+        return answer.json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        raise DagsterUnavailable(f"Dagster at {url} did not answer: {exc}") from None
+
+
+def is_up(url: str | None) -> bool:
+    """Whether a Dagster webserver answers at `url`."""
+    if not url:
+        return False
+    try:
+        return httpx.get(url.rstrip("/") + "/server_info", timeout=1.0).is_success
+    except httpx.HTTPError:
+        return False
+
+
+def launch_gold(url: str, dataset: str, policy_versions: list[int]) -> list[str]:
+    """Add the partitions and launch one gold run per policy version; their run ids."""
+    repo = {"repositoryLocationName": LOCATION, "repositoryName": REPOSITORY}
+    keys = [("gold_datasets", dataset)] + [("policy_versions", str(v)) for v in policy_versions]
+    for name, key in keys:
+        added = _call(url, _ADD, {"repo": repo, "name": name, "key": key})["addDynamicPartition"]
+        if "message" in added:
+            raise DagsterUnavailable(added["message"])
+    runs = []
+    for version in policy_versions:
+        params = {
+            "selector": {
+                **repo,
+                "jobName": "__ASSET_JOB",
+                "assetSelection": [{"path": path} for path in GOLD_ASSETS],
+            },
+            "executionMetadata": {
+                "tags": [
+                    {"key": "dagster/partition", "value": f"{dataset}|{version}"},
+                    {"key": "dagster/partition/dataset", "value": dataset},
+                    {"key": "dagster/partition/policy_version", "value": str(version)},
+                ]
+            },
+        }
+        launched = _call(url, _LAUNCH, {"params": params})["launchRun"]
+        if launched["__typename"] != "LaunchRunSuccess":
+            raise DagsterUnavailable(launched.get("message", launched["__typename"]))
+        runs.append(launched["run"]["runId"])
+    return runs
+
+
+def run_status(url: str, run_id: str) -> str | None:
+    """A run's status (QUEUED, STARTED, SUCCESS, FAILURE, ...), None if unknown."""
+    found = _call(url, _STATUS, {"id": run_id})["runOrError"]
+    return found.get("status")
