@@ -50,6 +50,22 @@ def conform(data: pa.Table, schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=schema)
 
 
+def _spec(spec: TableSpec | str) -> TableSpec:
+    return TABLES[spec] if isinstance(spec, str) else spec
+
+
+def _commit(
+    metadata: Mapping[str, Any] | None,
+    transactions: list[Transaction] | None = None,
+    retries: int | None = None,
+) -> CommitProperties:
+    """Commit properties carrying the claw metadata (and transactions) of one write."""
+    custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
+    return CommitProperties(
+        custom_metadata=custom, app_transactions=transactions, max_commit_retries=retries
+    )
+
+
 def _retry_conflicts(table: DeltaTable, write, attempts: int = 5) -> int:
     """Run a replacing write; if a concurrent commit (compaction, another writer) removed the
     files it read, reload the table and write again. Returns the new version."""
@@ -170,7 +186,7 @@ class Lake:
 
     def ensure(self, spec: TableSpec | str) -> DeltaTable:
         """Create the table with its declared schema if it is missing; return it."""
-        spec = TABLES[spec] if isinstance(spec, str) else spec
+        spec = _spec(spec)
         try:
             table = self.open(spec.name)
         except TableNotFoundError:
@@ -224,22 +240,20 @@ class Lake:
         `transaction` = (app_id, version) is recorded in the same commit, so a writer can ask
         `transaction_version` after a crash whether the batch already landed.
         """
-        spec = TABLES[spec] if isinstance(spec, str) else spec
+        spec = _spec(spec)
         table = self._writers.get(spec.name)
         if table is None:
             table = self._writers[spec.name] = self.ensure(spec)
-        custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
         txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
-        rows = conform(data, spec.schema)
         if spec.sort_by:  # polars sorts list columns far faster than pyarrow's take
-            rows = conform(pl.from_arrow(rows).sort(spec.sort_by).to_arrow(), spec.schema)
+            data = pl.from_arrow(data).sort(spec.sort_by).to_arrow()
         write_deltalake(
             table,
-            rows,
+            conform(data, spec.schema),
             mode="append",
             partition_by=table.metadata().partition_columns or None,
             writer_properties=_writer(spec),
-            commit_properties=CommitProperties(custom_metadata=custom, app_transactions=txns),
+            commit_properties=_commit(metadata, txns),
         )
         table.update_incremental()
         return table.version()
@@ -255,28 +269,20 @@ class Lake:
     ) -> int:
         """Replace exactly the rows where `column = value` (a predicate overwrite: other
         partitions are untouched, older versions stay readable); return the new version."""
-        table = self.ensure(spec)
-        custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
-        rows = conform(data, spec.schema)
-        return _retry_conflicts(
-            table,
-            lambda: write_deltalake(
-                table,
-                rows,
-                mode="overwrite",
-                predicate=f"{column} = {int(value)}",
-                partition_by=table.metadata().partition_columns or None,
-                commit_properties=CommitProperties(custom_metadata=custom),
-            ),
-        )
+        return self.overwrite(spec, data, metadata=metadata, where=f"{column} = {int(value)}")
 
     def overwrite(
-        self, spec: TableSpec | str, data: pa.Table, *, metadata: Mapping[str, Any] | None = None
+        self,
+        spec: TableSpec | str,
+        data: pa.Table,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        where: str | None = None,
     ) -> int:
-        """Replace the table's rows in one commit (older versions stay readable)."""
-        spec = TABLES[spec] if isinstance(spec, str) else spec
+        """Replace the table's rows (only those matching the `where` predicate, when given)
+        in one commit; older versions stay readable. Returns the new version."""
+        spec = _spec(spec)
         table = self.ensure(spec)
-        custom = {COMMIT_METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)}
         rows = conform(data, spec.schema)
         return _retry_conflicts(
             table,
@@ -284,8 +290,9 @@ class Lake:
                 table,
                 rows,
                 mode="overwrite",
-                partition_by=list(spec.partition_by) or None,
-                commit_properties=CommitProperties(custom_metadata=custom),
+                predicate=where,
+                partition_by=table.metadata().partition_columns or None,
+                commit_properties=_commit(metadata),
             ),
         )
 
@@ -296,10 +303,7 @@ class Lake:
         table = self.open(name)
         try:
             compacted = table.optimize.compact(
-                commit_properties=CommitProperties(
-                    custom_metadata={COMMIT_METADATA_KEY: json.dumps({"maintenance": "compact"})},
-                    max_commit_retries=20,
-                )
+                commit_properties=_commit({"maintenance": "compact"}, retries=20)
             )
         except CommitFailedError:  # a writer replaced those files first: compact next time
             compacted = {"skipped": "a concurrent write replaced the files"}
