@@ -13,11 +13,11 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
 )
+from claw_pipelines.defs.checks import check_result, check_spec
 from claw_pipelines.defs.keys import STEP_REWARDS, STEPS, TRAJECTORIES, table_key
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.gold import build_partition, partition_findings, policy_versions
 from claw_pipelines.lake import Lake
-from claw_pipelines.quality import Finding
 from claw_pipelines.specs import SpecError, load_specs
 
 DATASETS = dg.DynamicPartitionsDefinition(name="gold_datasets")
@@ -59,46 +59,38 @@ GOLD_SPECS = [
 ]
 
 GOLD_CHECKS = {
-    "steps_rebuild_from_trees": (TREES_KEY, "Every step rebuilds exactly from its tree.", True),
-    "tree_tokens_optimal": (TREES_KEY, "Trees hold exactly U tokens (no node twice).", True),
-    "one_partition_per_step": (DATASETS_KEY, "No step in two partitions.", True),
-    "group_completeness": (
-        DATASETS_KEY,
-        "When the spec requires it, every kept prompt group is complete.",
-        True,
-    ),
-    "within_staleness": (
-        DATASETS_KEY,
-        "No steps in a partition older than the spec's max_policy_staleness.",
-        True,
-    ),
-}
-
-
-def _check_spec(name: str) -> dg.AssetCheckSpec:
-    asset, description, blocking = GOLD_CHECKS[name]
-    return dg.AssetCheckSpec(name, asset=asset, description=description, blocking=blocking)
-
-
-def _result(name: str, finding: Finding) -> dg.AssetCheckResult:
-    asset, _, _ = GOLD_CHECKS[name]
-    return dg.AssetCheckResult(
-        check_name=name,
-        asset_key=asset,
-        passed=finding.passed,
-        severity=dg.AssetCheckSeverity.ERROR,
-        metadata={
-            "failures": finding.failures,
-            "checked": finding.checked,
-            "sample": dg.MetadataValue.json(finding.sample),
-        },
+    spec.name: spec
+    for spec in (
+        check_spec(
+            "steps_rebuild_from_trees",
+            TREES_KEY,
+            "Every step rebuilds exactly from its tree.",
+            True,
+        ),
+        check_spec(
+            "tree_tokens_optimal", TREES_KEY, "Trees hold exactly U tokens (no node twice).", True
+        ),
+        check_spec("one_partition_per_step", DATASETS_KEY, "No step in two partitions.", True),
+        check_spec(
+            "group_completeness",
+            DATASETS_KEY,
+            "When the spec requires it, every kept prompt group is complete.",
+            True,
+        ),
+        check_spec(
+            "within_staleness",
+            DATASETS_KEY,
+            "No steps in a partition older than the spec's max_policy_staleness.",
+            True,
+        ),
     )
+}
 
 
 @dg.multi_asset(
     name="gold",
     specs=GOLD_SPECS,
-    check_specs=[_check_spec(name) for name in GOLD_CHECKS],
+    check_specs=list(GOLD_CHECKS.values()),
     can_subset=False,
     description="Curate, merge into prefix trees and write one (dataset, policy version).",
 )
@@ -128,7 +120,7 @@ def gold(context: dg.AssetExecutionContext, claw: ClawLake):
             asset_key=spec_.key, metadata=summary | {"delta_version": versions[spec_.key] or 0}
         )
     for name, finding in partition_findings(lake, part).items():
-        yield _result(name, finding)
+        yield check_result(GOLD_CHECKS[name], finding)
 
 
 def partition_fingerprints(lake: Lake) -> dict[str, str]:

@@ -3,6 +3,7 @@
 import dagster as dg
 
 from claw_pipelines.contracts.tables import TABLES
+from claw_pipelines.defs.checks import check_result, check_spec
 from claw_pipelines.defs.keys import (
     BRONZE,
     FEEDBACK,
@@ -12,7 +13,6 @@ from claw_pipelines.defs.keys import (
     TRAJECTORIES,
 )
 from claw_pipelines.defs.resources import ClawLake
-from claw_pipelines.quality import Finding
 from claw_pipelines.silver import SilverOptions, build_silver, silver_findings
 
 
@@ -35,28 +35,26 @@ SILVER_SPECS = [
 ]  # in dependency order: a multi-asset yields its results topologically
 
 
-def _check(name: str, key: dg.AssetKey, description: str, blocking: bool) -> dg.AssetCheckSpec:
-    return dg.AssetCheckSpec(name, asset=key, description=description, blocking=blocking)
-
-
 # (check name, asset, blocking): blocking checks stop downstream assets on bad data.
 SILVER_CHECKS = {
-    "unique_step_key": _check("unique_step_key", STEPS, "Every step_key appears once.", True),
-    "list_lengths": _check(
+    "unique_step_key": check_spec("unique_step_key", STEPS, "Every step_key appears once.", True),
+    "list_lengths": check_spec(
         "list_lengths", STEPS, "Log-probs and masks have one entry per response token.", True
     ),
-    "turns_nest": _check(
+    "turns_nest": check_spec(
         "turns_nest",
         STEPS,
         "Step t+1's prompt starts with step t's prompt + response; a failure reveals "
         "retokenization drift and names the steps.",
         False,
     ),
-    "no_conflicts": _check(
+    "no_conflicts": check_spec(
         "no_conflicts", STEPS, "No step arrived under a taken step_key with other tokens.", False
     ),
-    "finite_rewards": _check("finite_rewards", FEEDBACK, "Rewards and ratings are finite.", True),
-    "feedback_targets_exist": _check(
+    "finite_rewards": check_spec(
+        "finite_rewards", FEEDBACK, "Rewards and ratings are finite.", True
+    ),
+    "feedback_targets_exist": check_spec(
         "feedback_targets_exist",
         FEEDBACK,
         "Every fact addresses a known step or trajectory.",
@@ -69,22 +67,6 @@ class SilverRunConfig(dg.Config):
     """Which bronze version to read up to (-1: the newest)."""
 
     bronze_version: int = -1
-
-
-def check_result(name: str, finding: Finding) -> dg.AssetCheckResult:
-    """A Dagster check result from a finding (blocking checks fail as errors)."""
-    spec = SILVER_CHECKS[name]
-    return dg.AssetCheckResult(
-        check_name=name,
-        asset_key=spec.asset_key,
-        passed=finding.passed,
-        severity=dg.AssetCheckSeverity.ERROR if spec.blocking else dg.AssetCheckSeverity.WARN,
-        metadata={
-            "failures": finding.failures,
-            "checked": finding.checked,
-            "sample": dg.MetadataValue.json(finding.sample),
-        },
-    )
 
 
 @dg.multi_asset(
@@ -121,4 +103,4 @@ def silver(context: dg.AssetExecutionContext, config: SilverRunConfig, claw: Cla
             data_version=dg.DataVersion(str(run.versions.get(table))),
         )
     for name, finding in silver_findings(lake, run).items():
-        yield check_result(name, finding)
+        yield check_result(SILVER_CHECKS[name], finding)
