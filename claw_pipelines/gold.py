@@ -40,25 +40,16 @@ from claw_pipelines.quality import (
     within_staleness,
 )
 from claw_pipelines.silver import watermark
-from claw_pipelines.transforms.curation import GROUP, candidates, curate, tree_ids
+from claw_pipelines.transforms.curation import (
+    CANDIDATE_STEP_COLUMNS,
+    GROUP,
+    candidates,
+    curate,
+    tree_ids,
+)
 from claw_pipelines.transforms.prefix_tree import PrefixForest, build_forest
 
-STEP_COLUMNS = [
-    "step_key",
-    "trajectory_uid",
-    "step_index",
-    "prompt_uid",
-    "policy_version",
-    "token_source",
-    "finish_reason",
-    "model",
-    "tenant",
-    "source_kind",
-    "prompt_len",
-    "response_len",
-    "created_at",
-    "event_id",
-]
+STEP_COLUMNS = [*CANDIDATE_STEP_COLUMNS, "model", "created_at", "event_id"]
 TOKEN_COLUMNS = ["step_key", "prompt_ids", "response_ids", "rollout_log_probs", "response_mask"]
 
 

@@ -20,6 +20,17 @@ def spec_path(name: str) -> str:
     return f"{SPEC_FOLDER}/{name}.yaml"
 
 
+def validate_spec(fields: dict) -> CurationSpec:
+    """A spec from its fields; a SpecError names the first bad field."""
+    try:
+        return CurationSpec.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise SpecError(f"{field}: {message}" if field else message) from None
+
+
 def parse_spec(text: str, expected_name: str | None = None) -> CurationSpec:
     """A spec from YAML; errors name the field (`reward_min: Input should be a number`)."""
     try:
@@ -30,13 +41,7 @@ def parse_spec(text: str, expected_name: str | None = None) -> CurationSpec:
         raise SpecError("a spec is a YAML mapping of fields")
     if expected_name is not None:
         raw.setdefault("name", expected_name)
-    try:
-        spec = CurationSpec.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        raise SpecError(f"{field}: {message}" if field else message) from None
+    spec = validate_spec(raw)
     if expected_name is not None and spec.name != expected_name:
         raise SpecError(f"name: {spec.name!r} does not match its file {expected_name}.yaml")
     return spec
@@ -50,7 +55,7 @@ def to_yaml(spec: CurationSpec) -> str:
 def save_spec(lake: Lake, spec: CurationSpec | dict) -> CurationSpec:
     """Validate and store a spec as `specs/<name>.yaml`; return it."""
     if isinstance(spec, dict):
-        spec = parse_spec(yaml.safe_dump(spec))
+        spec = validate_spec(spec)
     lake.write_text(spec_path(spec.name), to_yaml(spec))
     return spec
 

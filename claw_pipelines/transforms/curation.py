@@ -21,6 +21,20 @@ import polars as pl
 from claw_pipelines.contracts.specs import CurationSpec
 
 GROUP = "group_key"
+# the silver/steps columns `candidates` reads (small ones: no token ids)
+CANDIDATE_STEP_COLUMNS = [
+    "step_key",
+    "trajectory_uid",
+    "step_index",
+    "prompt_uid",
+    "policy_version",
+    "token_source",
+    "finish_reason",
+    "tenant",
+    "source_kind",
+    "prompt_len",
+    "response_len",
+]
 
 
 def candidates(

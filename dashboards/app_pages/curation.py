@@ -5,35 +5,17 @@ from __future__ import annotations
 import altair as alt
 import polars as pl
 import streamlit as st
-from pydantic import ValidationError
 
-from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import SILVER_STEP_REWARDS, SILVER_STEPS, SILVER_TRAJECTORIES
-from claw_pipelines.specs import SpecError, load_specs, parse_spec, save_spec, to_yaml
-from claw_pipelines.transforms.curation import candidates, curate
+from claw_pipelines.specs import SpecError, load_specs, save_spec, to_yaml, validate_spec
+from claw_pipelines.transforms.curation import CANDIDATE_STEP_COLUMNS, candidates, curate
 from dashboards import dagster_graphql, data
 
 st.title("Curation")
 at = data.where()
 lake = at.lake()
 versions = data.versions(at)
-steps = data.table(
-    at,
-    SILVER_STEPS,
-    (
-        "step_key",
-        "trajectory_uid",
-        "step_index",
-        "prompt_uid",
-        "policy_version",
-        "token_source",
-        "finish_reason",
-        "tenant",
-        "source_kind",
-        "prompt_len",
-        "response_len",
-    ),
-)
+steps = data.table(at, SILVER_STEPS, tuple(CANDIDATE_STEP_COLUMNS))
 if steps is None or steps.is_empty():
     st.info(data.empty_lake_help())
     st.stop()
@@ -139,12 +121,9 @@ fields = {
     "advantage": advantage,
 }
 try:
-    spec = CurationSpec.model_validate(fields)
-except ValidationError as exc:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    st.error(f"invalid spec: {where + ': ' if where else ''}{message}")
+    spec = validate_spec(fields)
+except SpecError as exc:
+    st.error(f"invalid spec: {exc}")
     st.stop()
 
 kept = curate(frame, spec)
@@ -174,7 +153,7 @@ st.code(to_yaml(spec), language="yaml")
 
 if saved:
     try:
-        save_spec(lake, parse_spec(to_yaml(spec)))
+        save_spec(lake, spec)
         st.success(f"saved specs/{spec.name}.yaml (hash {spec.spec_hash})")
     except SpecError as exc:
         st.error(f"invalid spec: {exc}")
