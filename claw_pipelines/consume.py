@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -78,9 +79,14 @@ class Batch:
         loop per token."""
         total = self.num_tokens
         mask = np.zeros((total, total), dtype=bool)
-        for begin, end in zip(self.tree_offsets[:-1], self.tree_offsets[1:], strict=True):
-            mask[begin:end, begin:end] = _ancestors(self.parent[begin:end] - begin)
+        for block, (begin, end) in enumerate(pairwise(self.tree_offsets.tolist())):
+            mask[begin:end, begin:end] = self.block_attention_mask(block)
         return mask
+
+    def block_attention_mask(self, block: int) -> np.ndarray:
+        """The ancestor-or-self mask of one attention block (a tree; a step when flat)."""
+        begin, end = int(self.tree_offsets[block]), int(self.tree_offsets[block + 1])
+        return _ancestors(self.parent[begin:end].astype(np.int64) - begin)
 
     def to_torch(self) -> dict[str, Any]:
         """Tensors (long ids, bool masks, float32 weights) and the ancestor attention mask."""

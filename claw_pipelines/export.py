@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Literal
 
 import polars as pl
-import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
@@ -90,8 +89,3 @@ def export(dataset: Dataset, policy_version: int, fmt: Format, out: Path) -> int
         else:
             raise ValueError(f"unknown format {fmt!r}: use verl-parquet or jsonl")
     return frame.height
-
-
-def read_back(path: Path) -> pa.Table:
-    """An exported Parquet file (for checks)."""
-    return pq.read_table(path)

@@ -120,11 +120,6 @@ class SilverRun:
     new_facts: pl.DataFrame = field(default_factory=pl.DataFrame)
     conflicts: pl.DataFrame = field(default_factory=pl.DataFrame)
 
-    @property
-    def changed(self) -> bool:
-        """Whether this run read anything new."""
-        return self.read_mode != "none"
-
     def summary(self) -> dict[str, Any]:
         """The run's counts, as plain JSON-able values."""
         return {

@@ -10,15 +10,10 @@ from claw_pipelines.defs.keys import BRONZE
 from claw_pipelines.defs.resources import ClawLake
 
 
-def bronze_data_version(claw: ClawLake) -> dg.DataVersion:
-    """Bronze's Delta version as a data version ("-1" before the first write)."""
+def _observe_bronze(claw: ClawLake) -> dg.DataVersion:
+    """Bronze's Delta version as its data version ("-1" before the first write)."""
     version = claw.lake().version(BRONZE_EVENTS)
     return dg.DataVersion(str(-1 if version is None else version))
-
-
-def _observe_bronze(claw: ClawLake) -> dg.DataVersion:
-    """Observe bronze: its current Delta version."""
-    return bronze_data_version(claw)
 
 
 with warnings.catch_warnings():

@@ -43,7 +43,6 @@ class Packed:
     step_starts: np.ndarray
     block_lo: np.ndarray  # per step: first token of its attention block
     block_hi: np.ndarray  # per step: end of its attention block
-    step_tree: np.ndarray  # per step: tree rank (non-decreasing)
 
 
 def _slices(values: np.ndarray, offsets: np.ndarray, rows: list[int]) -> list[np.ndarray]:
@@ -246,5 +245,4 @@ def pack(
         step_starts=np.asarray(starts, dtype=np.int64),
         block_lo=np.asarray(lo, dtype=np.int64),
         block_hi=np.asarray(hi, dtype=np.int64),
-        step_tree=trees,
     )

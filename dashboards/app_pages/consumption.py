@@ -39,19 +39,16 @@ if batch is not None:
     left.metric("steps", len(batch.step_keys))
     middle.metric("tokens", f"{batch.num_tokens:,}")
     right.metric("trained tokens", f"{int(batch.loss_mask.sum()):,}")
-    lo, hi = int(batch.tree_offsets[0]), int(batch.tree_offsets[1])
-    block = batch.parent[lo:hi]
-    if hi - lo <= 2000:
-        from claw_pipelines.consume import _ancestors
-
-        mask = _ancestors(block.astype(np.int64) - lo)
+    first_tree = int(batch.tree_offsets[1] - batch.tree_offsets[0])
+    if first_tree <= 2000:
+        mask = batch.block_attention_mask(0)
         st.image(
             (~mask).astype(np.uint8) * 255,
             caption="ancestor mask of the first tree (black: may attend)",
             clamp=True,
         )
     else:
-        st.caption(f"first tree has {hi - lo} tokens: mask not drawn")
+        st.caption(f"first tree has {first_tree} tokens: mask not drawn")
     st.dataframe(
         pl.DataFrame(
             {"step_key": batch.step_keys, "tokens": [len(i) for i in batch.step_token_index]}
