@@ -71,15 +71,20 @@ async def run_load(
     connections: int,
     seconds: float,
     warmup: float = 1.0,
+    stagger: float = 0.0,
 ) -> LoadResult:
-    """Drive `connections` closed loops for `warmup + seconds`; count only after warm-up."""
+    """Drive `connections` closed loops for `warmup + seconds`; count only after warm-up.
+
+    `stagger` spreads the loops' first requests evenly over that many seconds (within the
+    warm-up), as independent clients would be, instead of starting them all at once."""
     result = LoadResult()
     started = time.perf_counter()
     measure_from = started + warmup
     stop_at = measure_from + seconds
 
-    async def loop() -> None:
+    async def loop(index: int) -> None:
         reader, writer = await asyncio.open_connection(host, port)
+        await asyncio.sleep(stagger * index / connections)
         try:
             while True:
                 sent = time.perf_counter()
@@ -98,6 +103,6 @@ async def run_load(
         finally:
             writer.close()
 
-    await asyncio.gather(*(loop() for _ in range(connections)))
+    await asyncio.gather(*(loop(i) for i in range(connections)))
     result.seconds = time.perf_counter() - measure_from
     return result

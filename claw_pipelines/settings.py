@@ -41,7 +41,7 @@ class ClawSettings(BaseSettings):
 
     gateway_id: str = Field(default_factory=default_gateway_id)
     wal_dir: Path | None = Field(None, description="default: <lake>/_wal when the lake is local")
-    flush_interval_ms: int = Field(250, ge=1, le=60_000)
+    flush_interval_ms: int = Field(1000, ge=1, le=60_000)
     flush_max_records: int = Field(8_192, ge=1)
     flush_max_bytes: int = Field(64 * 2**20, ge=1)
     wal_max_backlog_bytes: int = Field(1 * 2**30, ge=1)

@@ -28,6 +28,7 @@ log = logging.getLogger("claw.flusher")
 STATUS_FILE = "flusher-status.json"
 FLUSHER_LOCK = "FLUSHER.LOCK"
 MAX_RETRY_DELAY = 5.0
+STATUS_HEARTBEAT_S = 5.0  # the status file is rewritten at least this often
 
 
 class BronzeFlusher:
@@ -49,6 +50,7 @@ class BronzeFlusher:
             "pid": os.getpid(),
         }
         self._landed_seq: int | None = None
+        self._published: tuple[dict, float] = ({}, 0.0)  # status last written, and when
 
     def land_pending(self) -> int:
         """Land every sealed segment now on disk; return how many records landed."""
@@ -98,10 +100,15 @@ class BronzeFlusher:
         return len(records)
 
     def write_status(self) -> None:
-        """Publish counters for the gateway's /metrics (atomic replace)."""
-        self.status["updated_at"] = time.time()
+        """Publish counters for the gateway's /metrics (atomic replace) when they changed, or
+        as a heartbeat: a rename per poll would cost more than an idle flusher does."""
+        published, at = self._published
+        now = time.monotonic()
+        if self.status == published and now - at < STATUS_HEARTBEAT_S:
+            return
+        self._published = (dict(self.status), now)
         tmp = self.directory / (STATUS_FILE + ".tmp")
-        tmp.write_text(json.dumps(self.status))
+        tmp.write_text(json.dumps(self.status | {"updated_at": time.time()}))
         tmp.replace(self.directory / STATUS_FILE)
 
     def run(self, control: int) -> None:

@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.deps import read_asgi_body
 from gateway.errors import ApiError, envelope
 from gateway.metrics import GatewayMetrics
+from gateway.routes.proxy import ProxyRoute, match_proxy, send_answer, serve_call
 from gateway.writes import match_write, perform_write
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,11 @@ class GatewayMiddleware:
     non-JSON bodies (415) before any parsing; serve the write routes on a fast path; count
     and time every request by route template and status.
 
-    The fast path answers the write routes (gateway.writes) straight from ASGI with the same
-    `perform_write` the FastAPI routes call: FastAPI's per-request machinery costs more than
-    a durable write itself (measured by benchmarks/gateway_ingest.py).
+    The fast path answers the write routes (gateway.writes) and the proxied completions
+    (gateway.routes.proxy) straight from ASGI with the same `perform_write` / `serve_call` the
+    FastAPI routes call: FastAPI's per-request machinery costs more than a durable write
+    itself (benchmarks/gateway_ingest.py), and a fifth of what the proxy adds to a call
+    (benchmarks/proxy_overhead.py).
     """
 
     def __init__(
@@ -71,17 +74,22 @@ class GatewayMiddleware:
             await send(message)
 
         try:
-            write = None
+            write = proxied = None
             if scope["method"] in BODY_METHODS:
                 refusal, headers = self._inspect(scope)
                 if refusal is not None:
                     return await _answer(send_with_status, refusal)
-                write = match_write(scope["path"]) if scope["method"] == "POST" else None
-            if write is None:
-                await self.app(scope, receive, send_with_status)
-            else:
+                if scope["method"] == "POST":
+                    write = match_write(scope["path"])
+                    proxied = None if write else match_proxy(scope["path"])
+            if write is not None:
                 route_name = write[0].path
                 await self._serve_write(scope, receive, send_with_status, headers, *write)
+            elif proxied is not None:
+                route_name = proxied[0].path
+                await self._serve_proxy(scope, receive, send_with_status, *proxied)
+            else:
+                await self.app(scope, receive, send_with_status)
         finally:
             route = route_name or getattr(scope.get("route"), "path", None) or "unmatched"
             children = self._children.get((route, status))
@@ -118,6 +126,29 @@ class GatewayMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": answer})
+
+    async def _serve_proxy(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: ProxyRoute,
+        trajectory_uid: str | None,
+        prompt_uid: str | None,
+    ) -> None:
+        headers: dict[str, str] = {}
+        for name, value in reversed(scope["headers"]):  # the first of repeated headers wins
+            headers[name.decode("latin-1")] = value.decode("latin-1")
+        try:
+            answer = await serve_call(
+                self.state, headers, receive, route, trajectory_uid, prompt_uid
+            )
+        except ApiError as exc:
+            return await _answer(send, exc)
+        except Exception:
+            log.exception("unhandled error on POST %s", scope["path"])
+            return await _answer(send, ApiError(500, "internal error; the request was not stored"))
+        await send_answer(answer, scope, receive, send)
 
     def _inspect(self, scope: Scope) -> tuple[ApiError | None, dict[str, str]]:
         """One pass over the headers: a refusal if any, and the headers a write needs."""

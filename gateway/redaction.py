@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from ahocorasick_rs import BytesAhoCorasick
+
 # (kind, the literal every match contains, pattern): a pattern runs only if its literal occurs
 _SHAPES = [
     (
@@ -35,8 +37,10 @@ _SECRET_FIELD = re.compile(
     r'((?:[^"\\]|\\.){4,}?)(")',
     re.IGNORECASE,
 )
-# Cheap literal screens (C substring search, no regex) run first: a payload none of them
-# hits holds no secret shape and no secret-named string field, and is stored untouched.
+# A cheap literal screen runs first: a payload none of these hits holds no secret shape and no
+# secret-named string field, and is stored untouched. One Aho-Corasick pass over the lowered
+# payload finds any of them (lowered, so cased markers may hit spuriously: `redact` then
+# checks each shape exactly); 21 separate substring searches cost five times as much.
 _CASED_MARKERS = (b"AKIA", b"ASIA", b"AIza", b"eyJ", b"PRIVATE KEY", b"sk-", b"xox")
 _GITHUB_MARKERS = (b"ghp_", b"gho_", b"ghu_", b"ghs_", b"ghr_")
 _LOWER_MARKERS = (
@@ -52,11 +56,13 @@ _LOWER_MARKERS = (
 )
 
 
+_SCREEN = BytesAhoCorasick(
+    [m.lower() for m in (*_CASED_MARKERS, *_GITHUB_MARKERS, *_LOWER_MARKERS)]
+)
+
+
 def _may_hold_secrets(payload: bytes) -> bool:
-    if any(m in payload for m in _CASED_MARKERS) or any(m in payload for m in _GITHUB_MARKERS):
-        return True
-    lowered = payload.lower()
-    return any(m in lowered for m in _LOWER_MARKERS)
+    return bool(_SCREEN.find_matches_as_indexes(payload.lower()))
 
 
 def redact(text: str) -> str:

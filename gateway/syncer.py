@@ -1,14 +1,18 @@
 """The WAL syncer: a tiny process that makes the gateway's WAL segments durable.
 
 The gateway appends frames to a segment (page cache) and sends `SYNC seq position` over a
-socket; the syncer runs fdatasync on that segment and answers `position`. `SEAL seq position`
-also renames the synced segment `.wal` for the flusher. Being a separate process, its wait on
-the disk never contends for the gateway's GIL; the gateway's event loop reads the answers like
-any other socket. Commands are coalesced: one fdatasync answers every SYNC read at once.
+socket; the syncer runs fdatasync on that segment and answers `position`. `OPEN seq` comes as
+soon as the gateway creates a segment, so that making its name durable (an fsync of the
+directory) is done before any write waits on it. `SEAL seq position` makes a segment durable,
+then renames it `.wal` for the flusher. Being a separate process, its wait on the disk never
+contends for the gateway's GIL; the gateway's event loop reads the answers like any other
+socket. Commands are coalesced: what is read at once is made durable together and answered
+once, and the answer goes out before the renames, which no write waits for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -17,7 +21,7 @@ from pathlib import Path
 
 COMMAND = struct.Struct("<BQQ")  # op, segment seq, log position
 ANSWER = struct.Struct("<BQ")  # status (0 ok, 1 failed), log position
-SYNC, SEAL = 1, 2
+SYNC, SEAL, OPEN = 1, 2, 3
 OPEN_SUFFIX, SEALED_SUFFIX = ".open", ".wal"
 
 
@@ -33,58 +37,77 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _read_commands(channel: socket.socket, buffer: bytes) -> tuple[list[tuple], bytes] | None:
+    """Every command available now (waiting for the first); None once the gateway is gone."""
+    chunk = channel.recv(65536)
+    if not chunk:
+        return None
+    buffer += chunk
+    channel.setblocking(False)
+    try:
+        while more := channel.recv(65536):
+            buffer += more
+    except BlockingIOError:
+        pass
+    finally:
+        channel.setblocking(True)
+    usable = len(buffer) - len(buffer) % COMMAND.size
+    commands = [COMMAND.unpack_from(buffer, i) for i in range(0, usable, COMMAND.size)]
+    return commands, buffer[usable:]
+
+
 def serve(directory: Path, channel: socket.socket) -> None:
     """Answer commands until the gateway closes its end."""
     files: dict[int, int] = {}  # seq -> fd
+
+    def opened(seq: int) -> int:
+        if seq not in files:
+            files[seq] = os.open(_segment(directory, seq, OPEN_SUFFIX), os.O_RDONLY)
+            _fsync_dir(directory)  # the new segment's name survives a power loss
+        return files[seq]
+
     buffer = b""
-    while True:
-        chunk = channel.recv(65536)
-        if not chunk:
-            break
-        buffer += chunk
-        channel.setblocking(False)
+    while (read := _read_commands(channel, buffer)) is not None:
+        commands, buffer = read
+        # The answer covers every command read: on failure, every write they cover fails.
+        status, position = 0, max((pos for _, _, pos in commands), default=0)
+        to_sync: dict[int, None] = {}  # ordered set of segments to make durable
+        sealed: list[int] = []
         try:
-            while more := channel.recv(65536):
-                buffer += more
-        except BlockingIOError:
-            pass
-        finally:
-            channel.setblocking(True)
-        usable = len(buffer) - len(buffer) % COMMAND.size
-        commands = [COMMAND.unpack_from(buffer, i) for i in range(0, usable, COMMAND.size)]
-        buffer = buffer[usable:]
-        status, position = 0, 0
-        try:
-            pending_sync: int | None = None
-            for op, seq, pos in commands:
-                if seq not in files:
-                    path = _segment(directory, seq, OPEN_SUFFIX)
-                    files[seq] = os.open(path, os.O_RDONLY)
-                    _fsync_dir(directory)  # the new segment's name survives a power loss
-                if op == SYNC:
-                    pending_sync = seq
-                else:  # SEAL: everything of this segment, then hand it to the flusher
-                    fd = files.pop(seq)
-                    os.fdatasync(fd)
-                    os.close(fd)
-                    _segment(directory, seq, OPEN_SUFFIX).rename(
-                        _segment(directory, seq, SEALED_SUFFIX)
-                    )
-                    _fsync_dir(directory)
-                    if pending_sync == seq:
-                        pending_sync = None
-                position = pos
-            if pending_sync is not None and pending_sync in files:
-                os.fdatasync(files[pending_sync])
+            for op, seq, _ in commands:
+                if op == OPEN:
+                    with contextlib.suppress(FileNotFoundError):  # an empty one, removed since
+                        opened(seq)
+                    continue
+                opened(seq)
+                to_sync[seq] = None
+                if op == SEAL:
+                    sealed.append(seq)
+            for seq in to_sync:
+                os.fdatasync(files[seq])
         except OSError:
             status = 1
         try:
             channel.sendall(ANSWER.pack(status, position))
         except (BrokenPipeError, ConnectionResetError):  # the gateway is gone
             break
+        if status == 0 and sealed:
+            _hand_over(directory, files, sealed)
     for fd in files.values():
         os.fdatasync(fd)
         os.close(fd)
+
+
+def _hand_over(directory: Path, files: dict[int, int], sealed: list[int]) -> None:
+    """Rename durable sealed segments `.wal` for the flusher (a failure leaves them `.open`,
+    which the next start seals)."""
+    try:
+        for seq in sealed:
+            os.close(files.pop(seq))
+            _segment(directory, seq, OPEN_SUFFIX).rename(_segment(directory, seq, SEALED_SUFFIX))
+        _fsync_dir(directory)
+    except OSError as exc:
+        print(f"WAL syncer: cannot hand sealed segments over: {exc}", file=sys.stderr)
 
 
 def main() -> int:

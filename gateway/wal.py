@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.records import BronzeRecord, decode_frames
-from gateway.syncer import ANSWER, COMMAND, SEAL, SYNC
+from gateway.syncer import ANSWER, COMMAND, OPEN, SEAL, SYNC
 
 log = logging.getLogger(__name__)
 OPEN_SUFFIX = ".open"
@@ -129,8 +129,8 @@ class WriteAheadLog:
         """Start the syncer process and open a fresh segment numbered `next_seq`."""
         self._loop = asyncio.get_running_loop()
         self._next_seq = next_seq
-        self._open_segment()
         self._spawn_syncer()
+        self._open_segment()
 
     def _spawn_syncer(self) -> None:
         ours, theirs = socket.socketpair()
@@ -187,7 +187,9 @@ class WriteAheadLog:
         segment.nbytes += len(write.frames)
         self._written += len(write.frames)
         self._waiting.append((self._written, write))
-        if not self._sync_scheduled:  # one request per loop iteration covers them all
+        if not self._asked_at:  # the disk is idle: start at once
+            self._request_sync()
+        elif not self._sync_scheduled:  # one request per loop iteration covers them all
             self._sync_scheduled = True
             self._loop.call_soon(self._request_sync)
 
@@ -225,6 +227,16 @@ class WriteAheadLog:
         self._asked_at.append((self._written, time.perf_counter()))
         try:
             self._channel.sendall(COMMAND.pack(op, seq, self._written))
+        except (BlockingIOError, OSError):
+            self._syncer_lost()
+
+    def _announce(self, seq: int) -> None:
+        """Tell the syncer about a new segment now, so that the fsync of the directory that
+        makes its name durable is not on the path of its first write. Claims no position."""
+        if self._channel is None:
+            return
+        try:
+            self._channel.sendall(COMMAND.pack(OPEN, seq, self._requested))
         except (BlockingIOError, OSError):
             self._syncer_lost()
 
@@ -317,3 +329,4 @@ class WriteAheadLog:
         path = self.directory / f"{seq:020d}{OPEN_SUFFIX}"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._fd, self._current, self._next_seq = fd, Segment(seq, path), seq + 1
+        self._announce(seq)

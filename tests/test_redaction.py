@@ -6,6 +6,8 @@ import json
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.redaction import redact, redact_payload
 from tests.servers import GatewayProcess, wait_landed
@@ -55,6 +57,22 @@ def test_fields_named_as_secrets_are_redacted_and_others_kept():
 def test_clean_payloads_are_not_even_copied():
     clean = b'{"trajectory_uid":"t","step_index":0,"metadata":{}}'
     assert redact_payload(clean) is clean
+
+
+# Text built from pieces of every shape (in both cases), so that near-misses are common.
+_PIECES = st.sampled_from(
+    [
+        *SECRETS.values(),
+        *("AKIA", "akia", "sK-", "Bearer ", "eyJ", "gh", "p_", "_key", '"', ":", " "),
+        *('"api_key": "', '"Token": "', '"password":"', "abcd1234", "x" * 20, "0123456789" * 4),
+    ]
+)
+
+
+@given(st.lists(_PIECES, max_size=12).map("".join))
+def test_the_literal_screen_never_skips_a_payload_with_a_secret(text):
+    payload = json.dumps({"content": text}).encode()
+    assert redact_payload(payload) == redact(payload.decode()).encode()
 
 
 def _land(gateway, secret: str) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import threading
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from gateway.records import (
     to_bronze_table,
     typed_arrays,
 )
+from gateway.syncer import ANSWER, COMMAND, OPEN, SEAL, SYNC, serve
 from gateway.wal import WalUnavailable, Write, WriteAheadLog, read_segment, sealed_segments
 
 
@@ -132,3 +135,39 @@ def test_closed_wal_refuses_writes_and_leaves_no_empty_segment(tmp_path):
     assert not list((tmp_path / "wal").glob("*.wal")) and not list(
         (tmp_path / "wal").glob("*.open")
     )
+
+
+def test_the_syncer_answers_a_batch_once_and_hands_sealed_segments_over(tmp_path):
+    for seq in (1, 2):
+        (tmp_path / f"{seq:020d}.open").write_bytes(b"x" * 100)
+    gateway_end, syncer_end = socket.socketpair()
+    syncer = threading.Thread(target=serve, args=(tmp_path, syncer_end))
+    syncer.start()
+    try:
+        gateway_end.sendall(COMMAND.pack(OPEN, 2, 0))  # announced ahead: claims no position
+        assert ANSWER.unpack(gateway_end.recv(ANSWER.size)) == (0, 0)
+        gateway_end.sendall(COMMAND.pack(OPEN, 3, 0))  # an empty segment, removed meanwhile
+        assert ANSWER.unpack(gateway_end.recv(ANSWER.size)) == (0, 0)
+        gateway_end.sendall(COMMAND.pack(SEAL, 1, 100) + COMMAND.pack(SYNC, 2, 150))
+        answers = gateway_end.recv(64)
+        while len(answers) < ANSWER.size:
+            answers += gateway_end.recv(64)
+        # one answer for both when the syncer read them together, else one each
+        assert ANSWER.unpack(answers[-ANSWER.size :]) == (0, 150)
+    finally:
+        gateway_end.close()
+        syncer.join(10)
+    assert not syncer.is_alive()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{1:020d}.wal", f"{2:020d}.open"]
+
+
+def test_the_syncer_reports_a_failed_sync(tmp_path):
+    gateway_end, syncer_end = socket.socketpair()
+    syncer = threading.Thread(target=serve, args=(tmp_path, syncer_end))
+    syncer.start()
+    try:
+        gateway_end.sendall(COMMAND.pack(SYNC, 9, 10))  # no such segment
+        assert ANSWER.unpack(gateway_end.recv(ANSWER.size)) == (1, 10)
+    finally:
+        gateway_end.close()
+        syncer.join(10)

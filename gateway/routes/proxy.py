@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio
@@ -15,10 +18,16 @@ from starlette.types import Receive, Scope, Send
 
 from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN
 from claw_pipelines.contracts.wire import ErrorResponse
-from gateway.deps import IDEMPOTENCY_HEADER_DOC, caller_of, read_body
+from gateway.deps import (
+    IDEMPOTENCY_HEADER_DOC,
+    caller_of,
+    idempotency_key_of,
+    read_asgi_body,
+    tenant_of,
+)
 from gateway.errors import ERROR_RESPONSES
 from gateway.openapi import json_body
-from gateway.proxy import ProxyAnswer, ProxyCall, ProxyService, parse_request, scope_of
+from gateway.proxy import ProxyAnswer, ProxyCall, parse_request, scope_of
 from gateway.proxy.capture import CHAT, COMPLETIONS, Endpoint
 from gateway.proxy.protocol import ChatCompletionBody, CompletionBody
 from gateway.proxy.relay import StreamRelay
@@ -69,6 +78,43 @@ SCOPED_CHAT_DOC = json_body(ChatCompletionBody, parameters=URL_SCOPED_HEADERS_DO
 SCOPED_COMPLETION_DOC = json_body(CompletionBody, parameters=URL_SCOPED_HEADERS_DOC)
 
 router = APIRouter(tags=["proxy"], responses=PROXY_RESPONSES)
+_UID = re.compile(UID_PATTERN)
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyRoute:
+    """A proxied completion route: its path template (the metrics label), endpoint and how
+    it scopes calls."""
+
+    path: str
+    endpoint: Endpoint
+    via: str
+
+
+URL_PREFIX = "/t/{trajectory_uid}/g/{prompt_uid}/v1"
+CLAW_R1_PREFIX = "/{trajectory_uid}/{prompt_uid}/v1"
+UNSCOPED_CHAT = ProxyRoute("/v1/chat/completions", CHAT, "url")
+UNSCOPED_COMPLETIONS = ProxyRoute("/v1/completions", COMPLETIONS, "url")
+URL_CHAT = ProxyRoute(URL_PREFIX + "/chat/completions", CHAT, "url")
+URL_COMPLETIONS = ProxyRoute(URL_PREFIX + "/completions", COMPLETIONS, "url")
+CLAW_R1_CHAT = ProxyRoute(CLAW_R1_PREFIX + "/chat/completions", CHAT, "claw_r1")
+CLAW_R1_COMPLETIONS = ProxyRoute(CLAW_R1_PREFIX + "/completions", COMPLETIONS, "claw_r1")
+_UNSCOPED = {r.path: r for r in (UNSCOPED_CHAT, UNSCOPED_COMPLETIONS)}
+_ENDPOINTS = r"/v1/(chat/completions|completions)"
+_SCOPED = [
+    (
+        re.compile(r"/t/([^/]+)/g/([^/]+)" + _ENDPOINTS),
+        {"chat/completions": URL_CHAT, "completions": URL_COMPLETIONS},
+    ),
+    (
+        re.compile(r"/([^/]+)/([^/]+)" + _ENDPOINTS),
+        {"chat/completions": CLAW_R1_CHAT, "completions": CLAW_R1_COMPLETIONS},
+    ),
+]
+
+
+def _valid_uid(value: str) -> bool:
+    return 0 < len(value) <= MAX_UID_CHARS and _UID.fullmatch(value) is not None
 
 
 class RelayResponse(StreamingResponse):
@@ -91,20 +137,62 @@ class RelayResponse(StreamingResponse):
                 await self.relay.close()
 
 
-async def forward(
-    request: Request,
-    endpoint: Endpoint,
+async def serve_call(
+    state: Any,
+    headers: Mapping[str, str],
+    receive: Receive,
+    route: ProxyRoute,
     trajectory_uid: str | None = None,
     prompt_uid: str | None = None,
-    via: str = "url",
+) -> ProxyAnswer | StreamRelay:
+    """Authenticate, scope and forward one call (the FastAPI routes and the ASGI fast path
+    both come here); the upstream's answer, or a relay of its stream."""
+    tenant = tenant_of(state.keys, headers)
+    idempotency_key = idempotency_key_of(headers)
+    scope = scope_of(headers, trajectory_uid, prompt_uid, route.via)
+    settings = state.settings
+    raw = await read_asgi_body(receive, settings.max_body_bytes, settings.body_read_timeout_s)
+    body, request_json = parse_request(raw)
+    call = ProxyCall(route.endpoint, body, request_json, scope, tenant, idempotency_key)
+    return await state.proxy.complete(call)
+
+
+async def send_answer(
+    answer: ProxyAnswer | StreamRelay, scope: Scope, receive: Receive, send: Send
+):
+    """Send a proxied answer over ASGI (a stream through RelayResponse)."""
+    if isinstance(answer, StreamRelay):
+        return await RelayResponse(answer)(scope, receive, send)
+    await _response(answer)(scope, receive, send)
+
+
+def match_proxy(path: str) -> tuple[ProxyRoute, str | None, str | None] | None:
+    """The proxied completion route of a POST path and its (valid) uids; None otherwise, and
+    for invalid uids, which FastAPI's routes answer naming the field."""
+    route = _UNSCOPED.get(path)
+    if route is not None:
+        return route, None, None
+    for pattern, routes in _SCOPED:
+        found = pattern.fullmatch(path)
+        if found:
+            trajectory, prompt, endpoint = found.groups()
+            if _valid_uid(trajectory) and _valid_uid(prompt):
+                return routes[endpoint], trajectory, prompt
+            return None
+    return None
+
+
+async def forward(
+    request: Request,
+    route: ProxyRoute,
+    trajectory_uid: str | None = None,
+    prompt_uid: str | None = None,
 ) -> Response:
-    """Authenticate, scope and forward one call; answer as the upstream did."""
-    caller = caller_of(request)
-    scope = scope_of(request.headers, trajectory_uid, prompt_uid, via)
-    body, request_json = parse_request(await read_body(request))
-    service: ProxyService = request.app.state.proxy
-    call = ProxyCall(endpoint, body, request_json, scope, caller.tenant, caller.idempotency_key)
-    answer = await service.complete(call)
+    """The FastAPI side of `serve_call`."""
+    state = request.app.state
+    answer = await serve_call(
+        state, request.headers, request.receive, route, trajectory_uid, prompt_uid
+    )
     if isinstance(answer, StreamRelay):
         return RelayResponse(answer)
     return _response(answer)
@@ -122,16 +210,16 @@ def _response(answer: ProxyAnswer) -> Response:
     )
 
 
-@router.post("/v1/chat/completions", openapi_extra=CHAT_DOC)
+@router.post(UNSCOPED_CHAT.path, openapi_extra=CHAT_DOC)
 async def chat_completions(request: Request) -> Response:
     """OpenAI chat completions through the gateway (streamed or not); one step per choice."""
-    return await forward(request, CHAT)
+    return await forward(request, UNSCOPED_CHAT)
 
 
-@router.post("/v1/completions", openapi_extra=COMPLETION_DOC)
+@router.post(UNSCOPED_COMPLETIONS.path, openapi_extra=COMPLETION_DOC)
 async def completions(request: Request) -> Response:
     """OpenAI legacy completions through the gateway; one step per choice."""
-    return await forward(request, COMPLETIONS)
+    return await forward(request, UNSCOPED_COMPLETIONS)
 
 
 @router.get("/v1/models")
@@ -140,27 +228,23 @@ async def models(request: Request) -> Response:
     return await list_models(request)
 
 
-@router.post(
-    "/t/{trajectory_uid}/g/{prompt_uid}/v1/chat/completions", openapi_extra=SCOPED_CHAT_DOC
-)
+@router.post(URL_CHAT.path, openapi_extra=SCOPED_CHAT_DOC)
 async def scoped_chat_completions(
     trajectory_uid: PathUid, prompt_uid: PathUid, request: Request
 ) -> Response:
     """Chat completions scoped by the base URL to a trajectory and prompt group."""
-    return await forward(request, CHAT, trajectory_uid, prompt_uid)
+    return await forward(request, URL_CHAT, trajectory_uid, prompt_uid)
 
 
-@router.post(
-    "/t/{trajectory_uid}/g/{prompt_uid}/v1/completions", openapi_extra=SCOPED_COMPLETION_DOC
-)
+@router.post(URL_COMPLETIONS.path, openapi_extra=SCOPED_COMPLETION_DOC)
 async def scoped_completions(
     trajectory_uid: PathUid, prompt_uid: PathUid, request: Request
 ) -> Response:
     """Legacy completions scoped by the base URL to a trajectory and prompt group."""
-    return await forward(request, COMPLETIONS, trajectory_uid, prompt_uid)
+    return await forward(request, URL_COMPLETIONS, trajectory_uid, prompt_uid)
 
 
-@router.get("/t/{trajectory_uid}/g/{prompt_uid}/v1/models")
+@router.get(URL_PREFIX + "/models")
 async def scoped_models(trajectory_uid: PathUid, prompt_uid: PathUid, request: Request) -> Response:
     """The upstream's models, under a scoped base URL."""
     return await list_models(request)

@@ -12,7 +12,6 @@ from gateway.deps import IDEMPOTENCY_HEADER_DOC, caller_of, parse_body
 from gateway.errors import ERROR_RESPONSES, from_pydantic
 from gateway.intake import accept, fact_record
 from gateway.openapi import json_body
-from gateway.proxy.capture import CHAT, COMPLETIONS
 from gateway.proxy.protocol import (
     CompleteTrajectory,
     InitTrajectory,
@@ -21,6 +20,9 @@ from gateway.proxy.protocol import (
     TrajectoryRegistered,
 )
 from gateway.routes.proxy import (
+    CLAW_R1_CHAT,
+    CLAW_R1_COMPLETIONS,
+    CLAW_R1_PREFIX,
     PROXY_RESPONSES,
     SCOPED_CHAT_DOC,
     SCOPED_COMPLETION_DOC,
@@ -30,7 +32,7 @@ from gateway.routes.proxy import (
 )
 
 router = APIRouter(tags=["claw-r1"], responses=ERROR_RESPONSES)
-PREFIX = "/{trajectory_uid}/{prompt_uid}/v1"
+PREFIX = CLAW_R1_PREFIX
 
 
 @router.post(
@@ -55,22 +57,22 @@ async def init_trajectory(request: Request) -> TrajectoryInitialized:
     )
 
 
-@router.post(PREFIX + "/chat/completions", responses=PROXY_RESPONSES, openapi_extra=SCOPED_CHAT_DOC)
+@router.post(CLAW_R1_CHAT.path, responses=PROXY_RESPONSES, openapi_extra=SCOPED_CHAT_DOC)
 async def claw_r1_chat_completions(
     trajectory_uid: PathUid, prompt_uid: PathUid, request: Request
 ) -> Response:
     """Chat completions of a Claw-R1 trajectory; step_index counts up per trajectory."""
-    return await forward(request, CHAT, trajectory_uid, prompt_uid, via="claw_r1")
+    return await forward(request, CLAW_R1_CHAT, trajectory_uid, prompt_uid)
 
 
 @router.post(
-    PREFIX + "/completions", responses=PROXY_RESPONSES, openapi_extra=SCOPED_COMPLETION_DOC
+    CLAW_R1_COMPLETIONS.path, responses=PROXY_RESPONSES, openapi_extra=SCOPED_COMPLETION_DOC
 )
 async def claw_r1_completions(
     trajectory_uid: PathUid, prompt_uid: PathUid, request: Request
 ) -> Response:
     """Legacy completions of a Claw-R1 trajectory."""
-    return await forward(request, COMPLETIONS, trajectory_uid, prompt_uid, via="claw_r1")
+    return await forward(request, CLAW_R1_COMPLETIONS, trajectory_uid, prompt_uid)
 
 
 @router.get(PREFIX + "/models", responses=PROXY_RESPONSES)
