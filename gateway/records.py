@@ -104,7 +104,7 @@ def encode_record(record: BronzeRecord) -> bytes:
 
 
 def decode_frames(buffer: bytes) -> tuple[list[BronzeRecord], int]:
-    """Decode consecutive frames; stop at the first torn or corrupt one.
+    """Decode consecutive frames; stop at the first torn or corrupt one, or at zeros.
 
     Returns the records and the number of valid bytes (a torn tail was never acknowledged).
     """
@@ -113,6 +113,8 @@ def decode_frames(buffer: bytes) -> tuple[list[BronzeRecord], int]:
     offset = 0
     while offset + _PREFIX.size <= len(buffer):
         length, crc = _PREFIX.unpack_from(buffer, offset)
+        if length == 0:  # no frame is empty: the zeros a segment was preallocated with
+            break
         start, end = offset + _PREFIX.size, offset + _PREFIX.size + length
         if end > len(buffer) or zlib.crc32(view[start:end]) != crc:
             break

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.records import BronzeRecord, decode_frames
-from gateway.syncer import ANSWER, COMMAND, OPEN, SEAL, SYNC
+from gateway.syncer import ANSWER, COMMAND, OPEN, SEAL, SPARE, SYNC
 
 log = logging.getLogger(__name__)
 OPEN_SUFFIX = ".open"
@@ -64,10 +64,11 @@ def sealed_segments(directory: Path) -> list[Path]:
 
 
 def read_segment(path: Path) -> list[BronzeRecord]:
-    """The records of a segment file (a torn tail, never acknowledged, is ignored)."""
+    """The records of a segment file (a torn tail, never acknowledged, is ignored; so are the
+    zeros of a spare a crash left unfilled)."""
     data = path.read_bytes()
     records, valid = decode_frames(data)
-    if valid != len(data):
+    if valid != len(data) and data.count(0, valid) != len(data) - valid:
         log.warning("WAL %s: ignoring %d torn bytes at the tail", path, len(data) - valid)
     return records
 
@@ -316,6 +317,8 @@ class WriteAheadLog:
         segment = self._current
         if segment is None or not segment.records:
             return None
+        with contextlib.suppress(OSError):  # readers stop at the zeros anyway
+            os.ftruncate(self._fd, segment.nbytes)  # the spare's unused zeros
         os.close(self._fd)
         self._current = self._fd = None
         self._ask(SEAL, segment.seq)
@@ -327,6 +330,10 @@ class WriteAheadLog:
     def _open_segment(self) -> None:
         seq = self._next_seq
         path = self.directory / f"{seq:020d}{OPEN_SUFFIX}"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:  # the spare the syncer filled with zeros: writes then never grow the file
+            os.rename(self.directory / SPARE, path)
+            fd = os.open(path, os.O_WRONLY)
+        except FileNotFoundError:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._fd, self._current, self._next_seq = fd, Segment(seq, path), seq + 1
         self._announce(seq)

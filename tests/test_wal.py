@@ -18,7 +18,7 @@ from gateway.records import (
     to_bronze_table,
     typed_arrays,
 )
-from gateway.syncer import ANSWER, COMMAND, OPEN, SEAL, SYNC, serve
+from gateway.syncer import ANSWER, COMMAND, MIN_SPARE_BYTES, OPEN, SEAL, SPARE, SYNC, serve
 from gateway.wal import WalUnavailable, Write, WriteAheadLog, read_segment, sealed_segments
 
 
@@ -158,7 +158,8 @@ def test_the_syncer_answers_a_batch_once_and_hands_sealed_segments_over(tmp_path
         gateway_end.close()
         syncer.join(10)
     assert not syncer.is_alive()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{1:020d}.wal", f"{2:020d}.open"]
+    segments = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("spare"))
+    assert segments == [f"{1:020d}.wal", f"{2:020d}.open"]
 
 
 def test_the_syncer_reports_a_failed_sync(tmp_path):
@@ -171,3 +172,44 @@ def test_the_syncer_reports_a_failed_sync(tmp_path):
     finally:
         gateway_end.close()
         syncer.join(10)
+
+
+def test_segments_start_from_a_zero_filled_spare_and_are_sealed_to_their_frames(tmp_path):
+    directory = tmp_path / "wal"
+
+    async def scenario():
+        wal = WriteAheadLog(directory)
+        wal.lock()
+        wal.start(next_seq=1)  # no spare yet: segment 1 starts empty
+        loop = asyncio.get_running_loop()
+
+        async def write(i: int) -> None:
+            future = loop.create_future()
+            wal.submit(Write(encode_frame(record(i)), 1, future))
+            await future
+
+        await write(1)
+        deadline = loop.time() + 10
+        while not (directory / SPARE).exists() and loop.time() < deadline:
+            await asyncio.sleep(0.01)  # the syncer fills one in the background
+        wal.seal()  # segment 2 takes the spare
+        assert wal.current.path.stat().st_size >= MIN_SPARE_BYTES
+        await write(2)
+        assert wal.current.path.stat().st_size >= MIN_SPARE_BYTES  # overwritten, not grown
+        await wal.close()
+
+    asyncio.run(scenario())
+    sealed = sealed_segments(directory)
+    assert [r.event_id for path in sealed for r in read_segment(path)] == ["e1", "e2"]
+    assert [path.stat().st_size for path in sealed] == [len(encode_frame(record(1)))] * 2
+
+
+def test_a_crash_leaves_zeros_after_the_frames_and_they_read_as_the_end(tmp_path, caplog):
+    frames = encode_frame(record(0)) + encode_frame(record(1))
+    clean, torn = tmp_path / "1.wal", tmp_path / "2.wal"
+    clean.write_bytes(frames + bytes(4096))
+    torn.write_bytes(frames + b"\x07" + bytes(4096))
+    assert [r.event_id for r in read_segment(clean)] == ["e0", "e1"]
+    assert "torn" not in caplog.text
+    assert [r.event_id for r in read_segment(torn)] == ["e0", "e1"]
+    assert "ignoring 4097 torn bytes" in caplog.text
