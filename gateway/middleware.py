@@ -9,6 +9,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.asgi import send_body
 from gateway.deps import read_asgi_body
 from gateway.errors import ApiError, envelope
 from gateway.metrics import GatewayMetrics
@@ -29,13 +30,7 @@ def _is_json(content_type: str) -> bool:
 async def _answer(send: Send, error: ApiError) -> None:
     """Send an ApiError in the OpenAI envelope."""
     body = json.dumps(envelope(error.status, error.message, error.param, error.code)).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send_body(send, error.status, body, headers=error.headers)
 
 
 class GatewayMiddleware:
@@ -115,17 +110,7 @@ class GatewayMiddleware:
         except Exception:
             log.exception("unhandled error on POST %s", scope["path"])
             return await _answer(send, ApiError(500, "internal error; nothing was stored"))
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(answer)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": answer})
+        await send_body(send, 200, answer)
 
     async def _serve_proxy(
         self,

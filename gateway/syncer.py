@@ -53,14 +53,11 @@ def _read_commands(channel: socket.socket, buffer: bytes) -> tuple[list[tuple], 
     if not chunk:
         return None
     buffer += chunk
-    channel.setblocking(False)
     try:
-        while more := channel.recv(65536):
+        while more := channel.recv(65536, socket.MSG_DONTWAIT):
             buffer += more
     except BlockingIOError:
         pass
-    finally:
-        channel.setblocking(True)
     usable = len(buffer) - len(buffer) % COMMAND.size
     commands = [COMMAND.unpack_from(buffer, i) for i in range(0, usable, COMMAND.size)]
     return commands, buffer[usable:]

@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN
 from claw_pipelines.contracts.wire import ErrorResponse
+from gateway.asgi import send_body
 from gateway.deps import (
     IDEMPOTENCY_HEADER_DOC,
     caller_of,
@@ -163,7 +164,7 @@ async def send_answer(
     """Send a proxied answer over ASGI (a stream through RelayResponse)."""
     if isinstance(answer, StreamRelay):
         return await RelayResponse(answer)(scope, receive, send)
-    await _response(answer)(scope, receive, send)
+    await send_body(send, answer.status, answer.body, answer.media_type, answer.headers)
 
 
 def match_proxy(path: str) -> tuple[ProxyRoute, str | None, str | None] | None:
