@@ -48,16 +48,14 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _read_commands(channel: socket.socket, buffer: bytes) -> tuple[list[tuple], bytes] | None:
-    """Every command available now (waiting for the first); None once the gateway is gone."""
+    """Every command available now (waiting for the first); None once the gateway is gone.
+
+    One `recv` returns all that the socket holds: the commands sent while the last batch was
+    being made durable form the next batch."""
     chunk = channel.recv(65536)
     if not chunk:
         return None
     buffer += chunk
-    try:
-        while more := channel.recv(65536, socket.MSG_DONTWAIT):
-            buffer += more
-    except BlockingIOError:
-        pass
     usable = len(buffer) - len(buffer) % COMMAND.size
     commands = [COMMAND.unpack_from(buffer, i) for i in range(0, usable, COMMAND.size)]
     return commands, buffer[usable:]
