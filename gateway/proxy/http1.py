@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 from gateway.proxy.failures import UpstreamFailure
@@ -74,51 +75,58 @@ class Http1Response:
 
     async def read(self) -> bytes:
         """The whole body (the connection goes back to the pool)."""
-        return b"".join([piece async for piece in self.aiter_bytes()])
+        length = self.headers.get("content-length")
+        if length is None or self.status in _NO_BODY or self._chunked:
+            return b"".join([piece async for piece in self.aiter_bytes()])
+        try:  # the common case in one read: usually the body is in the buffer already
+            with _mid_answer_failures():
+                async with asyncio.timeout(self.timeout_s):
+                    body = await self.connection.reader.readexactly(int(length))
+            self._done = True
+            return body
+        finally:
+            self.release()
+
+    @property
+    def _chunked(self) -> bool:
+        return self.headers.get("transfer-encoding", "").lower().endswith("chunked")
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body as it arrives: one piece per chunk (chunked) or per read."""
         reader, timeout = self.connection.reader, self.timeout_s
         try:
-            if self.status in _NO_BODY:
-                pass
-            elif self.headers.get("transfer-encoding", "").lower().endswith("chunked"):
-                while True:
-                    async with asyncio.timeout(timeout):
-                        line = await reader.readuntil(b"\r\n")
-                        size = int(line.split(b";", 1)[0], 16)
-                        if size == 0:
-                            while await reader.readuntil(b"\r\n") != b"\r\n":
-                                pass  # trailers
+            with _mid_answer_failures():
+                if self.status in _NO_BODY:
+                    pass
+                elif self._chunked:
+                    while True:
+                        async with asyncio.timeout(timeout):
+                            line = await reader.readuntil(b"\r\n")
+                            size = int(line.split(b";", 1)[0], 16)
+                            if size == 0:
+                                while await reader.readuntil(b"\r\n") != b"\r\n":
+                                    pass  # trailers
+                                break
+                            data = await reader.readexactly(size + 2)
+                        yield data[:-2]
+                elif (length := self.headers.get("content-length")) is not None:
+                    left = int(length)
+                    while left > 0:
+                        async with asyncio.timeout(timeout):
+                            data = await reader.read(min(left, READ_SIZE))
+                        if not data:
+                            raise asyncio.IncompleteReadError(b"", left)
+                        left -= len(data)
+                        yield data
+                else:  # delimited by the server closing the connection
+                    self.headers["connection"] = "close"
+                    while True:
+                        async with asyncio.timeout(timeout):
+                            data = await reader.read(READ_SIZE)
+                        if not data:
                             break
-                        data = await reader.readexactly(size + 2)
-                    yield data[:-2]
-            elif (length := self.headers.get("content-length")) is not None:
-                left = int(length)
-                while left > 0:
-                    async with asyncio.timeout(timeout):
-                        data = await reader.read(min(left, READ_SIZE))
-                    if not data:
-                        raise asyncio.IncompleteReadError(b"", left)
-                    left -= len(data)
-                    yield data
-            else:  # delimited by the server closing the connection
-                self.headers["connection"] = "close"
-                while True:
-                    async with asyncio.timeout(timeout):
-                        data = await reader.read(READ_SIZE)
-                    if not data:
-                        break
-                    yield data
+                        yield data
             self._done = True
-        except TimeoutError:
-            raise UpstreamFailure(
-                504, "upstream_timeout", "upstream timed out mid-answer"
-            ) from None
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-            raise UpstreamFailure(
-                502, "upstream_error", f"upstream connection broke mid-answer: {exc!r}"
-            ) from None
         finally:
             self.release()
 
@@ -235,6 +243,19 @@ class Http1Pool:
         idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
+
+
+@contextmanager
+def _mid_answer_failures() -> Iterator[None]:
+    """Errors while reading a body, as UpstreamFailure: a timeout 504, anything else 502."""
+    try:
+        yield
+    except TimeoutError:
+        raise UpstreamFailure(504, "upstream_timeout", "upstream timed out mid-answer") from None
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+        raise UpstreamFailure(
+            502, "upstream_error", f"upstream connection broke mid-answer: {exc!r}"
+        ) from None
 
 
 class _StaleConnection(Exception):
