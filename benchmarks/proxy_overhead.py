@@ -192,6 +192,11 @@ def main() -> None:
                 "sim_cpu_utilization": {k: round(v, 2) for k, v in sim_busy.items()},
                 # A saturated model queues requests: latency then measures that queue.
                 "sim_saturated": max(sim_busy.values()) > SATURATED,
+                # The same work in every run: how fast this machine is right now (a shared VM
+                # varies by a quarter or more between hours; the added ms vary with it).
+                "sim_cpu_ms_per_call_direct": round(
+                    sim_busy["direct"] * 1000 / direct["rps"] if direct["rps"] else 0.0, 3
+                ),
                 "gateway_cpu_utilization": round(gateway_busy, 2),
                 "gateway_cpu_ms_per_call": round(
                     gateway_busy * 1000 / through["rps"] if through["rps"] else 0.0, 3
