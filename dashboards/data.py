@@ -191,6 +191,28 @@ def gateway_health(url: str | None) -> dict[str, float] | None:
     return values
 
 
+def open_page(title: str, needs: str) -> tuple[Where, dict[str, int | None]]:
+    """Title a page and read every table's version; stop with help while `needs` is missing."""
+    st.title(title)
+    at = where()
+    found = versions(at)
+    if found[needs] is None:
+        st.info(empty_lake_help())
+        st.stop()
+    return at, found
+
+
+def open_dataset_page(title: str) -> tuple[Where, list[str]]:
+    """Title a page about gold datasets; their names, or a stop with help while there are none."""
+    st.title(title)
+    at = where()
+    names = datasets(at)
+    if not names:
+        st.info("No gold dataset yet. " + empty_lake_help())
+        st.stop()
+    return at, names
+
+
 def empty_lake_help() -> str:
     """What to do on an empty lake."""
     return (

@@ -12,12 +12,7 @@ from claw_pipelines.consume import Dataset
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_LINEAGE, gold_dataset_table
 from dashboards import data
 
-st.title("Consumption")
-at = data.where()
-names = data.datasets(at)
-if not names:
-    st.info("No gold dataset yet. " + data.empty_lake_help())
-    st.stop()
+at, names = data.open_dataset_page("Consumption")
 lake = at.lake()
 name = st.selectbox("dataset", names)
 newest = lake.version(gold_dataset_table(name))

@@ -9,12 +9,7 @@ import streamlit as st
 from claw_pipelines.contracts.tables import GOLD_LINEAGE
 from dashboards import data
 
-st.title("Optimization")
-at = data.where()
-names = data.datasets(at)
-if not names:
-    st.info("No gold dataset yet. " + data.empty_lake_help())
-    st.stop()
+at, names = data.open_dataset_page("Optimization")
 
 lineage = data.table(
     at,

@@ -14,12 +14,7 @@ from claw_pipelines.contracts.tables import (
 )
 from dashboards import data
 
-st.title("Overview")
-at = data.where()
-versions = data.versions(at)
-if versions[BRONZE_EVENTS] is None:
-    st.info(data.empty_lake_help())
-    st.stop()
+at, versions = data.open_page("Overview", needs=BRONZE_EVENTS)
 
 steps = data.table(at, SILVER_STEPS, ("prompt_len", "response_len"))
 trajectories = data.table(at, SILVER_TRAJECTORIES, ("status",))

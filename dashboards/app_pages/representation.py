@@ -18,12 +18,7 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.tokenization import decode, load_tokenizer
 from dashboards import data
 
-st.title("Representation")
-at = data.where()
-versions = data.versions(at)
-if versions[SILVER_STEPS] is None:
-    st.info(data.empty_lake_help())
-    st.stop()
+at, versions = data.open_page("Representation", needs=SILVER_STEPS)
 
 by = st.radio(
     "find by", ["step_key", "trajectory_uid", "prompt_id", "response_id"], horizontal=True
