@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -12,13 +11,12 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive
 
-from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN
+from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN, is_uid
 from gateway.auth import DEFAULT_TENANT, KeyRing, presented_key
 from gateway.errors import ApiError, from_pydantic
 from gateway.landing import Landing
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
-_UID = re.compile(UID_PATTERN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +51,7 @@ def tenant_of(keys: KeyRing, headers: Mapping[str, str]) -> str:
 def idempotency_key_of(headers: Mapping[str, str]) -> str | None:
     """The `Idempotency-Key` header, validated like an event_id."""
     value = headers.get("idempotency-key")
-    if value is not None and not (len(value) <= MAX_UID_CHARS - 8 and _UID.match(value)):
+    if value is not None and not is_uid(value, MAX_UID_CHARS - 8):
         raise ApiError(
             422,
             "Idempotency-Key: use letters, digits and ._:@+=- (at most 248 characters)",

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN
+from claw_pipelines.contracts.limits import is_uid
 from claw_pipelines.contracts.wire import (
     Event,
     Feedback,
@@ -58,7 +58,6 @@ COMPLETE = WriteRoute(
 CLAW_R1_STEPS = WriteRoute("/submit_steps", SubmitStepsRequest, _steps)
 _EXACT = {route.path: route for route in (STEPS, FEEDBACK, EVENTS, CLAW_R1_STEPS)}
 _COMPLETE_PATH = re.compile(r"^/v1/trajectories/([^/]+)/complete$")
-_UID = re.compile(UID_PATTERN)
 
 
 def match_write(path: str) -> tuple[WriteRoute, dict[str, str]] | None:
@@ -67,7 +66,7 @@ def match_write(path: str) -> tuple[WriteRoute, dict[str, str]] | None:
     if route is not None:
         return route, {}
     found = _COMPLETE_PATH.match(path)
-    if found and len(found[1]) <= MAX_UID_CHARS and _UID.match(found[1]):
+    if found and is_uid(found[1]):
         return COMPLETE, {"trajectory_uid": found[1]}
     return None  # an invalid trajectory uid is left to FastAPI, which names the field
 

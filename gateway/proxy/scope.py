@@ -8,20 +8,18 @@ stitched into trajectories downstream (silver) by message-prefix matching.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from claw_pipelines.contracts.limits import INT32_MAX, MAX_UID_CHARS, UID_PATTERN
+from claw_pipelines.contracts.limits import INT32_MAX, MAX_UID_CHARS, is_uid
 from gateway.errors import ApiError
 
 TRAJECTORY_HEADER = "x-claw-trajectory"
 PROMPT_GROUP_HEADER = "x-claw-prompt-group"
 POLICY_VERSION_HEADER = "x-claw-policy-version"
 DEFAULT_CAPACITY = 200_000
-_UID = re.compile(UID_PATTERN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +35,7 @@ class Scope:
 def _uid(value: str | None, header: str) -> str | None:
     if value is None:
         return None
-    if not (len(value) <= MAX_UID_CHARS and _UID.match(value)):
+    if not is_uid(value):
         raise ApiError(
             422,
             f"{header}: use letters, digits and ._:@+=- (at most {MAX_UID_CHARS} characters)",

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Path, Request, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN
+from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN, is_uid
 from claw_pipelines.contracts.wire import ErrorResponse
 from gateway.asgi import send_body
 from gateway.deps import (
@@ -79,7 +79,6 @@ SCOPED_CHAT_DOC = json_body(ChatCompletionBody, parameters=URL_SCOPED_HEADERS_DO
 SCOPED_COMPLETION_DOC = json_body(CompletionBody, parameters=URL_SCOPED_HEADERS_DOC)
 
 router = APIRouter(tags=["proxy"], responses=PROXY_RESPONSES)
-_UID = re.compile(UID_PATTERN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +111,6 @@ _SCOPED = [
         {"chat/completions": CLAW_R1_CHAT, "completions": CLAW_R1_COMPLETIONS},
     ),
 ]
-
-
-def _valid_uid(value: str) -> bool:
-    return 0 < len(value) <= MAX_UID_CHARS and _UID.fullmatch(value) is not None
 
 
 class RelayResponse(StreamingResponse):
@@ -177,7 +172,7 @@ def match_proxy(path: str) -> tuple[ProxyRoute, str | None, str | None] | None:
         found = pattern.fullmatch(path)
         if found:
             trajectory, prompt, endpoint = found.groups()
-            if _valid_uid(trajectory) and _valid_uid(prompt):
+            if is_uid(trajectory) and is_uid(prompt):
                 return routes[endpoint], trajectory, prompt
             return None
     return None
