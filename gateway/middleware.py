@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -17,6 +18,7 @@ from gateway.routes.proxy import ProxyRoute, match_proxy, send_answer, serve_cal
 from gateway.writes import match_write, perform_write
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BODY_METHODS = {"POST", "PUT", "PATCH"}
 WRITE_HEADERS = {b"authorization", b"x-api-key", b"idempotency-key"}
@@ -31,6 +33,19 @@ async def _answer(send: Send, error: ApiError) -> None:
     """Send an ApiError in the OpenAI envelope."""
     body = json.dumps(envelope(error.status, error.message, error.param, error.code)).encode()
     await send_body(send, error.status, body, headers=error.headers)
+
+
+async def _answered_errors(scope: Scope, send: Send, work: Awaitable[T]) -> T | None:
+    """The result of a fast path's work; None once its error was answered (an ApiError as
+    is, anything else as a logged 500)."""
+    try:
+        return await work
+    except ApiError as exc:
+        await _answer(send, exc)
+    except Exception:
+        log.exception("unhandled error on POST %s", scope["path"])
+        await _answer(send, ApiError(500, "internal error; the request was not stored"))
+    return None
 
 
 class GatewayMiddleware:
@@ -97,20 +112,13 @@ class GatewayMiddleware:
             children[1].observe(time.perf_counter() - started)
 
     async def _serve_write(self, scope, receive, send, headers, route, params) -> None:
-        try:
-            answer = await perform_write(
-                route,
-                self.state,
-                headers,
-                await read_asgi_body(receive, self.max_body_bytes, self.body_read_timeout_s),
-                params,
-            )
-        except ApiError as exc:
-            return await _answer(send, exc)
-        except Exception:
-            log.exception("unhandled error on POST %s", scope["path"])
-            return await _answer(send, ApiError(500, "internal error; nothing was stored"))
-        await send_body(send, 200, answer)
+        async def write() -> bytes:
+            body = await read_asgi_body(receive, self.max_body_bytes, self.body_read_timeout_s)
+            return await perform_write(route, self.state, headers, body, params)
+
+        answer = await _answered_errors(scope, send, write())
+        if answer is not None:
+            await send_body(send, 200, answer)
 
     async def _serve_proxy(
         self,
@@ -124,16 +132,10 @@ class GatewayMiddleware:
         headers: dict[str, str] = {}
         for name, value in reversed(scope["headers"]):  # the first of repeated headers wins
             headers[name.decode("latin-1")] = value.decode("latin-1")
-        try:
-            answer = await serve_call(
-                self.state, headers, receive, route, trajectory_uid, prompt_uid
-            )
-        except ApiError as exc:
-            return await _answer(send, exc)
-        except Exception:
-            log.exception("unhandled error on POST %s", scope["path"])
-            return await _answer(send, ApiError(500, "internal error; the request was not stored"))
-        await send_answer(answer, scope, receive, send)
+        call = serve_call(self.state, headers, receive, route, trajectory_uid, prompt_uid)
+        answer = await _answered_errors(scope, send, call)
+        if answer is not None:
+            await send_answer(answer, scope, receive, send)
 
     def _inspect(self, scope: Scope) -> tuple[ApiError | None, dict[str, str]]:
         """One pass over the headers: a refusal if any, and the headers a write needs."""
