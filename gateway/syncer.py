@@ -116,9 +116,11 @@ def serve(directory: Path, channel: socket.socket) -> None:
         status, position = 0, max((pos for _, _, pos in commands), default=0)
         to_sync: dict[int, None] = {}  # ordered set of segments to make durable
         sealed: list[int] = []
+        spare_taken = False
         try:
             for op, seq, _ in commands:
-                if op == OPEN:
+                if op == OPEN:  # the gateway opened a segment, from the spare if there was one
+                    spare_taken = True
                     with contextlib.suppress(FileNotFoundError):  # an empty one, removed since
                         opened(seq)
                     continue
@@ -137,7 +139,7 @@ def serve(directory: Path, channel: socket.socket) -> None:
         if status == 0 and sealed:
             spares.sized_after(os.fstat(files[sealed[-1]]).st_size)
             _hand_over(directory, files, sealed)
-        if any(op == OPEN for op, _, _ in commands):  # the gateway took the spare
+        if spare_taken:
             spares.replenish()
     for fd in files.values():
         os.fdatasync(fd)

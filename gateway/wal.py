@@ -20,13 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.records import BronzeRecord, decode_frames
-from gateway.syncer import ANSWER, COMMAND, OPEN, SEAL, SPARE, SYNC
+from gateway.syncer import (
+    ANSWER,
+    COMMAND,
+    OPEN,
+    OPEN_SUFFIX,
+    SEAL,
+    SEALED_SUFFIX,
+    SPARE,
+    SYNC,
+)
 
 log = logging.getLogger(__name__)
-OPEN_SUFFIX = ".open"
 MAX_SYNCS_IN_FLIGHT = 64
 SYNCER_STOP_TIMEOUT_S = 30.0
-SEALED_SUFFIX = ".wal"
 
 
 class WalUnavailable(Exception):
@@ -226,20 +233,19 @@ class WriteAheadLog:
             return
         self._requested = self._written
         self._asked_at.append((self._written, time.perf_counter()))
+        self._send(op, seq, self._written)
+
+    def _send(self, op: int, seq: int, position: int) -> None:
         try:
-            self._channel.sendall(COMMAND.pack(op, seq, self._written))
+            self._channel.sendall(COMMAND.pack(op, seq, position))
         except (BlockingIOError, OSError):
             self._syncer_lost()
 
     def _announce(self, seq: int) -> None:
         """Tell the syncer about a new segment now, so that the fsync of the directory that
         makes its name durable is not on the path of its first write. Claims no position."""
-        if self._channel is None:
-            return
-        try:
-            self._channel.sendall(COMMAND.pack(OPEN, seq, self._requested))
-        except (BlockingIOError, OSError):
-            self._syncer_lost()
+        if self._channel is not None:
+            self._send(OPEN, seq, self._requested)
 
     def _on_answers(self) -> None:
         try:
