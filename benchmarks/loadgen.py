@@ -18,6 +18,7 @@ class LoadResult:
     statuses: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
+    server_ms: dict[str, list[float]] = field(default_factory=dict)  # from Server-Timing
 
     def merge(self, other: LoadResult) -> None:
         """Add another run's counts and latencies."""
@@ -25,6 +26,8 @@ class LoadResult:
         self.errors += other.errors
         self.seconds += other.seconds
         self.latencies += other.latencies
+        for name, values in other.server_ms.items():
+            self.server_ms.setdefault(name, []).extend(values)
         for status, count in other.statuses.items():
             self.statuses[status] = self.statuses.get(status, 0) + count
 
@@ -53,14 +56,20 @@ def encode_post(host: str, port: int, path: str, body: bytes, headers: dict | No
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, dict[str, float]]:
+    """Status, body and the Server-Timing durations (ms by name) of one response."""
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
-    length = 0
+    length, timings = 0, {}
     for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
+        lowered = line.lower()
+        if lowered.startswith(b"content-length:"):
             length = int(line.split(b":", 1)[1])
-    return status, await reader.readexactly(length)
+        elif lowered.startswith(b"server-timing:"):
+            for metric in line.split(b":", 1)[1].decode().split(","):
+                name, _, duration = metric.strip().partition(";dur=")
+                timings[name] = float(duration)
+    return status, await reader.readexactly(length), timings
 
 
 async def run_load(
@@ -91,13 +100,15 @@ async def run_load(
                 if sent >= stop_at:
                     return
                 writer.write(request)
-                status, _ = await _read_response(reader)
+                status, _, timings = await _read_response(reader)
                 done = time.perf_counter()
                 if sent >= measure_from:
                     result.statuses[status] = result.statuses.get(status, 0) + 1
                     if status == 200:
                         result.requests += 1
                         result.latencies.append(done - sent)
+                        for name, ms in timings.items():
+                            result.server_ms.setdefault(name, []).append(ms)
                     else:
                         result.errors += 1
         finally:

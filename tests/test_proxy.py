@@ -106,6 +106,21 @@ def test_chat_answer_is_the_models_and_bronze_holds_the_sampled_ids(gw, sim, cli
     assert payload["response"]["id"] == answer.id
 
 
+def test_server_timing_splits_the_upstreams_time_from_the_gateways(gw, client):
+    event_id = key()
+    response = client.chat.completions.with_raw_response.create(
+        model="claw-sim-llm", messages=QUESTION, extra_headers={"Idempotency-Key": event_id}
+    )
+    timings = dict(
+        part.strip().split(";dur=") for part in response.headers["server-timing"].split(",")
+    )
+    upstream, gateway = float(timings["upstream"]), float(timings["gateway"])
+    assert upstream >= 60  # the sim's latency
+    assert 0 < gateway < upstream  # receiving, recording durably, building the answer
+    row = steps(gw, [event_id])[event_id]
+    assert row["payload"]["metadata"]["upstream_ms"] == pytest.approx(upstream, abs=0.01)
+
+
 def test_tool_calls_and_n2_pass_through_one_step_per_choice(gw, sim, client, direct):
     body = {
         "model": "claw-sim-llm",

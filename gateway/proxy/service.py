@@ -72,6 +72,7 @@ class ProxyCall:
     scope: Scope
     tenant: str
     idempotency_key: str | None
+    received: float = field(default_factory=time.perf_counter)  # when the gateway got it
 
     @property
     def stream(self) -> bool:
@@ -242,12 +243,13 @@ class ProxyService:
             return await self._refused(reply, call)
         seconds = time.perf_counter() - started
         self.upstream_seconds.labels(kind).observe(seconds)
-        return await self._answer(call, reply, added, round(seconds * 1000, 2))
+        return await self._answer(call, reply, added, seconds)
 
     async def _answer(
-        self, call: ProxyCall, reply: UpstreamReply, added: Added, upstream_ms: float
+        self, call: ProxyCall, reply: UpstreamReply, added: Added, upstream_s: float
     ) -> ProxyAnswer:
-        """Record the choices of a whole answer, then pass it on minus what we added."""
+        """Record the choices of a whole answer, then pass it on minus what we added (with
+        a Server-Timing header: the upstream's time and the gateway's own)."""
         try:
             answer = pydantic_core.from_json(reply.body)
             view = stripped(answer, added)
@@ -255,11 +257,13 @@ class ProxyService:
         except (ValueError, AttributeError, TypeError):
             failure = UpstreamFailure(502, "upstream_error", "upstream answered invalid JSON")
             await self.fail(failure, call.tenant, call)
-        records, keys = self.records(call, captured, answer.get("model"), upstream_ms)
+        upstream_ms = upstream_s * 1000
+        records, keys = self.records(call, captured, answer.get("model"), round(upstream_ms, 2))
         body = reply.body if view is answer else pydantic_core.to_json(view)
         headers = {"X-Claw-Step-Keys": ",".join(keys)}
         if not await self.land(records):
             headers["X-Claw-Recorded"] = "false"
+        headers["Server-Timing"] = server_timing(call.received, upstream_ms)
         return ProxyAnswer(reply.status, body, reply.content_type or JSON, headers)
 
     async def _refused(self, reply: UpstreamReply, call: ProxyCall) -> ProxyAnswer:
@@ -347,6 +351,13 @@ class ProxyService:
                 group = groups.setdefault(choice.index // call.n, new_event_id())
             places.append(StepPlace(new_event_id(), 0, group, scope.policy_version))
         return places, {}
+
+
+def server_timing(received: float, upstream_ms: float) -> str:
+    """`Server-Timing` of an answer: the upstream's time, and the gateway's own (the rest,
+    from receiving the call until its answer was durable and ready to send), in ms."""
+    total_ms = (time.perf_counter() - received) * 1000
+    return f"upstream;dur={upstream_ms:.3f}, gateway;dur={max(0.0, total_ms - upstream_ms):.3f}"
 
 
 def _refuses_token_ids(status: int, body: bytes) -> bool:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -143,13 +144,14 @@ async def serve_call(
 ) -> ProxyAnswer | StreamRelay:
     """Authenticate, scope and forward one call (the FastAPI routes and the ASGI fast path
     both come here); the upstream's answer, or a relay of its stream."""
+    received = time.perf_counter()
     tenant = tenant_of(state.keys, headers)
     idempotency_key = idempotency_key_of(headers)
     scope = scope_of(headers, trajectory_uid, prompt_uid, route.via)
     settings = state.settings
     raw = await read_asgi_body(receive, settings.max_body_bytes, settings.body_read_timeout_s)
     body, request_json = parse_request(raw)
-    call = ProxyCall(route.endpoint, body, request_json, scope, tenant, idempotency_key)
+    call = ProxyCall(route.endpoint, body, request_json, scope, tenant, idempotency_key, received)
     return await state.proxy.complete(call)
 
 
