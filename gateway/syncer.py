@@ -3,7 +3,9 @@
 The gateway appends frames to a segment (page cache) and sends `SYNC seq position` over a
 socket; the syncer runs fdatasync on that segment and answers `position`. `OPEN seq` comes as
 soon as the gateway creates a segment, so that making its name durable (an fsync of the
-directory) is done before any write waits on it. `SEAL seq position` makes a segment durable,
+directory) is done before any write waits on it; every answer says how far segment names are
+durable, as the gateway syncs a lone write itself only into a segment whose name is. `SEAL seq
+position` makes a segment durable,
 then renames it `.wal` for the flusher. Being a separate process, its wait on the disk never
 contends for the gateway's GIL; the gateway's event loop reads the answers like any other
 socket. Commands are coalesced: what is read at once is made durable together and answered
@@ -27,7 +29,9 @@ import threading
 from pathlib import Path
 
 COMMAND = struct.Struct("<BQQ")  # op, segment seq, log position
-ANSWER = struct.Struct("<BQ")  # status (0 ok, 1 failed), log position
+# status (0 ok, 1 failed), log position, and `named`: one past the newest segment whose name
+# the syncer has made durable (the gateway may then fdatasync writes to it itself: gateway.wal)
+ANSWER = struct.Struct("<BQQ")
 SYNC, SEAL, OPEN = 1, 2, 3
 OPEN_SUFFIX, SEALED_SUFFIX = ".open", ".wal"
 SPARE, SPARE_PARTIAL = "spare.zeros", "spare.filling"
@@ -100,13 +104,16 @@ class Spares:
 def serve(directory: Path, channel: socket.socket) -> None:
     """Answer commands until the gateway closes its end."""
     files: dict[int, int] = {}  # seq -> fd
+    named = 0  # one past the newest segment whose name is durable
     spares = Spares(directory)
     spares.replenish()
 
     def opened(seq: int) -> int:
+        nonlocal named
         if seq not in files:
             files[seq] = os.open(_segment(directory, seq, OPEN_SUFFIX), os.O_RDONLY)
             _fsync_dir(directory)  # the new segment's name survives a power loss
+            named = max(named, seq + 1)
         return files[seq]
 
     buffer = b""
@@ -133,7 +140,7 @@ def serve(directory: Path, channel: socket.socket) -> None:
         except OSError:
             status = 1
         try:
-            channel.sendall(ANSWER.pack(status, position))
+            channel.sendall(ANSWER.pack(status, position, named))
         except (BrokenPipeError, ConnectionResetError):  # the gateway is gone
             break
         if status == 0 and sealed:

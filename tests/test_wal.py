@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS_SPEC
+from gateway import wal as wal_module
 from gateway.records import (
     BronzeRecord,
     decode_frames,
@@ -84,11 +85,60 @@ def test_one_fdatasync_acknowledges_every_write_before_it(tmp_path):
         await wal.close()  # waits for the syncer: the sealed segment is durable and renamed
         return sealed
 
+        assert wal.inline_syncs == 0  # bursts go to the syncer, which pipelines them
+        return sealed
+
     sealed = asyncio.run(scenario())
     assert sum(groups) == 200 and len(groups) < 200  # writes share fsyncs
     (path,) = sealed_segments(tmp_path / "wal")
     assert sealed.seq == 1 and sealed.records == 200 and path.name == f"{1:020d}.wal"
     assert [r.event_id for r in read_segment(path)] == [f"e{i}" for i in range(200)]
+
+
+async def lone_writes(wal: WriteAheadLog, first: int, count: int) -> None:
+    """`count` writes, one at a time, each awaited before the next."""
+    loop = asyncio.get_running_loop()
+    for i in range(first, first + count):
+        future = loop.create_future()
+        wal.submit(Write(encode_frame(record(i)), 1, future))
+        await future
+
+
+def test_a_lone_write_on_an_idle_log_is_synced_by_the_loop_itself(tmp_path):
+    groups: list[int] = []
+
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal")
+        wal.on_group = lambda records, seconds: groups.append(records)
+        wal.lock()
+        wal.start(next_seq=1)
+        await lone_writes(wal, 0, 1)  # the syncer has answered by now: the name is durable
+        await lone_writes(wal, 1, 3)
+        inline = wal.inline_syncs
+        wal.seal()
+        await wal.close()
+        return inline
+
+    assert asyncio.run(scenario()) >= 3
+    assert groups == [1, 1, 1, 1]
+    (path,) = sealed_segments(tmp_path / "wal")
+    assert [r.event_id for r in read_segment(path)] == ["e0", "e1", "e2", "e3"]
+
+
+def test_after_a_slow_inline_sync_the_syncer_takes_the_syncs(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(wal_module, "INLINE_SYNC_LIMIT_S", 0.0)  # any sync counts as slow
+
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal")
+        wal.lock()
+        wal.start(next_seq=1)
+        await lone_writes(wal, 0, 4)
+        inline = wal.inline_syncs
+        await wal.close()
+        return inline
+
+    assert asyncio.run(scenario()) == 1
+    assert "the syncer process takes every sync" in caplog.text
 
 
 def test_second_process_cannot_take_the_same_wal(tmp_path):
@@ -145,15 +195,15 @@ def test_the_syncer_answers_a_batch_once_and_hands_sealed_segments_over(tmp_path
     syncer.start()
     try:
         gateway_end.sendall(COMMAND.pack(OPEN, 2, 0))  # announced ahead: claims no position
-        assert ANSWER.unpack(gateway_end.recv(ANSWER.size)) == (0, 0)
+        assert ANSWER.unpack(gateway_end.recv(ANSWER.size)) == (0, 0, 3)  # names up to 2 durable
         gateway_end.sendall(COMMAND.pack(OPEN, 3, 0))  # an empty segment, removed meanwhile
-        assert ANSWER.unpack(gateway_end.recv(ANSWER.size)) == (0, 0)
+        assert ANSWER.unpack(gateway_end.recv(ANSWER.size)) == (0, 0, 3)
         gateway_end.sendall(COMMAND.pack(SEAL, 1, 100) + COMMAND.pack(SYNC, 2, 150))
         answers = gateway_end.recv(64)
         while len(answers) < ANSWER.size:
             answers += gateway_end.recv(64)
         # one answer for both when the syncer read them together, else one each
-        assert ANSWER.unpack(answers[-ANSWER.size :]) == (0, 150)
+        assert ANSWER.unpack(answers[-ANSWER.size :]) == (0, 150, 3)
     finally:
         gateway_end.close()
         syncer.join(10)
@@ -168,7 +218,7 @@ def test_the_syncer_reports_a_failed_sync(tmp_path):
     syncer.start()
     try:
         gateway_end.sendall(COMMAND.pack(SYNC, 9, 10))  # no such segment
-        assert ANSWER.unpack(gateway_end.recv(ANSWER.size)) == (1, 10)
+        assert ANSWER.unpack(gateway_end.recv(ANSWER.size)) == (1, 10, 0)
     finally:
         gateway_end.close()
         syncer.join(10)
