@@ -96,6 +96,16 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
     return {"p50": round(float(p50), 3), "p99": round(float(p99), 3)}
 
 
+def wal_syncs(metrics_url: str) -> dict[str, int]:
+    """The gateway's WAL commit groups so far, by who ran the fdatasync."""
+    syncs = {}
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("claw_gateway_wal_syncs_total{"):
+            labels, value = line.rsplit(" ", 1)
+            syncs[labels.split('"')[1]] = int(float(value))
+    return syncs
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -177,6 +187,7 @@ def main() -> None:
                 if name == "gateway":
                     gateway_busy += (cpu_seconds(gateway.pid) - gw_before) / wall / args.rounds
                 results[name].merge(run)
+        syncs = wal_syncs(f"http://127.0.0.1:{gw_port}/metrics")
     finally:
         for proc in (gateway, sim):
             proc.terminate()
@@ -220,6 +231,7 @@ def main() -> None:
                 # recording it durably, building the answer. The rest of the added latency is
                 # the extra loopback hop and the machine's contention (see the docstring).
                 "gateway_own_ms": percentiles(results["gateway"].server_ms.get("gateway", [])),
+                "wal_syncs": syncs,  # by the event loop (lone writes) or the syncer process
                 "target": {"added_p50_ms": TARGET_ADDED_P50_MS, "throughput_ratio": TARGET_RATIO},
                 "target_met": added_p50 <= TARGET_ADDED_P50_MS and ratio >= TARGET_RATIO,
                 "bronze_steps_landed": landed,

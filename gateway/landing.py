@@ -199,7 +199,8 @@ class Landing:
                 counter = counters[record.kind] = self.metrics.records.labels(record.kind)
             counter.inc()
 
-    def _after_group(self, records: int, seconds: float) -> None:
+    def _after_group(self, records: int, seconds: float, by: str) -> None:
+        self.metrics.wal_syncs.labels(by).inc()
         self.metrics.wal_sync_seconds.observe(seconds)
         self.metrics.wal_group_records.observe(records)
         segment = self.wal.current

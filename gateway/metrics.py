@@ -53,6 +53,13 @@ class GatewayMetrics:
             "claw_gateway_wal_sync_seconds", "Durable write of one commit group",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.wal_syncs = Counter(
+            "claw_gateway_wal_syncs",
+            "Commit groups made durable, by who ran the fdatasync (the event loop for a lone "
+            "write on an idle log, else the syncer process)",
+            ["by"],
+            registry=r,
+        )
         self.wal_group_records = Histogram(
             "claw_gateway_wal_group_records", "Records per commit group",
             buckets=SIZE_BUCKETS, registry=r,

@@ -127,7 +127,7 @@ class WriteAheadLog:
         self._drained: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        self.on_group = None  # optional callback(records, seconds), on the loop
+        self.on_group = None  # optional callback(records, seconds, by: "loop"|"syncer")
 
     # -- lifecycle --------------------------------------------------------------------------
     def lock(self) -> None:
@@ -320,6 +320,8 @@ class WriteAheadLog:
             self._loop.call_soon(self._request_sync)
 
     def _acknowledge(self, position: int, synced_since: float | None = None) -> None:
+        """Resolve every write up to `position` (synced by the loop since `synced_since`, or
+        by the syncer when asked)."""
         asked = synced_since
         while self._asked_at and self._asked_at[0][0] <= position:
             asked = self._asked_at.popleft()[1]
@@ -331,7 +333,8 @@ class WriteAheadLog:
             if not write.future.done():
                 write.future.set_result(None)
         if records and self.on_group is not None and asked is not None:
-            self.on_group(records, time.perf_counter() - asked)
+            by = "syncer" if synced_since is None else "loop"
+            self.on_group(records, time.perf_counter() - asked, by)
         if self._drained is not None and not (waiting or self._asked_at or self._drained.done()):
             self._drained.set_result(None)
 

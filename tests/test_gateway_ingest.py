@@ -160,6 +160,7 @@ def test_health_readiness_and_metrics(gateway):
         'claw_gateway_records_total{kind="event"}',
         "claw_gateway_wal_backlog_bytes",
         "claw_gateway_wal_sync_seconds_bucket",
+        "claw_gateway_wal_syncs_total",
         "claw_gateway_wal_group_records_bucket",
         "claw_flusher_up 1.0",
         "claw_flusher_last_flush_seconds",
