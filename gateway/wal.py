@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 MAX_SYNCS_IN_FLIGHT = 64
 SYNCER_STOP_TIMEOUT_S = 30.0
 INLINE_SYNC_LIMIT_S = 0.005  # an fdatasync slower than this may not hold the event loop...
-INLINE_BACKOFF_S = 30.0  # ...and the syncer process then takes every sync for this long
+INLINE_BACKOFF_S = (1.0, 60.0)  # ...so the syncer takes every sync for a while: 1 s, doubling
+# while the loop's syncs stay slow (a hiccup costs one slow sync, a slow disk a few)
 
 
 class WalUnavailable(Exception):
@@ -104,8 +105,8 @@ class WriteAheadLog:
     it answers. A lone write on an idle log is synced by the loop itself: waking the syncer
     and being woken by its answer cost as much as the fdatasync (~0.3 ms), and nothing else
     waits. The loop does so only into a segment whose name the syncer has made durable, and
-    stops for INLINE_BACKOFF_S after an fdatasync slower than INLINE_SYNC_LIMIT_S (a slow
-    disk never holds the loop twice in a row)."""
+    after an fdatasync slower than INLINE_SYNC_LIMIT_S leaves every sync to the syncer for a
+    while (INLINE_BACKOFF_S), so a slow disk cannot keep holding the loop."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -117,6 +118,7 @@ class WriteAheadLog:
         self._requested = 0  # position the syncer was last asked to make durable
         self._named = 0  # one past the newest segment the syncer has made the name of durable
         self._inline_off_until = 0.0
+        self._inline_backoff = INLINE_BACKOFF_S[0]
         self.inline_syncs = 0  # fdatasyncs the event loop ran itself
         self._waiting: deque[tuple[int, Write]] = deque()
         self._asked_at: deque[tuple[int, float]] = deque()
@@ -257,12 +259,15 @@ class WriteAheadLog:
             return
         took = time.perf_counter() - started
         if took > INLINE_SYNC_LIMIT_S:
-            self._inline_off_until = time.monotonic() + INLINE_BACKOFF_S
-            log.warning(
+            self._inline_off_until = time.monotonic() + self._inline_backoff
+            log.info(
                 "WAL fdatasync took %.1f ms: the syncer process takes every sync for %.0f s",
                 took * 1000,
-                INLINE_BACKOFF_S,
+                self._inline_backoff,
             )
+            self._inline_backoff = min(self._inline_backoff * 2, INLINE_BACKOFF_S[1])
+        else:
+            self._inline_backoff = INLINE_BACKOFF_S[0]
         self.inline_syncs += 1
         self._requested = position
         self._acknowledge(position, synced_since=started)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -127,6 +128,7 @@ def test_a_lone_write_on_an_idle_log_is_synced_by_the_loop_itself(tmp_path):
 
 def test_after_a_slow_inline_sync_the_syncer_takes_the_syncs(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(wal_module, "INLINE_SYNC_LIMIT_S", 0.0)  # any sync counts as slow
+    caplog.set_level(logging.INFO, logger="gateway.wal")
 
     async def scenario():
         wal = WriteAheadLog(tmp_path / "wal")
@@ -138,7 +140,7 @@ def test_after_a_slow_inline_sync_the_syncer_takes_the_syncs(tmp_path, monkeypat
         return inline
 
     assert asyncio.run(scenario()) == 1
-    assert "the syncer process takes every sync" in caplog.text
+    assert "the syncer process takes every sync for 1 s" in caplog.text
 
 
 def test_second_process_cannot_take_the_same_wal(tmp_path):
