@@ -33,14 +33,22 @@ class LoadResult:
 
     def summary(self) -> dict[str, float]:
         """rps and latency percentiles in milliseconds."""
-        lat = np.asarray(self.latencies) * 1000 if self.latencies else np.zeros(1)
+        p50, p99 = percentiles_ms(np.asarray(self.latencies) * 1000)
         return {
             "requests": self.requests,
             "errors": self.errors,
             "rps": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
-            "p50_ms": round(float(np.percentile(lat, 50)), 3),
-            "p99_ms": round(float(np.percentile(lat, 99)), 3),
+            "p50_ms": p50,
+            "p99_ms": p99,
         }
+
+
+def percentiles_ms(values) -> tuple[float, float]:
+    """p50 and p99 of millisecond values, rounded to the microsecond (0 when empty)."""
+    if not len(values):
+        return 0.0, 0.0
+    p50, p99 = np.percentile(values, [50, 99])
+    return round(float(p50), 3), round(float(p99), 3)
 
 
 def encode_post(host: str, port: int, path: str, body: bytes, headers: dict | None = None) -> bytes:

@@ -32,13 +32,12 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import polars as pl
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.loadgen import LoadResult, encode_post, run_load  # noqa: E402
+from benchmarks.loadgen import LoadResult, encode_post, percentiles_ms, run_load  # noqa: E402
 from claw_pipelines.tokenization import encode_chat  # noqa: E402
 from tests.servers import free_port, wait_until  # noqa: E402
 
@@ -86,14 +85,6 @@ def start(command: list[str], url: str, env: dict[str, str], log: Path) -> subpr
 
     wait_until(up, 60, what=" ".join(command[2:4]))
     return proc
-
-
-def percentiles(values: list[float]) -> dict[str, float] | None:
-    """p50 and p99 of millisecond values (None when there are none)."""
-    if not values:
-        return None
-    p50, p99 = np.percentile(values, [50, 99])
-    return {"p50": round(float(p50), 3), "p99": round(float(p99), 3)}
 
 
 def wal_syncs(metrics_url: str) -> dict[str, int]:
@@ -196,6 +187,7 @@ def main() -> None:
     landed = pl.scan_delta(str(lake / "bronze" / "events")).select(pl.len()).collect().item()
     shutil.rmtree(workdir, ignore_errors=True)  # kept (with the logs) only when a run fails
     direct, through = results["direct"].summary(), results["gateway"].summary()
+    own_ms = results["gateway"].server_ms.get("gateway", [])  # its Server-Timing
     added_p50 = round(through["p50_ms"] - direct["p50_ms"], 3)
     ratio = round(through["rps"] / direct["rps"], 3) if direct["rps"] else 0.0
     acked = results["gateway"].statuses.get(200, 0)
@@ -230,7 +222,7 @@ def main() -> None:
                 # The gateway's own share, from its Server-Timing header: receiving the call,
                 # recording it durably, building the answer. The rest of the added latency is
                 # the extra loopback hop and the machine's contention (see the docstring).
-                "gateway_own_ms": percentiles(results["gateway"].server_ms.get("gateway", [])),
+                "gateway_own_ms": dict(zip(("p50", "p99"), percentiles_ms(own_ms), strict=True)),
                 "wal_syncs": syncs,  # by the event loop (lone writes) or the syncer process
                 "target": {"added_p50_ms": TARGET_ADDED_P50_MS, "throughput_ratio": TARGET_RATIO},
                 "target_met": added_p50 <= TARGET_ADDED_P50_MS and ratio >= TARGET_RATIO,

@@ -119,7 +119,6 @@ class WriteAheadLog:
         self._named = 0  # one past the newest segment the syncer has made the name of durable
         self._inline_off_until = 0.0
         self._inline_backoff = INLINE_BACKOFF_S[0]
-        self.inline_syncs = 0  # fdatasyncs the event loop ran itself
         self._waiting: deque[tuple[int, Write]] = deque()
         self._asked_at: deque[tuple[int, float]] = deque()
         self._sync_scheduled = False
@@ -233,8 +232,8 @@ class WriteAheadLog:
             raise
 
     def _sync(self) -> None:
+        self._sync_scheduled = False
         if not self._asked_at and self._may_sync_inline():
-            self._sync_scheduled = False
             self._sync_inline()
         else:
             self._request_sync()
@@ -268,7 +267,6 @@ class WriteAheadLog:
             self._inline_backoff = min(self._inline_backoff * 2, INLINE_BACKOFF_S[1])
         else:
             self._inline_backoff = INLINE_BACKOFF_S[0]
-        self.inline_syncs += 1
         self._requested = position
         self._acknowledge(position, synced_since=started)
 

@@ -66,11 +66,11 @@ def test_bronze_batch_matches_the_contract_schema():
 
 
 def test_one_fdatasync_acknowledges_every_write_before_it(tmp_path):
-    groups: list[int] = []
+    groups: list[tuple[int, str]] = []
 
     async def scenario():
         wal = WriteAheadLog(tmp_path / "wal")
-        wal.on_group = lambda records, seconds, by: groups.append(records)
+        wal.on_group = lambda records, seconds, by: groups.append((records, by))
         wal.lock()
         wal.start(next_seq=1)
         loop = asyncio.get_running_loop()
@@ -86,11 +86,9 @@ def test_one_fdatasync_acknowledges_every_write_before_it(tmp_path):
         await wal.close()  # waits for the syncer: the sealed segment is durable and renamed
         return sealed
 
-        assert wal.inline_syncs == 0  # bursts go to the syncer, which pipelines them
-        return sealed
-
     sealed = asyncio.run(scenario())
-    assert sum(groups) == 200 and len(groups) < 200  # writes share fsyncs
+    assert sum(records for records, _ in groups) == 200 and len(groups) < 200  # shared fsyncs
+    assert {by for _, by in groups} == {"syncer"}  # bursts go to the syncer, which pipelines
     (path,) = sealed_segments(tmp_path / "wal")
     assert sealed.seq == 1 and sealed.records == 200 and path.name == f"{1:020d}.wal"
     assert [r.event_id for r in read_segment(path)] == [f"e{i}" for i in range(200)]
@@ -106,7 +104,7 @@ async def lone_writes(wal: WriteAheadLog, first: int, count: int) -> None:
 
 
 def test_a_lone_write_on_an_idle_log_is_synced_by_the_loop_itself(tmp_path):
-    groups: list[int] = []
+    groups: list[tuple[int, str]] = []
 
     async def scenario():
         wal = WriteAheadLog(tmp_path / "wal")
@@ -115,13 +113,11 @@ def test_a_lone_write_on_an_idle_log_is_synced_by_the_loop_itself(tmp_path):
         wal.start(next_seq=1)
         await lone_writes(wal, 0, 1)  # the syncer has answered by now: the name is durable
         await lone_writes(wal, 1, 3)
-        inline = wal.inline_syncs
         wal.seal()
         await wal.close()
-        return inline
 
-    assert asyncio.run(scenario()) >= 3
-    assert groups[-3:] == [(1, "loop")] * 3
+    asyncio.run(scenario())
+    assert groups[1:4] == [(1, "loop")] * 3
     (path,) = sealed_segments(tmp_path / "wal")
     assert [r.event_id for r in read_segment(path)] == ["e0", "e1", "e2", "e3"]
 
@@ -130,16 +126,18 @@ def test_after_a_slow_inline_sync_the_syncer_takes_the_syncs(tmp_path, monkeypat
     monkeypatch.setattr(wal_module, "INLINE_SYNC_LIMIT_S", 0.0)  # any sync counts as slow
     caplog.set_level(logging.INFO, logger="gateway.wal")
 
+    groups: list[str] = []
+
     async def scenario():
         wal = WriteAheadLog(tmp_path / "wal")
+        wal.on_group = lambda records, seconds, by: groups.append(by)
         wal.lock()
         wal.start(next_seq=1)
         await lone_writes(wal, 0, 4)
-        inline = wal.inline_syncs
         await wal.close()
-        return inline
 
-    assert asyncio.run(scenario()) == 1
+    asyncio.run(scenario())
+    assert groups.count("loop") == 1
     assert "the syncer process takes every sync for 1 s" in caplog.text
 
 

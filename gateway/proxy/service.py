@@ -72,7 +72,7 @@ class ProxyCall:
     scope: Scope
     tenant: str
     idempotency_key: str | None
-    received: float = field(default_factory=time.perf_counter)  # when the gateway got it
+    received: float  # perf_counter when the gateway got the call
 
     @property
     def stream(self) -> bool:
