@@ -65,14 +65,20 @@ def test_bronze_batch_matches_the_contract_schema():
     assert str(rows[0]["ingest_date"]) == "2023-11-14"
 
 
+def started_wal(directory, groups: list[tuple[int, str]]) -> WriteAheadLog:
+    """A running WAL (on the current loop) that notes each commit group: (records, by)."""
+    wal = WriteAheadLog(directory)
+    wal.on_group = lambda records, seconds, by: groups.append((records, by))
+    wal.lock()
+    wal.start(next_seq=1)
+    return wal
+
+
 def test_one_fdatasync_acknowledges_every_write_before_it(tmp_path):
     groups: list[tuple[int, str]] = []
 
     async def scenario():
-        wal = WriteAheadLog(tmp_path / "wal")
-        wal.on_group = lambda records, seconds, by: groups.append((records, by))
-        wal.lock()
-        wal.start(next_seq=1)
+        wal = started_wal(tmp_path / "wal", groups)
         loop = asyncio.get_running_loop()
         futures = []
         for burst in range(4):
@@ -107,10 +113,7 @@ def test_a_lone_write_on_an_idle_log_is_synced_by_the_loop_itself(tmp_path):
     groups: list[tuple[int, str]] = []
 
     async def scenario():
-        wal = WriteAheadLog(tmp_path / "wal")
-        wal.on_group = lambda records, seconds, by: groups.append((records, by))
-        wal.lock()
-        wal.start(next_seq=1)
+        wal = started_wal(tmp_path / "wal", groups)
         await lone_writes(wal, 0, 1)  # the syncer has answered by now: the name is durable
         await lone_writes(wal, 1, 3)
         wal.seal()
@@ -126,18 +129,15 @@ def test_after_a_slow_inline_sync_the_syncer_takes_the_syncs(tmp_path, monkeypat
     monkeypatch.setattr(wal_module, "INLINE_SYNC_LIMIT_S", 0.0)  # any sync counts as slow
     caplog.set_level(logging.INFO, logger="gateway.wal")
 
-    groups: list[str] = []
+    groups: list[tuple[int, str]] = []
 
     async def scenario():
-        wal = WriteAheadLog(tmp_path / "wal")
-        wal.on_group = lambda records, seconds, by: groups.append(by)
-        wal.lock()
-        wal.start(next_seq=1)
+        wal = started_wal(tmp_path / "wal", groups)
         await lone_writes(wal, 0, 4)
         await wal.close()
 
     asyncio.run(scenario())
-    assert groups.count("loop") == 1
+    assert [by for _, by in groups].count("loop") == 1
     assert "the syncer process takes every sync for 1 s" in caplog.text
 
 
