@@ -19,7 +19,7 @@ from claw_pipelines.lake import Lake
 from claw_pipelines.settings import ClawSettings
 from gateway.flusher import FLUSHER_LOCK, STATUS_FILE
 from gateway.idempotency import IdempotencyIndex
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, labelled
 from gateway.records import BronzeRecord, encode_frame
 from gateway.redaction import redact_payload
 from gateway.wal import (
@@ -74,7 +74,6 @@ class Landing:
         self._sealer: asyncio.Task[None] | None = None
         self._sealed_bytes = 0
         self._flusher_restart_at = 0.0
-        self._record_counters: dict[str, object] = {}
         self.ready = False
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -192,15 +191,11 @@ class Landing:
         if not ok:
             self.metrics.rejected.labels("wal").inc()
             return
-        counters = self._record_counters
         for record in fresh:
-            counter = counters.get(record.kind)
-            if counter is None:
-                counter = counters[record.kind] = self.metrics.records.labels(record.kind)
-            counter.inc()
+            labelled(self.metrics.records, record.kind).inc()
 
     def _after_group(self, records: int, seconds: float, by: str) -> None:
-        self.metrics.wal_syncs.labels(by).inc()
+        labelled(self.metrics.wal_syncs, by).inc()
         self.metrics.wal_sync_seconds.observe(seconds)
         self.metrics.wal_group_records.observe(records)
         segment = self.wal.current

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -15,6 +18,13 @@ disable_created_metrics()
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 SIZE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+@lru_cache(maxsize=4096)
+def labelled(metric: Any, *values: str) -> Any:
+    """`metric.labels(*values)`, cached: `labels` takes a lock and builds a key on every call,
+    which adds up on the per-request path (label values must be bounded: routes, kinds)."""
+    return metric.labels(*values)
 
 
 class GatewayMetrics:

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.asgi import send_body
 from gateway.deps import read_asgi_body
 from gateway.errors import ApiError, envelope
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, labelled
 from gateway.routes.proxy import ProxyRoute, match_proxy, send_answer, serve_call
 from gateway.writes import match_write, perform_write
 
@@ -68,7 +68,6 @@ class GatewayMiddleware:
         self.body_read_timeout_s = state.settings.body_read_timeout_s
         self.metrics = metrics
         self.state = state
-        self._children: dict[tuple[str, int], tuple] = {}  # cached labelled metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -102,14 +101,8 @@ class GatewayMiddleware:
                 await self.app(scope, receive, send_with_status)
         finally:
             route = route_name or getattr(scope.get("route"), "path", None) or "unmatched"
-            children = self._children.get((route, status))
-            if children is None:
-                children = self._children[(route, status)] = (
-                    self.metrics.requests.labels(route, str(status)),
-                    self.metrics.request_seconds.labels(route),
-                )
-            children[0].inc()
-            children[1].observe(time.perf_counter() - started)
+            labelled(self.metrics.requests, route, str(status)).inc()
+            labelled(self.metrics.request_seconds, route).observe(time.perf_counter() - started)
 
     async def _serve_write(self, scope, receive, send, headers, route, params) -> None:
         async def write() -> bytes:

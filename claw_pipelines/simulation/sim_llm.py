@@ -9,10 +9,10 @@ reproducible. `GET /v1/models` says `owned_by: claw-simulated`.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any
 
+import pydantic_core
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -33,6 +33,14 @@ def _error(
     kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
+
+
+class _JSON(JSONResponse):
+    """JSON encoded in Rust: an answer with token ids and log-probs costs ~2x less than with
+    `json.dumps`, as a real inference server's serving cost is small next to its sampling."""
+
+    def render(self, content: Any) -> bytes:
+        return pydantic_core.to_json(content)
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -75,12 +83,12 @@ def _sse(chunks: Iterator[dict[str, Any]], latency_s: float) -> StreamingRespons
     ready = list(chunks)
     pause = latency_s / max(len(ready), 1)
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[bytes]:
         for chunk in ready:
             if pause:
                 await asyncio.sleep(pause)
-            yield f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield b"data: " + pydantic_core.to_json(chunk) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -114,13 +122,13 @@ def create_sim_app(
         body: ChatCompletionRequest, request: Request, sim: Sim
     ) -> JSONResponse | StreamingResponse:
         """OpenAI chat completions, with vLLM's `return_token_ids`."""
-        run = sim.chat(body, await request.json())
+        run = sim.chat(body, pydantic_core.from_json(await request.body()))
         if body.stream:
             return _sse(sim.chat_chunks(run, body), latency_s)
         if latency_s:
             await asyncio.sleep(latency_s)
-        # JSONResponse directly: FastAPI's jsonable_encoder costs ~3 ms per 1,500 token ids.
-        return JSONResponse(sim.chat_response(run, body))
+        # A response directly: FastAPI's jsonable_encoder costs ~3 ms per 1,500 token ids.
+        return _JSON(sim.chat_response(run, body))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, sim: Sim) -> JSONResponse | StreamingResponse:
@@ -130,7 +138,7 @@ def create_sim_app(
             return _sse(sim.completion_chunks(run, body), latency_s)
         if latency_s:
             await asyncio.sleep(latency_s)
-        return JSONResponse(sim.completion_response(run, body))
+        return _JSON(sim.completion_response(run, body))
 
     return app
 

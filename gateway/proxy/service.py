@@ -24,7 +24,7 @@ from claw_pipelines.tokenization import load_tokenizer
 from gateway.errors import ApiError
 from gateway.intake import event_ids
 from gateway.landing import Landing, Overloaded
-from gateway.metrics import LATENCY_BUCKETS
+from gateway.metrics import LATENCY_BUCKETS, labelled
 from gateway.proxy.capture import (
     COMPLETION_KIND,
     Added,
@@ -242,7 +242,7 @@ class ProxyService:
         if reply.status >= 400:
             return await self._refused(reply, call)
         seconds = time.perf_counter() - started
-        self.upstream_seconds.labels(kind).observe(seconds)
+        labelled(self.upstream_seconds, kind).observe(seconds)
         return await self._answer(call, reply, added, seconds)
 
     async def _answer(
@@ -323,7 +323,7 @@ class ProxyService:
                     tokens=tokens,
                 )
             )
-            self.steps.labels(tokens.token_source).inc()
+            labelled(self.steps, tokens.token_source).inc()
         return records, [step_key(p.trajectory_uid, p.step_index) for p in places]
 
     def _places(
