@@ -99,10 +99,15 @@ class ServiceProcess:
         self.proc.wait(10)
         self._log.close()
 
+    def terminate(self) -> None:
+        """SIGTERM, without waiting: `stop` then waits for the graceful exit."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM and wait for the graceful exit (SIGKILL after `timeout`); the exit code."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -29,6 +29,8 @@ concurrency:
       - key: claw/maintenance
         limit: 1
 """
+STOP_TIMEOUT_S = 60.0  # for all children together; SIGKILL after
+SLOW_STOP_S = 10.0  # a child that takes longer to stop is reported
 DAEMONS_QUERY = "{ instance { daemonHealth { allDaemonStatuses { daemonType healthy } } } }"
 
 
@@ -156,10 +158,21 @@ class Stack:
         """A child that exited, if any."""
         return next((c for c in self.children if c.proc and c.proc.poll() is not None), None)
 
-    def stop(self) -> None:
-        """Stop every child, last started first."""
-        for child in reversed(self.children):
-            child.stop()
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop every child at once (their graceful stops overlap), then the simulated model,
+        through which the gateway may still be answering; SIGKILL for any still running after
+        `timeout`. A slow stop is reported."""
+        first = [c for c in reversed(self.children) if c.verb != "sim-llm"]
+        last = [c for c in self.children if c.verb == "sim-llm"]
+        started = time.monotonic()
+        for group in (first, last):
+            for child in group:
+                child.terminate()
+            for child in group:
+                child.stop(max(0.1, started + timeout - time.monotonic()))
+                took = time.monotonic() - started
+                if took > SLOW_STOP_S:
+                    print(f"claw up: {child.verb} stopped after {took:.0f} s", file=sys.stderr)
 
 
 def _traffic(stack: Stack, stopping: threading.Event) -> None:

@@ -82,7 +82,10 @@ def test_claw_up_starts_services_data_flows_and_ctrl_c_stops_them_all(tmp_path):
         assert run_status(dagster_url, run) == "SUCCESS"
         assert (lake / "gold" / "datasets" / "default").exists()
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=90)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail("claw up did not stop within 90 s:\n" + "".join(lines)[-3000:])
         reader.join(10)
         output = "".join(lines)
     finally:
