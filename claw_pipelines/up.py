@@ -201,6 +201,9 @@ def run_up(
     stack = Stack(settings, host)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    # Ctrl-C stops the stack even when started with SIGINT ignored (as a shell without job
+    # control starts background commands, and Python then keeps it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         stack.up(port, dashboard_port or free_port(), dagster_port or free_port())
         print(f"lake             {settings.lake_uri}; logs in {stack.logs}")

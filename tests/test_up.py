@@ -46,6 +46,9 @@ def test_claw_up_starts_services_data_flows_and_ctrl_c_stops_them_all(tmp_path):
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"},
         start_new_session=True,  # so a failed test can stop the whole group
+        # started with SIGINT ignored, as a shell without job control starts a background
+        # command (a CI runner may): Ctrl-C must stop it all the same
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )  # fmt: skip
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
