@@ -39,17 +39,20 @@ def children_of(pid: int) -> set[int]:
 def test_claw_up_starts_services_data_flows_and_ctrl_c_stops_them_all(tmp_path):
     port, dashboard, dagster = free_port(), free_port(), free_port()
     lake = tmp_path / "lake"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "claw_pipelines.cli", "up", "--port", str(port),
-         "--dashboard-port", str(dashboard), "--dagster-port", str(dagster),
-         "--lake", str(lake)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"},
-        start_new_session=True,  # so a failed test can stop the whole group
-        # started with SIGINT ignored, as a shell without job control starts a background
-        # command (a CI runner may): Ctrl-C must stop it all the same
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )  # fmt: skip
+    # Started with SIGINT ignored (inherited), as a shell without job control starts a
+    # background command (a CI runner may): Ctrl-C must stop it all the same.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "claw_pipelines.cli", "up", "--port", str(port),
+             "--dashboard-port", str(dashboard), "--dagster-port", str(dagster),
+             "--lake", str(lake)],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"},
+            start_new_session=True,  # so a failed test can stop the whole group
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
