@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 import polars as pl
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -90,12 +91,14 @@ def start(command: list[str], url: str, env: dict[str, str], log: Path) -> subpr
 
 def wal_syncs(metrics_url: str) -> dict[str, int]:
     """The gateway's WAL commit groups so far, by who ran the fdatasync."""
-    syncs = {}
-    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-        if line.startswith("claw_gateway_wal_syncs_total{"):
-            labels, value = line.rsplit(" ", 1)
-            syncs[labels.split('"')[1]] = int(float(value))
-    return syncs
+    text = httpx.get(metrics_url, timeout=10).text
+    return {
+        sample.labels["by"]: int(sample.value)
+        for family in text_string_to_metric_families(text)
+        if family.name == "claw_gateway_wal_syncs"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
 
 
 def cpu_seconds(pid: int) -> float:

@@ -5,11 +5,11 @@ socket; the syncer runs fdatasync on that segment and answers `position`. `OPEN 
 soon as the gateway creates a segment, so that making its name durable (an fsync of the
 directory) is done before any write waits on it; every answer says how far segment names are
 durable, as the gateway syncs a lone write itself only into a segment whose name is. `SEAL seq
-position` makes a segment durable,
-then renames it `.wal` for the flusher. Being a separate process, its wait on the disk never
-contends for the gateway's GIL; the gateway's event loop reads the answers like any other
-socket. Commands are coalesced: what is read at once is made durable together and answered
-once, and the answer goes out before the renames, which no write waits for.
+position` makes a segment durable, then renames it `.wal` for the flusher. Being a separate
+process, its wait on the disk never contends for the gateway's GIL; the gateway's event loop
+reads the answers like any other socket. Commands are coalesced: what is read at once is made
+durable together and answered once, and the answer goes out before the renames, which no write
+waits for.
 
 The syncer also keeps a spare segment ready: a file already filled with zeros and synced,
 which the gateway renames into place when it opens a segment. Writes into it then overwrite
