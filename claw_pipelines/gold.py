@@ -3,12 +3,20 @@
 A partition write replaces exactly that policy version's rows in `gold/datasets/<name>` and
 `gold/trees/<name>` (predicate overwrites), then appends one `gold/lineage` row saying what
 was read (spec and hash, silver and bronze versions) and what was written.
+
+A build reads silver as of its last completed run (`silver_state`) and pins both gold
+tables; its two commits are guarded per partition (`lake.Guard`), so a build that another
+build of the same partition overtook starts again from the new state instead of landing
+stale rows, and two builds never mix. Its lineage row, written last, names the dataset and
+trees versions that belong together; readers take trees only through it.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cache
@@ -30,7 +38,7 @@ from claw_pipelines.contracts.tables import (
     gold_dataset_spec,
     gold_tree_spec,
 )
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake import Guard, Lake, WriteConflict
 from claw_pipelines.quality import (
     Finding,
     group_completeness,
@@ -39,7 +47,7 @@ from claw_pipelines.quality import (
     trees_rebuild_steps,
     within_staleness,
 )
-from claw_pipelines.silver import watermark
+from claw_pipelines.silver import silver_state
 from claw_pipelines.transforms.curation import (
     CANDIDATE_STEP_COLUMNS,
     GROUP,
@@ -51,6 +59,7 @@ from claw_pipelines.transforms.prefix_tree import PrefixForest, build_forest
 
 STEP_COLUMNS = [*CANDIDATE_STEP_COLUMNS, "model", "created_at", "event_id"]
 TOKEN_COLUMNS = ["step_key", "prompt_ids", "response_ids", "rollout_log_probs", "response_mask"]
+MAX_ATTEMPTS = 20  # builds overtaken by another build of their partition start again
 
 
 @dataclass
@@ -67,6 +76,8 @@ class GoldPartition:
     dataset_version: int | None = None
     trees_version: int | None = None
     lineage: dict[str, Any] = field(default_factory=dict)
+    reason: str = "build"
+    write_conflicts: int = 0
 
     @property
     def raw_tokens(self) -> int:
@@ -100,11 +111,13 @@ def code_version() -> str:
 
 
 def source_versions(lake: Lake) -> dict[str, int | None]:
-    """The silver table versions a gold build reads, and the bronze version behind them."""
+    """The silver table versions a gold build reads (as the last completed silver run left
+    them), and the bronze version behind them."""
+    state = silver_state(lake)
     versions = {
-        t: lake.version(t) for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES)
+        t: state.versions[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES)
     }
-    return versions | {"bronze/events": watermark(lake)}
+    return versions | {"bronze/events": state.bronze_version}
 
 
 def curated(lake: Lake, spec: CurationSpec, versions: dict[str, int | None]) -> pl.DataFrame:
@@ -156,10 +169,36 @@ def _tree_rows(part: GoldPartition, trees: pl.Series) -> pa.Table:
     )
 
 
-def build_partition(lake: Lake, spec: CurationSpec, policy_version: int) -> GoldPartition:
-    """Curate, merge and write one policy version of a dataset; record its lineage."""
+def partition_writer(policy_version: int) -> str:
+    """The application id of the commits that write one policy-version partition."""
+    return f"claw.gold.v{int(policy_version)}"
+
+
+def build_partition(
+    lake: Lake, spec: CurationSpec, policy_version: int, reason: str = "build"
+) -> GoldPartition:
+    """Curate, merge and write one policy version of a dataset; record its lineage (with
+    `reason`, e.g. what a repair fixed). A build overtaken by another build of the same
+    partition starts again from the new state."""
+    for attempt in range(MAX_ATTEMPTS):
+        try:
+            part = _build_once(lake, spec, policy_version, reason)
+        except WriteConflict:
+            time.sleep(random.uniform(0, min(1.0, 0.02 * 2**attempt)))
+            continue
+        part.write_conflicts = attempt
+        return part
+    raise WriteConflict(
+        f"gold {spec.name} v{policy_version}: lost {MAX_ATTEMPTS} times to concurrent builds"
+    )
+
+
+def _build_once(lake: Lake, spec: CurationSpec, policy_version: int, reason: str) -> GoldPartition:
+    """One attempt: pin both gold tables, read silver, build, commit guarded."""
+    tables = (gold_dataset_spec(spec.name), gold_tree_spec(spec.name))
+    pins = {table.name: lake.ensure(table).version() for table in tables}
     versions = source_versions(lake)
-    part = GoldPartition(spec.name, policy_version, spec, versions)
+    part = GoldPartition(spec.name, policy_version, spec, versions, reason=reason)
     if versions[SILVER_STEPS] is None:
         return part
     chosen = curated(lake, spec, versions)
@@ -174,11 +213,13 @@ def build_partition(lake: Lake, spec: CurationSpec, policy_version: int) -> Gold
     part.forest = build_forest(codes, sequences.to_arrow())
     segment = part.forest.segment_of_row()
     part.steps = steps.with_columns(tree_id=trees, segment=pl.Series(segment, dtype=pl.Int64))
-    _write(lake, part, trees)
+    guard = Guard(partition_writer(policy_version), versions[SILVER_TRAJECTORIES] or 0, pins)
+    _write(lake, part, trees, guard)
     return part
 
 
-def _write(lake: Lake, part: GoldPartition, trees: pl.Series) -> None:
+def _write(lake: Lake, part: GoldPartition, trees: pl.Series, guard: Guard) -> None:
+    """The partition's two guarded commits, then its lineage row."""
     spec = part.spec
     lineage = {
         "dataset": spec.name,
@@ -194,6 +235,7 @@ def _write(lake: Lake, part: GoldPartition, trees: pl.Series) -> None:
         "tree_tokens": part.tree_tokens,
         "saved_tokens": part.raw_tokens - part.tree_tokens,
         "token_ratio": (part.tree_tokens / part.raw_tokens) if part.raw_tokens else 1.0,
+        "reason": part.reason,
     }
     meta = {k: v for k, v in lineage.items() if k != "spec_json"} | {"spec": spec.canonical_json()}
     part.dataset_version = lake.replace_partition(
@@ -202,6 +244,7 @@ def _write(lake: Lake, part: GoldPartition, trees: pl.Series) -> None:
         "policy_version",
         part.policy_version,
         metadata=meta,
+        guard=guard,
     )
     part.trees_version = lake.replace_partition(
         gold_tree_spec(spec.name),
@@ -209,6 +252,7 @@ def _write(lake: Lake, part: GoldPartition, trees: pl.Series) -> None:
         "policy_version",
         part.policy_version,
         metadata=meta | {"dataset_version": part.dataset_version},
+        guard=guard,
     )
     part.lineage = lineage | {
         "dataset_version": part.dataset_version,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from deltalake import (
     ColumnProperties,
     CommitProperties,
     DeltaTable,
+    Field,
     Transaction,
     WriterProperties,
     write_deltalake,
@@ -35,6 +37,32 @@ APPEND_HEAVY_WRITER = WriterProperties(
     compression_level=1,
     default_column_properties=ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE"),
 )
+
+
+class WriteConflict(Exception):
+    """A concurrent writer committed to a table this write was computed from; the write did
+    not land. Recompute from the new state and try again."""
+
+
+@dataclass(frozen=True)
+class Guard:
+    """Optimistic concurrency for one writer's commits (e.g. one silver run).
+
+    Every guarded commit carries the Delta application transaction (`app_id`, `version`) and
+    is based on the table version the writer read (`read_versions[table]`). It lands only if
+    no other commit of the same `app_id` reached that table since; a whole-table overwrite
+    lands only if no commit at all did (delta-rs would otherwise keep the files a concurrent
+    compaction wrote). Anything else raises WriteConflict: nothing is ever committed on top of
+    a state the writer did not see.
+    """
+
+    app_id: str
+    version: int
+    read_versions: Mapping[str, int]
+
+    def transactions(self) -> list[Transaction]:
+        """The application transaction every guarded commit carries."""
+        return [Transaction(app_id=self.app_id, version=self.version)]
 
 
 def conform(data: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -66,20 +94,23 @@ def _commit(
     )
 
 
-def _retry_conflicts(table: DeltaTable, write, attempts: int = 5) -> int:
-    """Run a replacing write; if a concurrent commit (compaction, another writer) removed the
-    files it read, reload the table and write again. Returns the new version."""
-    for attempt in range(attempts):
+def _retry_conflicts(table: DeltaTable, write: Callable[[], None], attempts: int = 5) -> int:
+    """Run a replacing write; if a concurrent commit (compaction, another writer) came first,
+    base the table on the new state and write again. Returns the version written."""
+    for attempt in range(1, attempts):
         try:
             write()
-            break
+            return table.version()
         except CommitFailedError:
-            if attempt == attempts - 1:
-                raise
-            time.sleep(0.05 * (attempt + 1))
+            time.sleep(0.05 * attempt)
             table.update_incremental()
-    table.update_incremental()
+    write()
     return table.version()
+
+
+def _claw_metadata(entry: Mapping[str, Any]) -> dict[str, Any]:
+    raw = entry.get(COMMIT_METADATA_KEY)
+    return json.loads(raw) if isinstance(raw, str) else dict(raw or {})
 
 
 def _writer(spec: TableSpec) -> WriterProperties | None:
@@ -185,7 +216,8 @@ class Lake:
             return None
 
     def ensure(self, spec: TableSpec | str) -> DeltaTable:
-        """Create the table with its declared schema if it is missing; return it."""
+        """Create the table with its declared schema if it is missing (and add declared
+        nullable columns an older table lacks); return it."""
         spec = _spec(spec)
         try:
             table = self.open(spec.name)
@@ -207,6 +239,10 @@ class Lake:
                 table = self.open(spec.name)
         if spec.change_feed and table.metadata().configuration.get(CHANGE_FEED_PROPERTY) != "true":
             table.alter.set_table_properties({CHANGE_FEED_PROPERTY: "true"})  # older tables
+        present = set(table.schema().to_arrow().names)
+        missing = [f for f in spec.schema if f.name not in present and f.nullable]
+        if missing:  # a column declared since the table was created
+            table.alter.add_columns([Field.from_arrow(f) for f in missing])
         return table
 
     def transaction_version(self, name: str, app_id: str) -> int | None:
@@ -216,17 +252,50 @@ class Lake:
         except TableNotFoundError:
             return None
 
+    def _commits(self, name: str, newest: int, oldest: int = 0) -> Iterator[dict[str, Any]]:
+        """Commit infos of table `name`, newest first, from version `newest` down to `oldest`
+        (read in growing pages: usually the first few commits are all a caller needs)."""
+        table = self.open(name)  # the newest state's history numbers its versions right
+        below, limit = newest + 1, table.version() - newest + 8
+        while True:
+            entries = table.history(limit=limit)
+            for entry in entries:
+                if oldest <= entry["version"] < below:
+                    below = entry["version"]
+                    yield entry
+            if len(entries) < limit or below <= oldest:
+                return
+            limit *= 4
+
     def commit_metadata(self, name: str, version: int | None = None) -> dict[str, Any]:
         """The claw metadata stored with a commit (the latest one by default)."""
-        table = self.open(name)
-        target = table.version() if version is None else version
-        for entry in table.history():
-            if entry.get("version") == target:
-                raw = entry.get(COMMIT_METADATA_KEY)
-                return json.loads(raw) if isinstance(raw, str) else dict(raw or {})
+        target = self.open(name).version() if version is None else version
+        for entry in self._commits(name, target, target):
+            return _claw_metadata(entry)
         return {}
 
+    def last_commit_with(
+        self, name: str, key: str, at: int | None = None
+    ) -> tuple[int, dict[str, Any]] | None:
+        """(version, claw metadata) of the newest commit at or before `at` whose metadata holds
+        `key` (commits without it, e.g. compactions, are passed over); None if there is none."""
+        newest = self.open(name).version() if at is None else at
+        for entry in self._commits(name, newest):
+            metadata = _claw_metadata(entry)
+            if key in metadata:
+                return int(entry["version"]), metadata
+        return None
+
     # -- writes -----------------------------------------------------------------------------
+    def _guarded(self, spec: TableSpec, guard: Guard, write: Callable[[DeltaTable], None]) -> int:
+        """Run `write` on the table as the guard's writer read it; the new version."""
+        table = self.open(spec.name, guard.read_versions[spec.name])
+        try:
+            write(table)
+        except CommitFailedError as exc:
+            raise WriteConflict(f"{spec.name}: {exc}".splitlines()[0]) from None
+        return table.version()  # the table object now stands at its own commit
+
     def append(
         self,
         spec: TableSpec | str,
@@ -234,29 +303,41 @@ class Lake:
         *,
         metadata: Mapping[str, Any] | None = None,
         transaction: tuple[str, int] | None = None,
+        guard: Guard | None = None,
     ) -> int:
         """Append rows in one commit, conformed to the schema; return the new table version.
 
         `transaction` = (app_id, version) is recorded in the same commit, so a writer can ask
-        `transaction_version` after a crash whether the batch already landed.
+        `transaction_version` after a crash whether the batch already landed. With `guard`,
+        the append lands only if no commit of the guard's writer reached the table since it
+        read it (else WriteConflict).
         """
         spec = _spec(spec)
+        if spec.sort_by:  # polars sorts list columns far faster than pyarrow's take
+            data = pl.from_arrow(data).sort(spec.sort_by).to_arrow()
+        rows = conform(data, spec.schema)
+        txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
+        commit = _commit(metadata, guard.transactions() if guard else txns)
+
+        def write(table: DeltaTable) -> None:
+            write_deltalake(
+                table,
+                rows,
+                mode="append",
+                partition_by=table.metadata().partition_columns or None,
+                writer_properties=_writer(spec),
+                commit_properties=commit,
+            )
+
+        if guard is not None:
+            return self._guarded(spec, guard, write)
         table = self._writers.get(spec.name)
         if table is None:
             table = self._writers[spec.name] = self.ensure(spec)
-        txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
-        if spec.sort_by:  # polars sorts list columns far faster than pyarrow's take
-            data = pl.from_arrow(data).sort(spec.sort_by).to_arrow()
-        write_deltalake(
-            table,
-            conform(data, spec.schema),
-            mode="append",
-            partition_by=table.metadata().partition_columns or None,
-            writer_properties=_writer(spec),
-            commit_properties=_commit(metadata, txns),
-        )
+        write(table)
+        version = table.version()
         table.update_incremental()
-        return table.version()
+        return version
 
     def replace_partition(
         self,
@@ -266,10 +347,12 @@ class Lake:
         value: int,
         *,
         metadata: Mapping[str, Any] | None = None,
+        guard: Guard | None = None,
     ) -> int:
         """Replace exactly the rows where `column = value` (a predicate overwrite: other
         partitions are untouched, older versions stay readable); return the new version."""
-        return self.overwrite(spec, data, metadata=metadata, where=f"{column} = {int(value)}")
+        where = f"{column} = {int(value)}"
+        return self.overwrite(spec, data, metadata=metadata, where=where, guard=guard)
 
     def overwrite(
         self,
@@ -278,23 +361,36 @@ class Lake:
         *,
         metadata: Mapping[str, Any] | None = None,
         where: str | None = None,
+        guard: Guard | None = None,
     ) -> int:
         """Replace the table's rows (only those matching the `where` predicate, when given)
-        in one commit; older versions stay readable. Returns the new version."""
+        in one commit; older versions stay readable. Returns the new version.
+
+        A whole-table overwrite lands only on the state it was based on (delta-rs would keep
+        files that a concurrent commit added or compacted); unguarded, it is then based on the
+        new state and written again, guarded it raises WriteConflict."""
         spec = _spec(spec)
-        table = self.ensure(spec)
         rows = conform(data, spec.schema)
-        return _retry_conflicts(
-            table,
-            lambda: write_deltalake(
+        commit = _commit(
+            metadata,
+            guard.transactions() if guard else None,
+            retries=0 if where is None else None,
+        )
+
+        def write(table: DeltaTable) -> None:
+            write_deltalake(
                 table,
                 rows,
                 mode="overwrite",
                 predicate=where,
                 partition_by=table.metadata().partition_columns or None,
-                commit_properties=_commit(metadata),
-            ),
-        )
+                commit_properties=commit,
+            )
+
+        if guard is not None:
+            return self._guarded(spec, guard, write)
+        table = self.ensure(spec)
+        return _retry_conflicts(table, lambda: write(table))
 
     def maintain(self, name: str, retention_hours: int = 168) -> dict[str, Any]:
         """Compact small files, write a checkpoint, vacuum files unreferenced for longer than

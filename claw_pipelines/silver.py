@@ -1,15 +1,24 @@
 """Build silver from bronze, incrementally: read what bronze gained, transform, append.
 
-Each run reads the bronze versions after the one recorded in the last silver commit (the
-change data feed; a full read when the feed cannot answer), places and deduplicates steps
-against what silver holds, appends new steps, facts and conflicts, then rewrites the small
-derived tables (step rewards, trajectories). The trajectories commit records the bronze
-version read, so it is written last: a run killed earlier is simply redone, and everything
-it had appended is recognised by event_id and dropped.
+A run pins the version of every silver table, reads the bronze versions after the one the
+last completed run recorded (the change data feed; a full read when the feed cannot answer),
+places and deduplicates steps, facts and conflicts against what the pinned tables hold,
+appends the new rows, then rewrites the small derived tables (step rewards, trajectories).
+
+Exactly-once, whatever else runs at the same time (sensor runs, `claw materialize`, a
+continuous materializer, repairs, maintenance): every commit is guarded (`lake.Guard`): it
+lands only if no other silver writer committed to that table since the run pinned it, else
+the run starts again from the new state. So no row is ever added on top of a state it was
+not checked against. The trajectories commit comes last and is the run's marker: it records
+the bronze version read and the versions the run's other commits made, so readers (gold)
+see silver as of a completed run, never half of one. A run killed before its marker is
+simply redone, and what it had appended is recognised (by event_id, feedback_id) and dropped.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +35,7 @@ from claw_pipelines.contracts.tables import (
     STEP_KINDS,
     TABLES,
 )
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake import Guard, Lake, WriteConflict
 from claw_pipelines.quality import (
     Finding,
     consistent_lengths,
@@ -63,7 +72,9 @@ SILVER_TABLES = (
     SILVER_STEP_REWARDS,
     SILVER_STEP_CONFLICTS,
 )
-WATERMARK_TABLE = SILVER_TRAJECTORIES
+WATERMARK_TABLE = SILVER_TRAJECTORIES  # its commit is a run's marker: written last
+SILVER_WRITER = "claw.silver"  # the application id every silver commit carries
+MAX_ATTEMPTS = 50  # runs that lose to concurrent writers start again this often
 STEP_INDEX_COLUMNS = [
     "step_key",
     "trajectory_uid",
@@ -112,6 +123,7 @@ class SilverRun:
     feedback_added: int = 0
     conflicts_added: int = 0
     duplicates_dropped: int = 0
+    write_conflicts: int = 0  # attempts that lost to a concurrent writer and started again
     steps_total: int = 0
     trajectories: int = 0
     versions: dict[str, int | None] = field(default_factory=dict)
@@ -131,16 +143,40 @@ class SilverRun:
             "feedback_added": self.feedback_added,
             "conflicts_added": self.conflicts_added,
             "duplicates_dropped": self.duplicates_dropped,
+            "write_conflicts": self.write_conflicts,
             "steps_total": self.steps_total,
             "trajectories": self.trajectories,
         }
 
 
+@dataclass(frozen=True)
+class SilverState:
+    """Silver as the last completed run left it: the bronze version it had read and the
+    version of every silver table its commits made (a consistent snapshot to read)."""
+
+    bronze_version: int | None
+    versions: dict[str, int | None]
+
+
+def silver_state(lake: Lake, at: int | None = None) -> SilverState:
+    """The state recorded by the newest run marker (at or before trajectories version `at`).
+
+    Before any run completed, the tables' current versions (and no bronze version)."""
+    found = None
+    if lake.exists(WATERMARK_TABLE):
+        found = lake.last_commit_with(WATERMARK_TABLE, "bronze_version", at)
+    if found is None:
+        return SilverState(None, {t: lake.version(t) for t in SILVER_TABLES})
+    version, marker = found
+    pinned = marker.get("silver_versions")
+    if pinned is None:  # a marker written before runs recorded their versions
+        pinned = {t: lake.version(t) for t in SILVER_TABLES}
+    return SilverState(marker["bronze_version"], {**pinned, WATERMARK_TABLE: version})
+
+
 def watermark(lake: Lake) -> int | None:
     """The bronze version silver has read up to (None: silver never ran)."""
-    if not lake.exists(WATERMARK_TABLE):
-        return None
-    return lake.commit_metadata(WATERMARK_TABLE).get("bronze_version")
+    return silver_state(lake).bronze_version
 
 
 def _read_bronze(
@@ -161,14 +197,14 @@ def _read_bronze(
     return steps, facts, "full"
 
 
-def _stored(lake: Lake, table: str, columns: list[str]) -> pl.DataFrame:
+def _stored(lake: Lake, table: str, columns: list[str], version: int | None = None) -> pl.DataFrame:
     spec = TABLES[table]
     if not lake.exists(table):
         return pl.from_arrow(spec.schema.empty_table()).select(columns)
-    return lake.read(table, columns=columns)
+    return lake.read(table, version=version, columns=columns)
 
 
-def _anchors(lake: Lake, calls: pl.DataFrame, window_us: int) -> pl.DataFrame:
+def _anchors(lake: Lake, calls: pl.DataFrame, window_us: int, version: int) -> pl.DataFrame:
     """Unscoped steps in silver that the new calls may continue (within the window), as
     hashes, content ids and lengths: their tokens are never read back."""
     columns = {
@@ -185,7 +221,7 @@ def _anchors(lake: Lake, calls: pl.DataFrame, window_us: int) -> pl.DataFrame:
     }
     if calls.is_empty():
         return pl.DataFrame(schema=columns | {"has_successor": pl.Boolean})
-    steps = lake.scan(SILVER_STEPS)
+    steps = lake.scan(SILVER_STEPS, version)
     anchors = (
         steps.filter(
             pl.col("origin_step_key").is_not_null()
@@ -216,17 +252,17 @@ def _anchors(lake: Lake, calls: pl.DataFrame, window_us: int) -> pl.DataFrame:
 
 
 def _new_steps(
-    lake: Lake, steps: pl.DataFrame, index: pl.DataFrame, options: SilverOptions
+    lake: Lake, steps: pl.DataFrame, index: pl.DataFrame, options: SilverOptions, version: int
 ) -> tuple[pl.DataFrame, pl.DataFrame, int]:
     """(new silver steps with their `reward`, conflicts, duplicates dropped).
 
-    `index` is silver's key columns before this run."""
+    `index` is silver's key columns at steps version `version`, before this run."""
     candidates = step_candidates(steps)
     first = first_arrivals(candidates, index["event_id"])
     candidates = with_content_ids(keep_rows(candidates, first))
     window_us = int(options.stitch_window_s * _US)
     unscoped = candidates.filter(pl.col("unscoped")).select("tenant", "received_us")
-    anchors = _anchors(lake, unscoped, window_us)
+    anchors = _anchors(lake, unscoped, window_us, version)
     candidates = with_step_keys(place_unscoped(candidates, anchors, window_us))
     keep, conflicts, duplicates = split_duplicates(candidates, index)
     known = steps.height - int(first.sum())
@@ -234,10 +270,10 @@ def _new_steps(
 
 
 def _rebuild_derived(
-    lake: Lake, index: pl.DataFrame, options: SilverOptions
+    lake: Lake, index: pl.DataFrame, options: SilverOptions, facts_version: int
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(step rewards, trajectories) from all of silver's steps (`index`) and facts."""
-    facts = _stored(lake, SILVER_FEEDBACK, TABLES[SILVER_FEEDBACK].schema.names)
+    facts = _stored(lake, SILVER_FEEDBACK, TABLES[SILVER_FEEDBACK].schema.names, facts_version)
     newest = [index["created_at"].max(), facts["received_at"].max()]
     present = [t for t in newest if t is not None]
     clock_us = int(max(present).timestamp() * _US) if present else 0
@@ -253,43 +289,88 @@ def ensure_silver(lake: Lake) -> None:
 
 
 def build_silver(
-    lake: Lake, options: SilverOptions | None = None, bronze_version: int | None = None
+    lake: Lake,
+    options: SilverOptions | None = None,
+    bronze_version: int | None = None,
+    *,
+    full: bool = False,
 ) -> SilverRun:
-    """Bring silver up to `bronze_version` (default: bronze's current version)."""
+    """Bring silver up to `bronze_version` (default: bronze's current version).
+
+    `full` reads all of bronze again instead of what it gained (everything already in silver
+    is recognised and dropped): the repair for a watermark that cannot be trusted. A run
+    that loses to a concurrent writer starts again from the new state."""
     options = options or SilverOptions()
     ensure_silver(lake)
-    until = lake.version(BRONZE_EVENTS) if bronze_version is None else bronze_version
-    after = watermark(lake)
-    run = SilverRun(bronze_version=until, previous_bronze_version=after)
-    if until is None or (after is not None and until <= after):
-        run.versions = {t: lake.version(t) for t in SILVER_TABLES}
+    for attempt in range(MAX_ATTEMPTS):
+        try:
+            run = _build_once(lake, options, bronze_version, full)
+        except WriteConflict:
+            time.sleep(random.uniform(0, min(1.0, 0.02 * 2**attempt)))
+            continue
+        run.write_conflicts = attempt
         return run
+    raise WriteConflict(f"silver: lost {MAX_ATTEMPTS} times in a row to concurrent writers")
+
+
+def _build_once(
+    lake: Lake, options: SilverOptions, bronze_version: int | None, full: bool
+) -> SilverRun:
+    """One attempt: pin every silver table, compute against the pins, commit guarded."""
+    pins = {t: lake.version(t) for t in SILVER_TABLES}
+    state = silver_state(lake, at=pins[WATERMARK_TABLE])
+    until = lake.version(BRONZE_EVENTS) if bronze_version is None else bronze_version
+    after = None if full else state.bronze_version
+    run = SilverRun(bronze_version=until, previous_bronze_version=state.bronze_version)
+    if until is None or (after is not None and until <= after):
+        run.bronze_version = state.bronze_version
+        run.versions = dict(state.versions)
+        return run
+    guard = Guard(SILVER_WRITER, until, pins)
     steps, fact_records, run.read_mode = _read_bronze(lake, after, until)
     run.bronze_rows = steps.height + fact_records.height
-    index = _stored(lake, SILVER_STEPS, INDEX_COLUMNS)
-    new, conflicts, run.duplicates_dropped = _new_steps(lake, steps, index, options)
-    stored_facts = _stored(lake, SILVER_FEEDBACK, ["feedback_id"])
+    index = _stored(lake, SILVER_STEPS, INDEX_COLUMNS, pins[SILVER_STEPS])
+    new, conflicts, run.duplicates_dropped = _new_steps(
+        lake, steps, index, options, pins[SILVER_STEPS]
+    )
+    stored_conflicts = _stored(
+        lake, SILVER_STEP_CONFLICTS, ["event_id"], pins[SILVER_STEP_CONFLICTS]
+    )
+    conflicts = conflicts.join(stored_conflicts, on="event_id", how="anti")
+    stored_facts = _stored(lake, SILVER_FEEDBACK, ["feedback_id"], pins[SILVER_FEEDBACK])
     facts = pl.concat([bronze_facts(fact_records), step_reward_facts(new)], how="vertical_relaxed")
     facts = facts.unique("feedback_id", keep="first", maintain_order=True).join(
         stored_facts, on="feedback_id", how="anti"
     )
     meta = {"bronze_version": until, "bronze_after": after, "read_mode": run.read_mode}
-    if conflicts.height:
+    versions = dict(pins)
+    if conflicts.height:  # appends first, in this order: a rerun recognises each of them
         conflicts = conflicts.with_columns(bronze_version=pl.lit(until, pl.Int64))
-        lake.append(SILVER_STEP_CONFLICTS, conflicts.to_arrow(), metadata=meta)
-    if facts.height:
-        lake.append(SILVER_FEEDBACK, facts.to_arrow(), metadata=meta)
+        versions[SILVER_STEP_CONFLICTS] = lake.append(
+            SILVER_STEP_CONFLICTS, conflicts.to_arrow(), metadata=meta, guard=guard
+        )
+    if facts.height:  # before the steps: a rerun would not derive their reward facts again
+        versions[SILVER_FEEDBACK] = lake.append(
+            SILVER_FEEDBACK, facts.to_arrow(), metadata=meta, guard=guard
+        )
     if new.height:
-        lake.append(SILVER_STEPS, new.to_arrow(), metadata=meta)
+        versions[SILVER_STEPS] = lake.append(
+            SILVER_STEPS, new.to_arrow(), metadata=meta, guard=guard
+        )
     index = pl.concat([index, new.select(INDEX_COLUMNS)], how="vertical_relaxed")
-    rewards, trajectories = _rebuild_derived(lake, index, options)
-    lake.overwrite(SILVER_STEP_REWARDS, rewards.to_arrow(), metadata=meta)
-    lake.overwrite(SILVER_TRAJECTORIES, trajectories.to_arrow(), metadata=meta)
+    rewards, trajectories = _rebuild_derived(lake, index, options, versions[SILVER_FEEDBACK])
+    versions[SILVER_STEP_REWARDS] = lake.overwrite(
+        SILVER_STEP_REWARDS, rewards.to_arrow(), metadata=meta, guard=guard
+    )
+    marker = meta | {"silver_versions": {t: v for t, v in versions.items() if t != WATERMARK_TABLE}}
+    versions[WATERMARK_TABLE] = lake.overwrite(
+        SILVER_TRAJECTORIES, trajectories.to_arrow(), metadata=marker, guard=guard
+    )
     run.steps_added, run.feedback_added = new.height, facts.height
     run.conflicts_added = conflicts.height
     run.steps_total, run.trajectories = rewards.height, trajectories.height
     run.new_steps, run.new_facts, run.conflicts, run.index = new, facts, conflicts, index
-    run.versions = {t: lake.version(t) for t in SILVER_TABLES}
+    run.versions = versions
     return run
 
 

@@ -231,10 +231,12 @@ GOLD_LINEAGE_SPEC = TableSpec(
             ("saved_tokens", pa.int64()),
             ("token_ratio", pa.float64()),
             ("written_at", UTC_MICROS),
+            ("reason", pa.string()),
         ]
     ),
     description="One gold dataset write (one policy-version partition) and what it was built "
-    "from: spec and hash, source table versions, code version, counts and token savings.",
+    "from: spec and hash, source table versions, code version, counts and token savings, and "
+    "why it was written (`build`, or what a repair fixed).",
 )
 
 GOLD_CONSUMPTION_SPEC = TableSpec(

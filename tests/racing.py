@@ -1,0 +1,92 @@
+"""Real lakes that force the worst interleavings of concurrent writers, for tests.
+
+`BarrierLake` holds a writer at its first commit until every racer has reached its own (so
+all of them computed from the same state); `KillingLake` SIGKILLs its own process right
+after one table's commit. Both are the real `Lake`, only timed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+from claw_pipelines.lake import Lake
+from claw_pipelines.silver import build_silver
+
+BARRIER_TIMEOUT_S = 60
+
+
+class BarrierLake(Lake):
+    """A lake whose first write (of this object) waits at `barrier`."""
+
+    def __init__(self, uri: str, barrier: Any) -> None:
+        super().__init__(uri)
+        self.barrier = barrier
+        self.waited = False
+
+    def _hold(self) -> None:
+        if not self.waited:
+            self.waited = True
+            self.barrier.wait(BARRIER_TIMEOUT_S)
+
+    def append(self, *args, **kwargs) -> int:
+        """Wait for the other racers before the first commit, then append."""
+        self._hold()
+        return super().append(*args, **kwargs)
+
+    def overwrite(self, *args, **kwargs) -> int:
+        """Wait for the other racers before the first commit, then overwrite."""
+        self._hold()
+        return super().overwrite(*args, **kwargs)
+
+
+class KillingLake(Lake):
+    """A lake whose process dies (SIGKILL) right after its commit to table `victim`."""
+
+    def __init__(self, uri: str, victim: str) -> None:
+        super().__init__(uri)
+        self.victim = victim
+
+    def _after(self, spec: Any, version: int) -> int:
+        if getattr(spec, "name", spec) == self.victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return version
+
+    def append(self, spec, *args, **kwargs) -> int:
+        """Append, then die if this was the victim's commit."""
+        return self._after(spec, super().append(spec, *args, **kwargs))
+
+    def overwrite(self, spec, *args, **kwargs) -> int:
+        """Overwrite, then die if this was the victim's commit."""
+        return self._after(spec, super().overwrite(spec, *args, **kwargs))
+
+
+def race_silver_in_process(uri: str, barrier: Any, results: Any) -> None:
+    """A racer for multiprocessing (spawn): one silver build that commits after the others
+    computed; puts its summary on `results`."""
+    results.put(build_silver(BarrierLake(uri, barrier)).summary())
+
+
+def race_silver_in_threads(uri: str, racers: int) -> list[dict]:
+    """`racers` silver builds in threads of this process, released together at their first
+    commit; their summaries."""
+    barrier = threading.Barrier(racers)
+    summaries: list[dict] = []
+    errors: list[BaseException] = []
+
+    def racer() -> None:
+        try:
+            summaries.append(build_silver(BarrierLake(uri, barrier)).summary())
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=racer) for _ in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(BARRIER_TIMEOUT_S * 2)
+    if errors:
+        raise errors[0]
+    return summaries
