@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -75,14 +76,59 @@ def _cmd_materialize(args: argparse.Namespace) -> None:
         shown = ", ".join(f"{k}={meta[k]}" for k in fields if k in meta)
         print(f"materialized {asset}" + (f" ({shown})" if shown else ""))
     for check, passed in report.checks.items():
-        print(f"check {check}: {'passed' if passed else 'FAILED'}")
+        note = f" ({report.notes[check]})" if check in report.notes else ""
+        print(f"check {check}: {'passed' if passed else 'FAILED'}{note}")
     if not report.success:
         raise CliError(f"materialization failed: {report.error}")
 
 
+def _open_lake(args: argparse.Namespace):
+    from claw_pipelines.lake import Lake
+
+    settings = _settings(args)
+    lake = Lake.from_settings(settings)
+    if not lake.is_remote and not Path(lake.uri).is_dir():
+        raise CliError(f"no lake at {lake.uri}")
+    return lake
+
+
+def _cmd_check(args: argparse.Namespace) -> None:
+    from claw_pipelines.integrity import check_lake
+
+    lake = _open_lake(args)
+    problems = check_lake(lake)
+    for problem in problems:
+        print(problem)
+    if problems:
+        raise CliError(f"{len(problems)} problem(s) in {lake.uri}; `claw repair` fixes them")
+    print(f"{lake.uri}: no problem found (keys unique, watermark consistent, trees match)")
+
+
+def _cmd_repair(args: argparse.Namespace) -> None:
+    from claw_pipelines.integrity import repair_lake
+    from claw_pipelines.silver import SilverOptions
+
+    lake = _open_lake(args)
+    options = SilverOptions.from_settings(_settings(args))
+    report = repair_lake(lake, options, progress=lambda line: print(line, file=sys.stderr))
+    for problem in report.found:
+        print(f"found {problem}")
+    removed = ", ".join(f"{n} {what}" for what, n in report.silver_removed.items() if n)
+    if removed:
+        print(f"silver: removed {removed} (every acknowledged record kept once)")
+    if report.bronze_reread:
+        print("silver: read all of bronze again")
+    if report.rebuilt:
+        print(f"gold: rebuilt {len(report.rebuilt)} partition(s); lineage says why")
+    if report.remaining:
+        for problem in report.remaining:
+            print(f"still wrong: {problem}")
+        raise CliError(f"{len(report.remaining)} problem(s) could not be repaired")
+    print("repaired: no problem left" if report.found else "nothing to repair")
+
+
 def _cmd_dashboard(args: argparse.Namespace) -> None:
     import os
-    from pathlib import Path
 
     import dashboards
 
@@ -95,7 +141,6 @@ def _cmd_dashboard(args: argparse.Namespace) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
-    from pathlib import Path
 
     from claw_pipelines.consume import open_dataset
     from claw_pipelines.export import export
@@ -154,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--format", choices=["verl-parquet", "jsonl"], default="verl-parquet")
     exp.add_argument("--out", required=True, help="file to write")
     exp.add_argument("--version", type=int, help="dataset Delta version (default: newest)")
+
+    verb("check", _cmd_check, "check a lake: keys held twice, watermarks, trees vs steps")
+    verb(
+        "repair",
+        _cmd_repair,
+        "repair what `claw check` finds, keeping every acknowledged record once",
+    )
 
     keys = verbs.add_parser("keys", help="manage gateway API keys")
     key_verbs = keys.add_subparsers(dest="keys_verb", required=True, metavar="ACTION")

@@ -227,7 +227,7 @@ class Dataset:
             if taken.height:
                 keys = taken["step_keys"].explode().unique().implode()
                 frame = frame.filter(~pl.col("step_key").is_in(keys))
-        segments = self._segments(policy_version, frame) if layout == "tree" else None
+        segments = self.stored_trees(policy_version, frame) if layout == "tree" else None
         if segments is None:  # flat, a partly consumed partition, or no usable stored trees
             tokens = in_partition.select("step_key", "prompt_ids", "response_ids").collect()
             frame = frame.join(tokens, on="step_key", how="left", maintain_order="left")
@@ -245,9 +245,10 @@ class Dataset:
                 self._log(consumer, policy_version, index, batch.step_keys)
             yield batch
 
-    def _segments(self, policy_version: int, steps: pl.DataFrame) -> pl.DataFrame | None:
-        """The partition's stored prefix trees, as written with this dataset version's rows
-        (found through lineage); None when they cannot stand for exactly these steps."""
+    def stored_trees(self, policy_version: int, steps: pl.DataFrame) -> pl.DataFrame | None:
+        """The partition's stored prefix trees (`gold/trees` segments), as written with this
+        dataset version's rows (found through lineage); None when they cannot stand for
+        exactly `steps` (step_key, tree_id, prompt_len, response_len of the partition)."""
         if not (self.lake.exists(GOLD_LINEAGE) and self.lake.exists(self.trees_table)):
             return None
         written = (

@@ -14,9 +14,7 @@ trees versions that belong together; readers take trees only through it.
 from __future__ import annotations
 
 import json
-import random
 import subprocess
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cache
@@ -38,7 +36,7 @@ from claw_pipelines.contracts.tables import (
     gold_dataset_spec,
     gold_tree_spec,
 )
-from claw_pipelines.lake import Guard, Lake, WriteConflict
+from claw_pipelines.lake import Guard, Lake, until_landed
 from claw_pipelines.quality import (
     Finding,
     group_completeness,
@@ -59,7 +57,6 @@ from claw_pipelines.transforms.prefix_tree import PrefixForest, build_forest
 
 STEP_COLUMNS = [*CANDIDATE_STEP_COLUMNS, "model", "created_at", "event_id"]
 TOKEN_COLUMNS = ["step_key", "prompt_ids", "response_ids", "rollout_log_probs", "response_mask"]
-MAX_ATTEMPTS = 20  # builds overtaken by another build of their partition start again
 
 
 @dataclass
@@ -180,17 +177,11 @@ def build_partition(
     """Curate, merge and write one policy version of a dataset; record its lineage (with
     `reason`, e.g. what a repair fixed). A build overtaken by another build of the same
     partition starts again from the new state."""
-    for attempt in range(MAX_ATTEMPTS):
-        try:
-            part = _build_once(lake, spec, policy_version, reason)
-        except WriteConflict:
-            time.sleep(random.uniform(0, min(1.0, 0.02 * 2**attempt)))
-            continue
-        part.write_conflicts = attempt
-        return part
-    raise WriteConflict(
-        f"gold {spec.name} v{policy_version}: lost {MAX_ATTEMPTS} times to concurrent builds"
+    part, part.write_conflicts = until_landed(
+        lambda: _build_once(lake, spec, policy_version, reason),
+        f"gold {spec.name} v{policy_version}",
     )
+    return part
 
 
 def _build_once(lake: Lake, spec: CurationSpec, policy_version: int, reason: str) -> GoldPartition:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import polars as pl
 import pyarrow as pa
@@ -26,6 +27,7 @@ from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from claw_pipelines.contracts.tables import TABLES, TableSpec
 from claw_pipelines.settings import REMOTE_SCHEMES, ClawSettings
 
+T = TypeVar("T")
 COMMIT_METADATA_KEY = "claw"
 CHANGE_FEED_PROPERTY = "delta.enableChangeDataFeed"
 CHANGE_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
@@ -63,6 +65,17 @@ class Guard:
     def transactions(self) -> list[Transaction]:
         """The application transaction every guarded commit carries."""
         return [Transaction(app_id=self.app_id, version=self.version)]
+
+
+def until_landed(work: Callable[[], T], what: str, attempts: int = 50) -> tuple[T, int]:
+    """Run `work` (one guarded attempt: pin, compute, commit) again after each WriteConflict,
+    with jittered backoff; (its result, the number of attempts that lost)."""
+    for attempt in range(attempts):
+        try:
+            return work(), attempt
+        except WriteConflict:
+            time.sleep(random.uniform(0, min(1.0, 0.02 * 2**attempt)))
+    raise WriteConflict(f"{what}: lost {attempts} times in a row to concurrent writers")
 
 
 def conform(data: pa.Table, schema: pa.Schema) -> pa.Table:

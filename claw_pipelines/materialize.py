@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from claw_pipelines.settings import ClawSettings
 
-QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+# Failures are reported once, as one line: no Dagster error logs with stack traces.
+QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 @dataclass
@@ -23,6 +24,7 @@ class MaterializeReport:
     success: bool = True
     assets: dict[str, dict[str, object]] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # why a check failed
     error: str | None = None
 
     def add(self, result, partition: str | None = None) -> None:
@@ -33,14 +35,34 @@ class MaterializeReport:
             self.assets[materialization.asset_key.to_user_string() + suffix] = {
                 k: getattr(v, "value", v) for k, v in materialization.metadata.items()
             }
+        blocked = []
         for evaluation in result.get_asset_check_evaluations():
             name = f"{evaluation.asset_key.to_user_string()}{suffix}:{evaluation.check_name}"
             self.checks[name] = evaluation.passed
-        if not result.success and self.success:
-            self.success = False
-            failures = [e for e in result.all_events if e.is_step_failure]
-            error = failures[0].step_failure_data.error if failures else None
-            self.error = error.message.strip().splitlines()[0] if error else "the run failed"
+            if not evaluation.passed and evaluation.description:
+                self.notes[name] = evaluation.description
+            if not evaluation.passed and evaluation.blocking:
+                blocked.append(f"blocking check {name} failed: {evaluation.description}")
+        if not result.success:
+            self.fail(blocked[0] if blocked else _failure_line(result))
+
+    def fail(self, error: str) -> None:
+        """Mark the materialization failed; the first error is the one reported."""
+        if self.success:
+            self.success, self.error = False, error
+
+
+def _failure_line(result) -> str:
+    """A failed run's error as one line: a `dg.Failure`'s description, else the message's
+    first line."""
+    failures = [e.step_failure_data for e in result.all_events if e.is_step_failure]
+    if not failures:
+        return "the run failed"
+    described = failures[0].user_failure_data
+    if described is not None and described.description:
+        return described.description.strip().splitlines()[0]
+    error = failures[0].error
+    return error.message.strip().splitlines()[0] if error else "the run failed"
 
 
 def _selection(select: Sequence[str] | None):
@@ -80,6 +102,7 @@ def materialize(
             defs,
         )
         from claw_pipelines.lake import Lake
+        from claw_pipelines.specs import read_specs
 
         graph = defs.resolve_asset_graph()
         chosen = _selection(select).resolve(graph)
@@ -110,6 +133,10 @@ def materialize(
             report.add(run(plain))
         if partitioned and report.success:
             lake = Lake.from_settings(settings)
+            bad = read_specs(lake).errors  # each fails its own dataset; the others build
+            for name, error in sorted(bad.items()):
+                if not datasets or name in datasets:
+                    report.fail(str(error))
             for key in all_partition_keys(lake):
                 dims = key.keys_by_dimension
                 if datasets and dims["dataset"] not in datasets:

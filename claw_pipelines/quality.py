@@ -41,15 +41,19 @@ def unique_step_keys(step_keys: pl.Series) -> Finding:
     return Finding.of(repeated.cast(pl.String), step_keys.len())
 
 
-def consistent_lengths(steps: pl.DataFrame) -> Finding:
-    """Log-probs and masks, when present, have one entry per response token."""
+def inconsistent_lengths() -> pl.Expr:
+    """Steps whose log-probs or mask have another length than the response, or no prompt."""
     n = pl.col("response_ids").list.len()
-    bad = steps.filter(
+    return (
         (pl.col("rollout_log_probs").is_not_null() & (pl.col("rollout_log_probs").list.len() != n))
         | (pl.col("response_mask").is_not_null() & (pl.col("response_mask").list.len() != n))
         | (pl.col("prompt_ids").list.len() == 0)
     )
-    return Finding.of(bad["step_key"], steps.height)
+
+
+def consistent_lengths(steps: pl.DataFrame) -> Finding:
+    """Log-probs and masks, when present, have one entry per response token."""
+    return Finding.of(steps.filter(inconsistent_lengths())["step_key"], steps.height)
 
 
 def nesting(prompts: pl.Series, pairs: pl.DataFrame) -> Finding:

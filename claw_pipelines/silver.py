@@ -17,8 +17,6 @@ simply redone, and what it had appended is recognised (by event_id, feedback_id)
 
 from __future__ import annotations
 
-import random
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +33,7 @@ from claw_pipelines.contracts.tables import (
     STEP_KINDS,
     TABLES,
 )
-from claw_pipelines.lake import Guard, Lake, WriteConflict
+from claw_pipelines.lake import Guard, Lake, until_landed
 from claw_pipelines.quality import (
     Finding,
     consistent_lengths,
@@ -74,7 +72,6 @@ SILVER_TABLES = (
 )
 WATERMARK_TABLE = SILVER_TRAJECTORIES  # its commit is a run's marker: written last
 SILVER_WRITER = "claw.silver"  # the application id every silver commit carries
-MAX_ATTEMPTS = 50  # runs that lose to concurrent writers start again this often
 STEP_INDEX_COLUMNS = [
     "step_key",
     "trajectory_uid",
@@ -282,6 +279,27 @@ def _rebuild_derived(
     return rewards, with_returns(statuses, rewards)
 
 
+def _finish(
+    lake: Lake,
+    guard: Guard,
+    versions: dict[str, int | None],
+    index: pl.DataFrame,
+    options: SilverOptions,
+    meta: dict[str, Any],
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Rewrite the derived tables from `index` and the facts at `versions`; the trajectories
+    commit, last, is the run's marker (it records `versions`, updated in place)."""
+    rewards, trajectories = _rebuild_derived(lake, index, options, versions[SILVER_FEEDBACK])
+    versions[SILVER_STEP_REWARDS] = lake.overwrite(
+        SILVER_STEP_REWARDS, rewards.to_arrow(), metadata=meta, guard=guard
+    )
+    marker = meta | {"silver_versions": {t: v for t, v in versions.items() if t != WATERMARK_TABLE}}
+    versions[WATERMARK_TABLE] = lake.overwrite(
+        SILVER_TRAJECTORIES, trajectories.to_arrow(), metadata=marker, guard=guard
+    )
+    return rewards, trajectories
+
+
 def ensure_silver(lake: Lake) -> None:
     """Create the silver tables if missing (readers find them empty, not absent)."""
     for table in SILVER_TABLES:
@@ -302,15 +320,10 @@ def build_silver(
     that loses to a concurrent writer starts again from the new state."""
     options = options or SilverOptions()
     ensure_silver(lake)
-    for attempt in range(MAX_ATTEMPTS):
-        try:
-            run = _build_once(lake, options, bronze_version, full)
-        except WriteConflict:
-            time.sleep(random.uniform(0, min(1.0, 0.02 * 2**attempt)))
-            continue
-        run.write_conflicts = attempt
-        return run
-    raise WriteConflict(f"silver: lost {MAX_ATTEMPTS} times in a row to concurrent writers")
+    run, run.write_conflicts = until_landed(
+        lambda: _build_once(lake, options, bronze_version, full), "silver"
+    )
+    return run
 
 
 def _build_once(
@@ -358,20 +371,74 @@ def _build_once(
             SILVER_STEPS, new.to_arrow(), metadata=meta, guard=guard
         )
     index = pl.concat([index, new.select(INDEX_COLUMNS)], how="vertical_relaxed")
-    rewards, trajectories = _rebuild_derived(lake, index, options, versions[SILVER_FEEDBACK])
-    versions[SILVER_STEP_REWARDS] = lake.overwrite(
-        SILVER_STEP_REWARDS, rewards.to_arrow(), metadata=meta, guard=guard
-    )
-    marker = meta | {"silver_versions": {t: v for t, v in versions.items() if t != WATERMARK_TABLE}}
-    versions[WATERMARK_TABLE] = lake.overwrite(
-        SILVER_TRAJECTORIES, trajectories.to_arrow(), metadata=marker, guard=guard
-    )
+    rewards, trajectories = _finish(lake, guard, versions, index, options, meta)
     run.steps_added, run.feedback_added = new.height, facts.height
     run.conflicts_added = conflicts.height
     run.steps_total, run.trajectories = rewards.height, trajectories.height
     run.new_steps, run.new_facts, run.conflicts, run.index = new, facts, conflicts, index
     run.versions = versions
     return run
+
+
+def dedupe_silver(lake: Lake, options: SilverOptions | None = None) -> dict[str, int]:
+    """Rewrite silver so that each step, fact and conflict is held once, losing nothing: the
+    first landing (first received) of each step_key stays; a later copy with the same tokens
+    is dropped, one with other tokens becomes a conflict; repeated facts and conflicts are
+    dropped; the derived tables are rebuilt. Guarded like a run. Returns what was removed."""
+    options = options or SilverOptions()
+    ensure_silver(lake)
+    removed, _ = until_landed(lambda: _dedupe_once(lake, options), "silver repair")
+    return removed
+
+
+def _dedupe_once(lake: Lake, options: SilverOptions) -> dict[str, int]:
+    pins = {t: lake.version(t) for t in SILVER_TABLES}
+    state = silver_state(lake, at=pins[WATERMARK_TABLE])
+    guard = Guard(SILVER_WRITER, state.bronze_version or 0, pins)
+    steps = lake.read(SILVER_STEPS, pins[SILVER_STEPS]).with_columns(
+        received_at=pl.col("created_at")
+    )
+    once = keep_rows(steps, first_arrivals(steps, pl.Series([], dtype=pl.String)))
+    nobody = pl.DataFrame(
+        schema={c: pl.String for c in ("step_key", "event_id", "prompt_id", "response_id")}
+    )
+    keep, moved, _ = split_duplicates(once, nobody)
+    kept = keep_rows(once, keep).drop("received_at")
+    stored = lake.read(SILVER_STEP_CONFLICTS, pins[SILVER_STEP_CONFLICTS])
+    moved = moved.with_columns(bronze_version=pl.lit(state.bronze_version, pl.Int64))
+    conflicts = pl.concat([stored, moved], how="diagonal_relaxed").unique(
+        "event_id", keep="first", maintain_order=True
+    )
+    facts = lake.read(SILVER_FEEDBACK, pins[SILVER_FEEDBACK])
+    unique_facts = facts.unique("feedback_id", keep="first", maintain_order=True)
+    removed = {
+        "step_copies": steps.height - kept.height - moved.height,
+        "steps_moved_to_conflicts": moved.height,
+        "fact_copies": facts.height - unique_facts.height,
+        "conflict_copies": stored.height + moved.height - conflicts.height,
+    }
+    summary = ", ".join(f"{n} {what}" for what, n in removed.items() if n) or "nothing to remove"
+    meta = {
+        "bronze_version": state.bronze_version,
+        "bronze_after": state.bronze_version,
+        "read_mode": "repair",
+        "repair": summary,
+    }
+    versions: dict[str, int | None] = dict(pins)
+    rewrites = (
+        (
+            SILVER_STEP_CONFLICTS,
+            conflicts,
+            removed["steps_moved_to_conflicts"] or removed["conflict_copies"],
+        ),
+        (SILVER_FEEDBACK, unique_facts, removed["fact_copies"]),
+        (SILVER_STEPS, kept, removed["step_copies"] or removed["steps_moved_to_conflicts"]),
+    )
+    for table, rows, changed in rewrites:
+        if changed:
+            versions[table] = lake.overwrite(table, rows.to_arrow(), metadata=meta, guard=guard)
+    _finish(lake, guard, versions, kept.select(INDEX_COLUMNS), options, meta)
+    return removed
 
 
 def _nesting_pairs(new: pl.DataFrame, index: pl.DataFrame) -> pl.DataFrame:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import yaml
 from pydantic import ValidationError
 
@@ -60,18 +62,47 @@ def save_spec(lake: Lake, spec: CurationSpec | dict) -> CurationSpec:
     return spec
 
 
-def load_specs(lake: Lake) -> dict[str, CurationSpec]:
-    """Every spec: the built-in `default` and the lake's (a lake spec may replace `default`)."""
-    specs = {DEFAULT_SPEC.name: DEFAULT_SPEC}
+@dataclass(frozen=True)
+class SpecShelf:
+    """The lake's specs: those that validate, and for each file that does not, its error."""
+
+    specs: dict[str, CurationSpec]
+    errors: dict[str, SpecError]  # by dataset name; the message names the file and field
+
+
+def read_specs(lake: Lake) -> SpecShelf:
+    """Every spec file, each validated on its own: one bad file never hides the others."""
+    specs, errors = {DEFAULT_SPEC.name: DEFAULT_SPEC}, {}
     for path in lake.list_files(SPEC_FOLDER, ".yaml"):
         name = path.rsplit("/", 1)[-1].removesuffix(".yaml")
-        specs[name] = parse_spec(lake.read_text(path) or "", expected_name=name)
-    return specs
+        try:
+            specs[name] = _parse_file(path, name, lake.read_text(path) or "")
+        except SpecError as exc:
+            specs.pop(name, None)  # a broken `default.yaml` does not fall back silently
+            errors[name] = exc
+    return SpecShelf(specs, errors)
+
+
+def _parse_file(path: str, name: str, text: str) -> CurationSpec:
+    try:
+        return parse_spec(text, expected_name=name)
+    except SpecError as exc:
+        raise SpecError(f"{path}: {exc}") from None
+
+
+def load_specs(lake: Lake) -> dict[str, CurationSpec]:
+    """Every valid spec: the built-in `default` and the lake's (a lake spec may replace
+    `default`); invalid files are left out (`read_specs` tells why)."""
+    return read_specs(lake).specs
 
 
 def load_spec(lake: Lake, name: str) -> CurationSpec:
-    """One spec by name."""
-    specs = load_specs(lake)
-    if name not in specs:
-        raise SpecError(f"no spec named {name!r} (known: {', '.join(sorted(specs))})")
-    return specs[name]
+    """One spec by name, read from its own file only; a SpecError names the file and field."""
+    path = spec_path(name)
+    text = lake.read_text(path)
+    if text is not None:
+        return _parse_file(path, name, text)
+    if name == DEFAULT_SPEC.name:
+        return DEFAULT_SPEC
+    known = sorted(read_specs(lake).specs)
+    raise SpecError(f"no spec named {name!r} (known: {', '.join(known)})")

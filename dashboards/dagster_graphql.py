@@ -29,6 +29,15 @@ mutation Launch($params: ExecutionParams!) {
 }"""
 _STATUS = """
 query Status($id: ID!) { runOrError(runId: $id) { __typename ... on Run { status } } }"""
+_IN_FLIGHT = """
+query InFlight($filter: RunsFilter!) {
+  runsOrError(filter: $filter) {
+    __typename
+    ... on Runs { results { runId tags { key value } } }
+    ... on PythonError { message }
+  }
+}"""
+IN_FLIGHT = ["QUEUED", "NOT_STARTED", "STARTING", "STARTED"]
 
 
 class DagsterUnavailable(Exception):
@@ -55,20 +64,38 @@ def is_up(url: str | None) -> bool:
         return False
 
 
-def launch_gold(url: str, dataset: str, policy_versions: list[int]) -> list[str]:
-    """Add the partitions and launch one gold run per policy version; their run ids."""
+def building(url: str, dataset: str) -> dict[int, str]:
+    """The dataset's policy versions that a queued or running gold run builds: their run ids."""
+    tags = [{"key": "dagster/partition/dataset", "value": dataset}]
+    found = _call(url, _IN_FLIGHT, {"filter": {"statuses": IN_FLIGHT, "tags": tags}})
+    runs = found["runsOrError"]
+    if "results" not in runs:
+        raise DagsterUnavailable(runs.get("message", runs["__typename"]))
+    versions = {}
+    for run in runs["results"]:
+        tag = {t["key"]: t["value"] for t in run["tags"]}.get("dagster/partition/policy_version")
+        if tag is not None:
+            versions[int(tag)] = run["runId"]
+    return versions
+
+
+def launch_gold(url: str, dataset: str, policy_versions: list[int]) -> dict[int, str]:
+    """Add the partitions and launch one gold run per policy version that no queued or
+    running run builds already; the run id building each version (launched or found)."""
     repo = {"repositoryLocationName": LOCATION, "repositoryName": REPOSITORY}
     keys = [("gold_datasets", dataset)] + [("policy_versions", str(v)) for v in policy_versions]
     for name, key in keys:
         added = _call(url, _ADD, {"repo": repo, "name": name, "key": key})["addDynamicPartition"]
         if "message" in added:
             raise DagsterUnavailable(added["message"])
-    runs = []
+    runs = building(url, dataset)
     for version in policy_versions:
+        if version in runs:
+            continue  # coalesced: that run reads the newest silver when it starts
         params = {
             "selector": {
                 **repo,
-                "jobName": "__ASSET_JOB",
+                "jobName": "gold_job",
                 "assetSelection": [{"path": path} for path in GOLD_ASSETS],
             },
             "executionMetadata": {
@@ -82,8 +109,8 @@ def launch_gold(url: str, dataset: str, policy_versions: list[int]) -> list[str]
         launched = _call(url, _LAUNCH, {"params": params})["launchRun"]
         if launched["__typename"] != "LaunchRunSuccess":
             raise DagsterUnavailable(launched.get("message", launched["__typename"]))
-        runs.append(launched["run"]["runId"])
-    return runs
+        runs[version] = launched["run"]["runId"]
+    return {v: runs[v] for v in policy_versions}
 
 
 def run_status(url: str, run_id: str) -> str | None:

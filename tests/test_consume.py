@@ -190,7 +190,7 @@ def test_tree_batches_from_the_stored_trees_equal_rebuilt_ones(lake):
 
     ds = open_dataset("train", lake.uri)
     steps = ds.steps(2)
-    segments = ds._segments(2, steps)
+    segments = ds.stored_trees(2, steps)
     assert segments is not None and segments.height == steps.height
     rank = steps.select(pl.col("tree_id").rank("dense") - 1)["tree_id"].to_numpy()
     stored, rebuilt = pack(steps, rank, "tree", segments), pack(steps, rank, "tree")

@@ -188,5 +188,4 @@ def test_gold_builds_of_one_partition_racing_land_the_newest_whole(source, tmp_p
     tree = [b for b in dataset.batches(1, 1000, layout="tree")]
     flat = [b for b in dataset.batches(1, 1000, layout="flat")]
     assert sorted(tree[0].step_keys) == sorted(flat[0].step_keys) == sorted(got["step_key"])
-    assert dataset._segments(1, dataset.steps(1)) is not None  # the stored trees were used
-
+    assert dataset.stored_trees(1, dataset.steps(1)) is not None  # the stored trees were used

@@ -17,13 +17,25 @@ from hypothesis import strategies as st
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec
 from claw_pipelines.contracts.tables import GOLD_LINEAGE, gold_dataset_table, gold_tree_table
 from claw_pipelines.definitions import defs
-from claw_pipelines.defs.gold import DATASETS, POLICY_VERSIONS, gold_partitions_sensor
+from claw_pipelines.defs.gold import (
+    DATASETS,
+    MAX_GOLD_RUNS_IN_FLIGHT,
+    POLICY_VERSIONS,
+    gold_partitions_sensor,
+)
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.gold import build_partition, partition_findings, source_versions
 from claw_pipelines.lake import Lake
 from claw_pipelines.quality import trees_are_minimal
 from claw_pipelines.silver import build_silver
-from claw_pipelines.specs import SpecError, load_spec, load_specs, parse_spec, save_spec
+from claw_pipelines.specs import (
+    SpecError,
+    load_spec,
+    load_specs,
+    parse_spec,
+    read_specs,
+    save_spec,
+)
 from claw_pipelines.transforms.prefix_tree import build_forest
 from tests.lakes import completion, feedback, group_of, land, step
 
@@ -59,8 +71,11 @@ def test_specs_validate_naming_the_field_and_hash_their_canonical_json(lake):
     assert set(load_specs(lake)) == {"default", "mine"}
     assert load_specs(lake)["default"] == DEFAULT_SPEC
     lake.write_text("specs/other.yaml", "name: not-other\n")
-    with pytest.raises(SpecError, match=r"does not match its file other\.yaml"):
-        load_specs(lake)
+    with pytest.raises(SpecError, match=r"^specs/other\.yaml: name: .* does not match its file"):
+        load_spec(lake, "other")
+    shelf = read_specs(lake)
+    assert set(shelf.specs) == {"default", "mine"}  # the bad file hides nothing else
+    assert str(shelf.errors["other"]).startswith("specs/other.yaml: name: ")
 
 
 # -- curation -----------------------------------------------------------------------------------
@@ -332,3 +347,30 @@ def test_sensor_adds_partitions_and_requests_changed_ones_then_dagster_builds_th
     assert all(c.passed for c in run.get_asset_check_evaluations())
     assert len(run.get_asset_check_evaluations()) == 5
     assert lake.read(gold_dataset_table("mine"))["policy_version"].unique().to_list() == [3]
+
+
+def test_sensor_asks_nothing_for_partitions_in_flight_and_new_specs_go_first(lake):
+    for version in range(1, 12):
+        land(lake, group_of(f"v{version}", [version], [1.0, 0.0], version=version))
+    build_silver(lake)
+    instance = dg.DagsterInstance.ephemeral()
+    resources = {"claw": ClawLake(lake_uri=lake.uri)}
+    gold_job = defs.resolve_job_def("gold_job")
+    with dg.build_sensor_context(instance=instance, resources=resources) as context:
+        first = gold_partitions_sensor(context).run_requests
+        assert len(first) == MAX_GOLD_RUNS_IN_FLIGHT  # a bounded queue, newest versions first
+        assert [str(r.partition_key) for r in first[:2]] == ["default|11", "default|10"]
+        assert all(r.tags.get("dagster/priority") == "1" for r in first)  # never built
+        for request in first:  # as if the daemon had launched them
+            tags = {"dagster/partition": str(request.partition_key)}
+            instance.create_run_for_job(gold_job, status=dg.DagsterRunStatus.STARTED, tags=tags)
+        assert not gold_partitions_sensor(context).run_requests  # all slots taken
+
+        save_spec(lake, CurationSpec(name="fresh", merge="trajectory"))
+        land(lake, [feedback({"trajectory_uid": "v11-r0"}, "reward", 0.25)])
+        build_silver(lake)
+        for run in instance.get_runs():
+            instance.report_run_failed(run)  # the slots free up
+        again = [str(r.partition_key) for r in gold_partitions_sensor(context).run_requests]
+    assert len(again) == MAX_GOLD_RUNS_IN_FLIGHT
+    assert again[:MAX_GOLD_RUNS_IN_FLIGHT] == [f"fresh|{v}" for v in range(11, 3, -1)]  # new first

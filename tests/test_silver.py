@@ -282,22 +282,34 @@ def test_turns_that_do_not_nest_are_reported_by_step_key(gw):
     assert not found.passed and found.metadata["sample"].value == [f"{trajectory}:1"]
 
 
-def test_sensor_requests_one_run_per_new_bronze_version(gw):
+def test_sensor_requests_one_run_at_a_time_for_new_bronze_versions(gw):
     lake = Lake(str(gw.lake))
     wait_landed(gw.lake, post(gw, "/v1/steps", {"steps": [white_box(uid("s"), 0, [1], [2])]}))
     version = lake.version(BRONZE_EVENTS)
     resources = {"claw": ClawLake(lake_uri=str(gw.lake))}
-    with dg.build_sensor_context(resources=resources) as context:
+    instance = dg.DagsterInstance.ephemeral()
+    with dg.build_sensor_context(instance=instance, resources=resources) as context:
         result = bronze_version_sensor(context)
         assert [r.run_key for r in result.run_requests] == [f"bronze-v{version}"]
         assert result.run_requests[0].run_config["ops"]["silver"]["config"] == {
-            "bronze_version": version
+            "bronze_version": -1  # the newest when the run starts: one run catches up
         }
         assert context.cursor == str(version)
-        again = bronze_version_sensor(context)
-        assert isinstance(again, dg.SkipReason)
+        running = instance.create_run_for_job(
+            defs.resolve_job_def("silver_job"), status=dg.DagsterRunStatus.STARTED
+        )
+        wait_landed(gw.lake, post(gw, "/v1/steps", {"steps": [white_box(uid("s"), 0, [1], [2])]}))
+        coalesced = bronze_version_sensor(context)
+        assert not coalesced.run_requests
+        assert running.run_id[:8] in coalesced.skip_reason.skip_message
+        assert context.cursor == str(lake.version(BRONZE_EVENTS))  # observed all the same
+        instance.report_run_failed(running)
+        newest = bronze_version_sensor(context)  # it ended: one run for the newest
+        assert [r.run_key for r in newest.run_requests] == [
+            f"bronze-v{lake.version(BRONZE_EVENTS)}"
+        ]
     materialize(gw.lake)
-    with dg.build_sensor_context(resources=resources) as context:
+    with dg.build_sensor_context(instance=instance, resources=resources) as context:
         caught_up = bronze_version_sensor(context)
         assert not caught_up.run_requests  # silver has read this version already
 

@@ -1,10 +1,12 @@
-"""Data flows without clicking: a sensor requests a silver run for each new bronze version."""
+"""Data flows without clicking: a sensor requests a silver run when bronze has a new version,
+at most one at a time (the run reads up to the newest bronze when it starts)."""
 
 import dagster as dg
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS
 from claw_pipelines.defs.keys import BRONZE
 from claw_pipelines.defs.resources import ClawLake
+from claw_pipelines.defs.runs import runs_in_flight
 from claw_pipelines.defs.silver import SILVER_SPECS
 from claw_pipelines.silver import watermark
 
@@ -19,29 +21,39 @@ silver_job = dg.define_asset_job(
     job=silver_job,
     default_status=dg.DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=10,
-    description="Requests a silver run when bronze/events has a new Delta version "
-    "(run_key = that version) and records the version as bronze's observed data version.",
+    description="Requests a silver run when bronze/events has a version silver has not read "
+    "and no silver run is queued or running (that run reads up to the newest bronze anyway); "
+    "records the version as bronze's observed data version.",
 )
 def bronze_version_sensor(context: dg.SensorEvaluationContext, claw: ClawLake):
-    """One run per new bronze version that silver has not read yet."""
+    """At most one silver run in flight, whatever the number of new bronze versions."""
     lake = claw.lake()
     version = lake.version(BRONZE_EVENTS)
     if version is None:
         return dg.SkipReason("bronze/events does not exist yet")
-    if context.cursor == str(version):
-        return dg.SkipReason(f"bronze/events still at version {version}")
-    context.update_cursor(str(version))
-    observed = dg.AssetObservation(asset_key=BRONZE, tags={"dagster/data_version": str(version)})
+    observed = []
+    if context.cursor != str(version):
+        context.update_cursor(str(version))
+        observed = [
+            dg.AssetObservation(asset_key=BRONZE, tags={"dagster/data_version": str(version)})
+        ]
     done = watermark(lake)
     if done is not None and done >= version:
-        return dg.SensorResult(asset_events=[observed], skip_reason=f"silver has read v{version}")
+        return dg.SensorResult(asset_events=observed, skip_reason=f"silver has read v{version}")
+    busy = next(iter(runs_in_flight(context.instance, silver_job.name)), None)
+    if busy is not None:
+        return dg.SensorResult(
+            asset_events=observed,
+            skip_reason=f"silver run {busy.run_id[:8]} is {busy.status.value.lower()}; "
+            "it reads up to the newest bronze",
+        )
     return dg.SensorResult(
         run_requests=[
             dg.RunRequest(
                 run_key=f"bronze-v{version}",
-                run_config={"ops": {"silver": {"config": {"bronze_version": version}}}},
+                run_config={"ops": {"silver": {"config": {"bronze_version": -1}}}},
                 tags={"claw/bronze_version": str(version)},
             )
         ],
-        asset_events=[observed],
+        asset_events=observed,
     )

@@ -2,6 +2,7 @@
 
 import dagster as dg
 
+from claw_pipelines.integrity import REPAIR_HINT
 from claw_pipelines.quality import Finding
 
 
@@ -13,11 +14,19 @@ def check_spec(
 
 
 def check_result(spec: dg.AssetCheckSpec, finding: Finding) -> dg.AssetCheckResult:
-    """The Dagster result of a finding (a failed blocking check is an error, else a warning)."""
+    """The Dagster result of a finding (a failed blocking check is an error, else a warning;
+    a failed one says how many rows, which, and how to recover)."""
+    description = None
+    if not finding.passed:
+        shown = ", ".join(finding.sample[:3])
+        description = f"{finding.failures} of {finding.checked} failed (e.g. {shown})"
+        if spec.blocking:
+            description += f"; {REPAIR_HINT}"
     return dg.AssetCheckResult(
         check_name=spec.name,
         asset_key=spec.asset_key,
         passed=finding.passed,
+        description=description,
         severity=dg.AssetCheckSeverity.ERROR if spec.blocking else dg.AssetCheckSeverity.WARN,
         metadata={
             "failures": finding.failures,

@@ -5,6 +5,7 @@ import json
 import dagster as dg
 import polars as pl
 
+from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_DATASETS_PREFIX,
     GOLD_LINEAGE,
@@ -16,9 +17,11 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.defs.checks import check_result, check_spec
 from claw_pipelines.defs.keys import STEP_REWARDS, STEPS, TRAJECTORIES, table_key
 from claw_pipelines.defs.resources import ClawLake
+from claw_pipelines.defs.runs import PRIORITY_TAG, partitions_in_flight
 from claw_pipelines.gold import build_partition, partition_findings, policy_versions
 from claw_pipelines.lake import Lake
-from claw_pipelines.specs import SpecError, load_specs
+from claw_pipelines.silver import silver_state
+from claw_pipelines.specs import SpecError, load_spec, load_specs, read_specs
 
 DATASETS = dg.DynamicPartitionsDefinition(name="gold_datasets")
 POLICY_VERSIONS = dg.DynamicPartitionsDefinition(name="policy_versions")
@@ -29,6 +32,7 @@ DATASETS_KEY = table_key(GOLD_DATASETS_PREFIX)
 TREES_KEY = table_key(GOLD_TREES_PREFIX)
 LINEAGE_KEY = table_key(GOLD_LINEAGE)
 SOURCES = [STEPS, STEP_REWARDS, TRAJECTORIES]
+MAX_GOLD_RUNS_IN_FLIGHT = 8  # the sensor requests more only as these finish
 
 GOLD_SPECS = [
     dg.AssetSpec(
@@ -98,7 +102,10 @@ def gold(context: dg.AssetExecutionContext, claw: ClawLake):
     """Build the partition named by the run's partition key."""
     keys = context.partition_key.keys_by_dimension
     lake = claw.lake()
-    spec = load_specs(lake)[keys["dataset"]]
+    try:
+        spec = load_spec(lake, keys["dataset"])
+    except SpecError as exc:  # this dataset only: one line naming the file and the field
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
     part = build_partition(lake, spec, int(keys["policy_version"]))
     summary = {
         "dataset": spec.name,
@@ -123,16 +130,24 @@ def gold(context: dg.AssetExecutionContext, claw: ClawLake):
         yield check_result(GOLD_CHECKS[name], finding)
 
 
-def partition_fingerprints(lake: Lake) -> dict[str, str]:
-    """For each (dataset, policy version) partition, a fingerprint of what its build reads:
-    the spec hash and the version's steps, rewards and trajectory states. A partition is
-    rebuilt when its fingerprint changes."""
-    specs = load_specs(lake)
+def partition_fingerprints(lake: Lake, specs: dict[str, CurationSpec]) -> dict[str, str]:
+    """For each (dataset, policy version) partition of `specs`, a fingerprint of what its
+    build reads: the spec hash and the version's steps, rewards and trajectory states (silver
+    as of its last completed run). A partition is rebuilt when its fingerprint changes."""
     if not lake.exists(SILVER_STEPS) or not lake.exists(SILVER_STEP_REWARDS):
         return {}
-    steps = lake.read(SILVER_STEPS, columns=["step_key", "trajectory_uid", "policy_version"])
-    rewards = lake.read(SILVER_STEP_REWARDS, columns=["step_key", "reward", "reward_status"])
-    states = lake.read(SILVER_TRAJECTORIES, columns=["trajectory_uid", "status"])
+    at = silver_state(lake).versions
+    steps = lake.read(
+        SILVER_STEPS, at[SILVER_STEPS], columns=["step_key", "trajectory_uid", "policy_version"]
+    )
+    rewards = lake.read(
+        SILVER_STEP_REWARDS,
+        at[SILVER_STEP_REWARDS],
+        columns=["step_key", "reward", "reward_status"],
+    )
+    states = lake.read(
+        SILVER_TRAJECTORIES, at[SILVER_TRAJECTORIES], columns=["trajectory_uid", "status"]
+    )
     per_version = (
         steps.with_columns(pl.col("policy_version").fill_null(0))
         .join(rewards, on="step_key", how="left")
@@ -150,32 +165,58 @@ def partition_fingerprints(lake: Lake) -> dict[str, str]:
     }
 
 
+gold_job = dg.define_asset_job(
+    "gold_job",
+    selection=dg.AssetSelection.assets(*(s.key for s in GOLD_SPECS)),
+    description="Build gold partitions (one run per dataset and policy version).",
+)
+
+
+def _build_order(key: dg.MultiPartitionKey, seen: dict[str, str]) -> tuple[bool, int]:
+    """Never-built partitions first (a new spec), then the newest policy versions."""
+    return str(key) in seen, -int(key.keys_by_dimension["policy_version"])
+
+
 @dg.sensor(
-    asset_selection=dg.AssetSelection.assets(*(s.key for s in GOLD_SPECS)),
+    job=gold_job,
     default_status=dg.DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=30,
-    description="Adds a dataset partition for each curation spec and a policy-version "
+    description="Adds a dataset partition for each valid curation spec and a policy-version "
     "partition for each version in silver, and requests a gold run for every partition "
-    "whose inputs (spec, steps, rewards, trajectory states) changed.",
+    "whose inputs (spec, steps, rewards, trajectory states) changed, unless a run of that "
+    "partition is already queued or running (at most 8 gold runs in flight; new specs "
+    "first). An invalid spec file stops only its own dataset.",
 )
 def gold_partitions_sensor(context: dg.SensorEvaluationContext, claw: ClawLake):
-    """Keep the gold partitions in step with the specs and silver."""
+    """Keep the gold partitions in step with the specs and silver, one run per partition."""
     lake = claw.lake()
-    try:
-        fingerprints = partition_fingerprints(lake)
-    except SpecError as exc:
-        return dg.SkipReason(f"a curation spec does not validate: {exc}")
+    shelf = read_specs(lake)
+    for error in shelf.errors.values():
+        context.log.warning(f"not building {error}")
+    fingerprints = partition_fingerprints(lake, shelf.specs)
     seen = json.loads(context.cursor) if context.cursor else {}
     datasets = sorted({k.keys_by_dimension["dataset"] for k in fingerprints})
     versions = sorted({k.keys_by_dimension["policy_version"] for k in fingerprints}, key=int)
     known_datasets = set(context.instance.get_dynamic_partitions(DATASETS.name))
     known_versions = set(context.instance.get_dynamic_partitions(POLICY_VERSIONS.name))
-    requests = [
-        dg.RunRequest(run_key=f"{key}|{fingerprint}", partition_key=key)
+    busy = partitions_in_flight(context.instance)
+    changed = [
+        key
         for key, fingerprint in fingerprints.items()
-        if seen.get(str(key)) != fingerprint
+        if seen.get(str(key)) != fingerprint and str(key) not in busy
     ]
-    context.update_cursor(json.dumps({str(k): f for k, f in fingerprints.items()}))
+    chosen = sorted(changed, key=lambda k: _build_order(k, seen))
+    chosen = chosen[: max(0, MAX_GOLD_RUNS_IN_FLIGHT - len(busy))]
+    requests = [
+        dg.RunRequest(
+            run_key=f"{key}|{fingerprints[key]}",
+            partition_key=key,
+            tags={PRIORITY_TAG: "1"} if str(key) not in seen else {},
+        )
+        for key in chosen
+    ]
+    # a partition left for later keeps its old fingerprint, so a later tick asks again
+    context.update_cursor(json.dumps(seen | {str(k): fingerprints[k] for k in chosen}))
     return dg.SensorResult(
         run_requests=requests,
         dynamic_partitions_requests=[
@@ -189,6 +230,6 @@ def all_partition_keys(lake: Lake) -> list[dg.MultiPartitionKey]:
     """Every (dataset, policy version) partition the lake's specs and silver define."""
     return [
         dg.MultiPartitionKey({"dataset": name, "policy_version": str(version)})
-        for name in sorted(load_specs(lake))
+        for name in sorted(load_specs(lake))  # valid specs; `read_specs` names the others
         for version in policy_versions(lake)
     ]

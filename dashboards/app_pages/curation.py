@@ -7,7 +7,7 @@ import polars as pl
 import streamlit as st
 
 from claw_pipelines.contracts.tables import SILVER_STEP_REWARDS, SILVER_STEPS, SILVER_TRAJECTORIES
-from claw_pipelines.specs import SpecError, load_specs, save_spec, to_yaml, validate_spec
+from claw_pipelines.specs import SpecError, read_specs, save_spec, to_yaml, validate_spec
 from claw_pipelines.transforms.curation import CANDIDATE_STEP_COLUMNS, candidates, curate
 from dashboards import dagster_graphql, data
 
@@ -30,7 +30,10 @@ def options(column: str) -> list:
     return sorted(v for v in frame[column].unique().to_list() if v is not None)
 
 
-existing = load_specs(lake)
+shelf = read_specs(lake)
+existing = shelf.specs
+for error in shelf.errors.values():  # one bad file stops only its own dataset
+    st.warning(f"not built until fixed: {error}")
 start_from = st.selectbox("start from", sorted(existing))
 base = existing[start_from]
 with st.form("spec"):
@@ -159,7 +162,7 @@ if saved:
         st.error(f"invalid spec: {exc}")
 
 if st.button("build this dataset now"):
-    saved_spec = load_specs(lake).get(spec.name)
+    saved_spec = read_specs(lake).specs.get(spec.name)
     if saved_spec is None:
         st.error("save the spec first")
         st.stop()
@@ -172,8 +175,8 @@ if st.button("build this dataset now"):
         except dagster_graphql.DagsterUnavailable as exc:
             st.error(str(exc))
         else:
-            links = ", ".join(f"[{r[:8]}]({at.dagster_url}/runs/{r})" for r in runs)
-            st.success(f"Dagster runs launched for {spec.name}: {links}")
+            links = ", ".join(f"v{v} [{r[:8]}]({at.dagster_url}/runs/{r})" for v, r in runs.items())
+            st.success(f"Dagster runs building {spec.name}: {links}")
     else:
         from claw_pipelines.gold import build_partition
 

@@ -1,0 +1,201 @@
+"""Check a lake for inconsistencies, and repair them without losing an acknowledged record.
+
+`check_lake` only reads: keys held twice in silver or gold, a silver watermark ahead of its
+data, stored prefix trees that do not match their dataset's steps, and silver rows that fail
+a blocking check. `repair_lake` keeps the first landing of every silver key (a later copy
+with other tokens becomes a conflict), reads bronze again when the watermark cannot be
+trusted, and rebuilds the affected gold partitions, whose lineage rows say what was repaired.
+Every write goes through the same guarded commits as the pipelines, so a repair may run
+beside them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import polars as pl
+
+from claw_pipelines.consume import STEP_COLUMNS as BATCH_COLUMNS
+from claw_pipelines.consume import Dataset
+from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.contracts.tables import (
+    BRONZE_EVENTS,
+    GOLD_LINEAGE,
+    SILVER_FEEDBACK,
+    SILVER_STEP_CONFLICTS,
+    SILVER_STEP_REWARDS,
+    SILVER_STEPS,
+    SILVER_TRAJECTORIES,
+    gold_dataset_table,
+    gold_tree_table,
+)
+from claw_pipelines.gold import build_partition, policy_versions
+from claw_pipelines.lake import Lake
+from claw_pipelines.quality import Finding, finite_rewards, inconsistent_lengths, unique_step_keys
+from claw_pipelines.silver import (
+    SILVER_TABLES,
+    SilverOptions,
+    build_silver,
+    dedupe_silver,
+    silver_state,
+)
+from claw_pipelines.specs import SpecError, load_spec
+
+Kind = Literal["duplicates", "watermark", "trees", "bad_rows"]
+SILVER_KEYS = {
+    SILVER_STEPS: "step_key",
+    SILVER_FEEDBACK: "feedback_id",
+    SILVER_STEP_CONFLICTS: "event_id",
+    SILVER_STEP_REWARDS: "step_key",
+    SILVER_TRAJECTORIES: "trajectory_uid",
+}
+REPAIR_HINT = "`claw check` lists the lake's problems; `claw repair` fixes them"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One inconsistency: where, what kind, how many rows and a few of their keys."""
+
+    table: str
+    kind: Kind
+    what: str
+    count: int = 0
+    sample: list[str] = field(default_factory=list)
+    dataset: str | None = None
+
+    def __str__(self) -> str:
+        shown = f"; e.g. {', '.join(self.sample[:3])}" if self.sample else ""
+        counted = f" ({self.count}{shown})" if self.count else ""
+        return f"{self.table}: {self.what}{counted}"
+
+
+@dataclass
+class RepairReport:
+    """What a repair found, did, and what is still wrong after it (nothing, normally)."""
+
+    found: list[Problem]
+    silver_removed: dict[str, int] = field(default_factory=dict)
+    bronze_reread: bool = False
+    rebuilt: list[tuple[str, int]] = field(default_factory=list)
+    remaining: list[Problem] = field(default_factory=list)
+
+
+def _from(finding: Finding, table: str, kind: Kind, what: str, **extra) -> list[Problem]:
+    if finding.passed:
+        return []
+    return [Problem(table, kind, what, finding.failures, finding.sample, **extra)]
+
+
+def check_lake(lake: Lake) -> list[Problem]:
+    """Every inconsistency in the lake's silver and gold tables (an empty list: none)."""
+    return [*_silver_problems(lake), *_gold_problems(lake)]
+
+
+def _silver_problems(lake: Lake) -> list[Problem]:
+    if not lake.exists(SILVER_STEPS):
+        return []
+    problems = []
+    for table, key in SILVER_KEYS.items():
+        if lake.exists(table):
+            keys = lake.read(table, columns=[key])[key]
+            problems += _from(unique_step_keys(keys), table, "duplicates", f"{key} held twice")
+    events = lake.read(SILVER_STEPS, columns=["event_id"])["event_id"]
+    problems += _from(
+        unique_step_keys(events.drop_nulls()), SILVER_STEPS, "duplicates", "event_id held twice"
+    )
+    state, bronze = silver_state(lake), lake.version(BRONZE_EVENTS)
+    if state.bronze_version is not None and (bronze is None or state.bronze_version > bronze):
+        what = f"silver has read up to bronze v{state.bronze_version}, but bronze is at v{bronze}"
+        problems.append(Problem(BRONZE_EVENTS, "watermark", what))
+    for table in SILVER_TABLES:
+        pinned, current = state.versions.get(table), lake.version(table)
+        if pinned is not None and (current is None or pinned > current):
+            what = f"the last silver run recorded v{pinned}, but the table is at v{current}"
+            problems.append(Problem(table, "watermark", what))
+    bad = lake.scan(SILVER_STEPS).filter(inconsistent_lengths()).select("step_key").collect()
+    problems += _from(
+        Finding.of(bad["step_key"], 0),
+        SILVER_STEPS,
+        "bad_rows",
+        "log-probs or masks of another length than the response (not repairable: fix the writer)",
+    )
+    problems += _from(
+        finite_rewards(lake.read(SILVER_FEEDBACK)),
+        SILVER_FEEDBACK,
+        "bad_rows",
+        "rewards that are not finite numbers (not repairable: fix the writer)",
+    )
+    return problems
+
+
+def gold_datasets(lake: Lake) -> list[str]:
+    """The datasets gold holds (every dataset lineage has recorded whose table exists)."""
+    if not lake.exists(GOLD_LINEAGE):
+        return []
+    names = lake.read(GOLD_LINEAGE, columns=["dataset"])["dataset"].unique().sort()
+    return [n for n in names.to_list() if lake.exists(gold_dataset_table(n))]
+
+
+def _gold_problems(lake: Lake) -> list[Problem]:
+    problems = []
+    for name in gold_datasets(lake):
+        dataset = Dataset(lake, name)
+        steps = lake.read(gold_dataset_table(name), columns=[*BATCH_COLUMNS, "policy_version"])
+        problems += _from(
+            unique_step_keys(steps["step_key"]),
+            gold_dataset_table(name),
+            "duplicates",
+            "step_key held twice",
+            dataset=name,
+        )
+        for (version,), partition in steps.group_by("policy_version"):
+            if dataset.stored_trees(int(version), partition) is None:
+                what = f"the stored trees of policy version {version} do not match its steps"
+                problems.append(Problem(gold_tree_table(name), "trees", what, dataset=name))
+    return problems
+
+
+def _spec_of(lake: Lake, name: str) -> CurationSpec:
+    """The dataset's spec; the one its last build recorded when the file is gone or broken."""
+    try:
+        return load_spec(lake, name)
+    except SpecError:
+        recorded = (
+            lake.scan(GOLD_LINEAGE)
+            .filter(pl.col("dataset") == name)
+            .sort("written_at")
+            .select("spec_json")
+            .collect()
+        )
+        return CurationSpec.model_validate_json(recorded["spec_json"][-1])
+
+
+def repair_lake(
+    lake: Lake,
+    options: SilverOptions | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> RepairReport:
+    """Repair what `check_lake` finds (see the module doc); the report says what was done."""
+    report = RepairReport(found=check_lake(lake))
+    silver_wrong = [p for p in report.found if p.table.startswith("silver/")]
+    if any(p.kind == "duplicates" for p in silver_wrong):
+        progress("keeping the first landing of every silver key")
+        report.silver_removed = dedupe_silver(lake, options)
+    if any(p.kind == "watermark" for p in report.found):
+        progress("reading all of bronze again (what silver holds is recognised and kept once)")
+        build_silver(lake, options, full=True)
+        report.bronze_reread = True
+    silver_changed = bool(report.silver_removed) or report.bronze_reread
+    broken = {p.dataset for p in report.found if p.dataset is not None}
+    reason = "repair: " + "; ".join(str(p) for p in report.found if p.kind != "bad_rows")
+    for name in gold_datasets(lake):
+        if silver_changed or name in broken:
+            spec = _spec_of(lake, name)
+            for version in policy_versions(lake):
+                progress(f"rebuilding {name} policy version {version}")
+                build_partition(lake, spec, version, reason=reason[:2000])
+                report.rebuilt.append((name, version))
+    report.remaining = check_lake(lake)
+    return report
