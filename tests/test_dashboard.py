@@ -3,6 +3,8 @@ one; the curation page saves a valid spec and refuses an invalid one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -78,3 +80,18 @@ def test_curation_saves_a_valid_spec_and_refuses_an_invalid_one(filled, monkeypa
     app.run()
     assert any(e.value.startswith("invalid spec: name:") for e in app.error)
     assert "Bad Name!" not in load_specs(filled)
+
+
+def test_curation_names_a_bad_spec_file_in_one_line_and_keeps_the_others(filled, monkeypatch):
+    filled.write_text("specs/broken.yaml", "name: broken\nmax_policy_staleness: two\n")
+    try:
+        app = page("curation", filled.uri, monkeypatch)
+    finally:
+        (Path(filled.uri) / "specs" / "broken.yaml").unlink()
+    assert not app.exception and not app.error
+    (warning,) = [w.value for w in app.warning if "broken" in w.value]
+    assert warning.startswith(
+        "not built until fixed: specs/broken.yaml: max_policy_staleness: Input should be"
+    )
+    assert "\n" not in warning
+    assert "default" in next(s for s in app.selectbox if s.label == "start from").options
