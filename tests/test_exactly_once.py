@@ -22,23 +22,15 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEP_CONFLICTS,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
-    SILVER_TRAJECTORIES,
     gold_dataset_table,
 )
 from claw_pipelines.gold import build_partition
+from claw_pipelines.integrity import SILVER_KEYS as KEYS
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import build_silver, silver_state, watermark
 from tests.lakes import completion, feedback, group_of, land, step
 from tests.racing import BarrierLake, race_silver_in_process, race_silver_in_threads
 from tests.servers import REPO, wait_until
-
-KEYS = {
-    SILVER_STEPS: "step_key",
-    SILVER_FEEDBACK: "feedback_id",
-    SILVER_STEP_CONFLICTS: "event_id",
-    SILVER_STEP_REWARDS: "step_key",
-    SILVER_TRAJECTORIES: "trajectory_uid",
-}
 
 
 def fill_bronze(lake: Lake, commits: int = 3, tag: str = "") -> None:
