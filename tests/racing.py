@@ -12,6 +12,8 @@ import signal
 import threading
 from typing import Any
 
+from claw_pipelines.contracts.specs import DEFAULT_SPEC
+from claw_pipelines.gold import build_partition
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import build_silver
 
@@ -67,6 +69,12 @@ def race_silver_in_process(uri: str, barrier: Any, results: Any) -> None:
     """A racer for multiprocessing (spawn): one silver build that commits after the others
     computed; puts its summary on `results`."""
     results.put(build_silver(BarrierLake(uri, barrier)).summary())
+
+
+def race_gold_in_process(uri: str, barrier: Any, results: Any) -> None:
+    """A racer for multiprocessing (spawn): one build of `default` policy version 1 that
+    commits after the others computed; puts how often it lost on `results`."""
+    results.put(build_partition(BarrierLake(uri, barrier), DEFAULT_SPEC, 1).write_conflicts)
 
 
 def race_silver_in_threads(uri: str, racers: int) -> list[dict]:

@@ -29,7 +29,12 @@ from claw_pipelines.integrity import SILVER_KEYS as KEYS
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import build_silver, silver_state, watermark
 from tests.lakes import completion, feedback, group_of, land, step
-from tests.racing import BarrierLake, race_silver_in_process, race_silver_in_threads
+from tests.racing import (
+    BarrierLake,
+    race_gold_in_process,
+    race_silver_in_process,
+    race_silver_in_threads,
+)
 from tests.servers import REPO, wait_until
 
 
@@ -92,22 +97,27 @@ def test_silver_builds_in_threads_from_one_watermark_land_each_step_once(source,
     assert_same_silver(source, clean)
 
 
+def race_in_processes(target, uri: str, racers: int = 2) -> list:
+    """`racers` processes running `target(uri, barrier, results)`; what each put."""
+    context = multiprocessing.get_context("spawn")  # delta-rs runtimes do not survive fork
+    barrier, results = context.Barrier(racers), context.Queue()
+    processes = [
+        context.Process(target=target, args=(uri, barrier, results)) for _ in range(racers)
+    ]
+    for process in processes:
+        process.start()
+    answers = [results.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join(30)
+        assert process.exitcode == 0
+    return answers
+
+
 def test_silver_builds_in_separate_processes_from_one_watermark_land_each_step_once(
     source, tmp_path
 ):
     clean = copy_of(source, tmp_path / "clean")
-    context = multiprocessing.get_context("spawn")  # delta-rs runtimes do not survive fork
-    barrier, results = context.Barrier(2), context.Queue()
-    racers = [
-        context.Process(target=race_silver_in_process, args=(source.uri, barrier, results))
-        for _ in range(2)
-    ]
-    for racer in racers:
-        racer.start()
-    summaries = [results.get(timeout=120) for _ in racers]
-    for racer in racers:
-        racer.join(30)
-        assert racer.exitcode == 0
+    summaries = race_in_processes(race_silver_in_process, source.uri)
     build_silver(clean)
     assert any(s["write_conflicts"] for s in summaries)
     assert_each_once(source)
@@ -181,3 +191,16 @@ def test_gold_builds_of_one_partition_racing_land_the_newest_whole(source, tmp_p
     flat = [b for b in dataset.batches(1, 1000, layout="flat")]
     assert sorted(tree[0].step_keys) == sorted(flat[0].step_keys) == sorted(got["step_key"])
     assert dataset.stored_trees(1, dataset.steps(1)) is not None  # the stored trees were used
+
+
+def test_gold_builds_of_one_partition_in_separate_processes_land_one_whole_result(source):
+    build_silver(source)
+    lost = race_in_processes(race_gold_in_process, source.uri)
+    assert sum(lost) >= 1  # both computed from the same state; one was redone
+    dataset = open_dataset("default", source.uri)
+    steps = dataset.steps(1)
+    assert steps["step_key"].n_unique() == steps.height > 0
+    assert dataset.stored_trees(1, steps) is not None  # the trees of the same build
+    lineage = source.read(GOLD_LINEAGE).sort("dataset_version")
+    assert lineage.height == 2 and lineage["dataset_version"].is_unique().all()
+    assert lineage["dataset_version"][-1] == dataset.version
