@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import queue
 import sys
 import tempfile
 import threading
@@ -25,7 +26,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import polars as pl
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -62,12 +62,13 @@ class Load:
 
 def request_body(rng: np.random.Generator, trajectory: int, steps: int) -> bytes:
     """One trajectory of `steps` white-box steps: 150-350 prompt, 50-150 response tokens."""
+    trajectory_uid = f"cw-{trajectory}-{uuid.uuid4().hex[:8]}"
     batch = []
     for index in range(steps):
         response = rng.integers(0, VOCAB, int(rng.integers(50, 150)))
         batch.append(
             {
-                "trajectory_uid": f"cw-{trajectory}-{uuid.uuid4().hex[:8]}",
+                "trajectory_uid": trajectory_uid,
                 "prompt_uid": f"cw-group-{trajectory // 4}",
                 "step_index": index,
                 "prompt_ids": rng.integers(0, VOCAB, int(rng.integers(150, 350))).tolist(),
@@ -79,17 +80,13 @@ def request_body(rng: np.random.Generator, trajectory: int, steps: int) -> bytes
                 "event_id": uuid.uuid4().hex,
             }
         )
-    for step in batch[1:]:  # one trajectory per request
-        step["trajectory_uid"] = batch[0]["trajectory_uid"]
     return json.dumps({"steps": batch}).encode()
 
 
 async def _post(client: httpx.AsyncClient, url: str, body: bytes, load: Load) -> None:
     """Send one request; keep the event ids of a 200 answer."""
     try:
-        answer = await client.post(
-            url, content=body, headers={"content-type": "application/json"}
-        )
+        answer = await client.post(url, content=body, headers={"content-type": "application/json"})
     except httpx.HTTPError as exc:
         load.errors[type(exc).__name__] += 1
         return
@@ -132,7 +129,7 @@ def start_load(url: str, rate: float, steps: int) -> tuple[threading.Thread, thr
 
 def writer(uri: str, number: int, stop, results) -> None:
     """Loop `build_silver` until `stop`; send back this writer's counts."""
-    counts = {"runs": 0, "noop_runs": 0, "write_conflicts": 0, "errors": 0, "busy_s": 0.0}
+    counts = {"runs": 0, "noop_runs": 0, "write_conflicts": 0, "errors": 0, "build_s": 0.0}
     samples: Counter = Counter()
     results.put(("ready", number))
     while not stop.is_set():
@@ -140,14 +137,15 @@ def writer(uri: str, number: int, stop, results) -> None:
         try:
             run = build_silver(Lake(uri))
         except Exception as exc:  # every exception is reported, none hidden
+            counts["build_s"] += time.perf_counter() - started
             counts["errors"] += 1
             samples[f"{type(exc).__name__}: {exc}"[:300]] += 1
             time.sleep(IDLE_SLEEP_S)
             continue
+        counts["build_s"] += time.perf_counter() - started
         counts["write_conflicts"] += run.write_conflicts
         if run.bronze_version is not None and run.bronze_version != run.previous_bronze_version:
             counts["runs"] += 1
-            counts["busy_s"] += time.perf_counter() - started
         else:
             counts["noop_runs"] += 1
             time.sleep(IDLE_SLEEP_S)
@@ -159,7 +157,10 @@ def start_writers(uri: str, count: int) -> tuple[list, object, object]:
     returned once each has imported everything and is about to run."""
     context = mp.get_context("spawn")
     stop, results = context.Event(), context.Queue()
-    procs = [context.Process(target=writer, args=(uri, i, stop, results)) for i in range(count)]
+    procs = [
+        context.Process(target=writer, args=(uri, i, stop, results), daemon=True)
+        for i in range(count)
+    ]
     for proc in procs:
         proc.start()
     for _ in procs:
@@ -171,17 +172,22 @@ def start_writers(uri: str, count: int) -> tuple[list, object, object]:
 def stop_writers(procs: list, stop, results) -> dict:
     """Tell the writers to stop, collect and sum their counts, join them."""
     stop.set()
-    total = {"runs": 0, "noop_runs": 0, "write_conflicts": 0, "errors": 0, "busy_s": 0.0}
+    total = {"runs": 0, "noop_runs": 0, "write_conflicts": 0, "errors": 0, "build_s": 0.0}
     per_writer, samples = [], Counter()
     for _ in procs:
-        _kind, number, counts, errors = results.get(timeout=300)
-        per_writer.append({"writer": number, **counts, "busy_s": round(counts["busy_s"], 2)})
+        try:
+            _kind, number, counts, errors = results.get(timeout=300)
+        except queue.Empty:  # a writer died without reporting: an error, not a silence
+            total["errors"] += 1
+            samples["a writer exited without reporting its counts"] += 1
+            continue
+        per_writer.append({"writer": number, **counts, "build_s": round(counts["build_s"], 2)})
         samples.update(errors)
         for key in total:
             total[key] += counts[key]
     for proc in procs:
         proc.join(60)
-    total["busy_s"] = round(total["busy_s"], 2)
+    total["build_s"] = round(total["build_s"], 2)
     exit_codes = [proc.exitcode for proc in procs]
     per_writer.sort(key=lambda w: w["writer"])
     return total | {
@@ -286,7 +292,7 @@ def race(writers: int, seconds: float, rate: float, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=60.0, help="load window per N")
-    parser.add_argument("--rate", type=float, default=150.0, help="steps per second posted")
+    parser.add_argument("--rate", type=float, default=200.0, help="steps per second posted")
     parser.add_argument("--steps-per-request", type=int, default=10)
     parser.add_argument("--writers", default="1,2,4", help="comma-separated N to race")
     args = parser.parse_args()
