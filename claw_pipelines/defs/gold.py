@@ -180,7 +180,7 @@ def _build_order(key: dg.MultiPartitionKey, seen: dict[str, str]) -> tuple[bool,
 @dg.sensor(
     job=gold_job,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=30,
+    minimum_interval_seconds=15,  # a new spec is built within a minute
     description="Adds a dataset partition for each valid curation spec and a policy-version "
     "partition for each version in silver, and requests a gold run for every partition "
     "whose inputs (spec, steps, rewards, trajectory states) changed, unless a run of that "
