@@ -32,7 +32,7 @@ DATASETS_KEY = table_key(GOLD_DATASETS_PREFIX)
 TREES_KEY = table_key(GOLD_TREES_PREFIX)
 LINEAGE_KEY = table_key(GOLD_LINEAGE)
 SOURCES = [STEPS, STEP_REWARDS, TRAJECTORIES]
-MAX_GOLD_RUNS_IN_FLIGHT = 8  # the sensor requests more only as these finish
+MAX_GOLD_RUNS_IN_FLIGHT = 6  # more only as these finish (claw up runs 4 at a time)
 
 GOLD_SPECS = [
     dg.AssetSpec(
@@ -184,7 +184,7 @@ def _build_order(key: dg.MultiPartitionKey, seen: dict[str, str]) -> tuple[bool,
     description="Adds a dataset partition for each valid curation spec and a policy-version "
     "partition for each version in silver, and requests a gold run for every partition "
     "whose inputs (spec, steps, rewards, trajectory states) changed, unless a run of that "
-    "partition is already queued or running (at most 8 gold runs in flight; new specs "
+    "partition is already queued or running (at most 6 gold runs in flight; new specs "
     "first). An invalid spec file stops only its own dataset.",
 )
 def gold_partitions_sensor(context: dg.SensorEvaluationContext, claw: ClawLake):

@@ -20,4 +20,6 @@ class ClawLake(dg.ConfigurableResource):
         return Lake.from_settings(self.settings())
 
 
-defs = dg.Definitions(resources={"claw": ClawLake()})
+# Every run is one step (a multi-asset or one op): executing it in the run's own process
+# saves a second Python start per run (seconds under load), so data reaches gold sooner.
+defs = dg.Definitions(resources={"claw": ClawLake()}, executor=dg.in_process_executor)
