@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -143,6 +144,9 @@ class Lake:
         self.uri = uri.rstrip("/") if self.is_remote else str(Path(uri).expanduser().resolve())
         self.storage_options = dict(storage_options or {})
         self._writers: dict[str, DeltaTable] = {}
+        self._latest_tables: dict[str, DeltaTable] = {}  # kept current by update_incremental
+        self._ensured: set[str] = set()
+        self._lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: ClawSettings | None = None) -> Lake:
@@ -221,10 +225,21 @@ class Lake:
         """The Delta table `name`, at `version` when given (time travel)."""
         return DeltaTable(self.table_uri(name), version=version, storage_options=self._options())
 
+    def _latest(self, name: str) -> DeltaTable:
+        """Table `name` at its newest version: one handle per table, brought up to date by
+        reading only the commits it has not seen (opening a table replays its log)."""
+        with self._lock:
+            table = self._latest_tables.get(name)
+            if table is None:
+                table = self._latest_tables[name] = self.open(name)
+            else:
+                table.update_incremental()
+            return table
+
     def version(self, name: str) -> int | None:
         """Current version of table `name`, or None when it does not exist."""
         try:
-            return self.open(name).version()
+            return self._latest(name).version()
         except TableNotFoundError:
             return None
 
@@ -232,12 +247,15 @@ class Lake:
         """Create the table with its declared schema if it is missing (and add declared
         nullable columns an older table lacks); return it."""
         spec = _spec(spec)
+        if spec.name in self._ensured:
+            return self._latest(spec.name)
         try:
             table = self.open(spec.name)
         except TableNotFoundError:
             table = None
         if table is None:
             try:
+                self._ensured.add(spec.name)
                 return DeltaTable.create(
                     self.table_uri(spec.name),
                     schema=spec.schema,
@@ -256,19 +274,20 @@ class Lake:
         missing = [f for f in spec.schema if f.name not in present and f.nullable]
         if missing:  # a column declared since the table was created
             table.alter.add_columns([Field.from_arrow(f) for f in missing])
+        self._ensured.add(spec.name)
         return table
 
     def transaction_version(self, name: str, app_id: str) -> int | None:
         """Latest transaction version committed by `app_id` to table `name`."""
         try:
-            return self.open(name).transaction_version(app_id)
+            return self._latest(name).transaction_version(app_id)
         except TableNotFoundError:
             return None
 
     def _commits(self, name: str, newest: int, oldest: int = 0) -> Iterator[dict[str, Any]]:
         """Commit infos of table `name`, newest first, from version `newest` down to `oldest`
         (read in growing pages: usually the first few commits are all a caller needs)."""
-        table = self.open(name)  # the newest state's history numbers its versions right
+        table = self._latest(name)  # the newest state's history numbers its versions right
         below, limit = newest + 1, table.version() - newest + 8
         while True:
             entries = table.history(limit=limit)
@@ -282,7 +301,7 @@ class Lake:
 
     def commit_metadata(self, name: str, version: int | None = None) -> dict[str, Any]:
         """The claw metadata stored with a commit (the latest one by default)."""
-        target = self.open(name).version() if version is None else version
+        target = self._latest(name).version() if version is None else version
         for entry in self._commits(name, target, target):
             return _claw_metadata(entry)
         return {}
@@ -292,7 +311,7 @@ class Lake:
     ) -> tuple[int, dict[str, Any]] | None:
         """(version, claw metadata) of the newest commit at or before `at` whose metadata holds
         `key` (commits without it, e.g. compactions, are passed over); None if there is none."""
-        newest = self.open(name).version() if at is None else at
+        newest = self._latest(name).version() if at is None else at
         for entry in self._commits(name, newest):
             metadata = _claw_metadata(entry)
             if key in metadata:
@@ -302,12 +321,17 @@ class Lake:
     # -- writes -----------------------------------------------------------------------------
     def _guarded(self, spec: TableSpec, guard: Guard, write: Callable[[DeltaTable], None]) -> int:
         """Run `write` on the table as the guard's writer read it; the new version."""
-        table = self.open(spec.name, guard.read_versions[spec.name])
-        try:
-            write(table)
-        except CommitFailedError as exc:
-            raise WriteConflict(f"{spec.name}: {exc}".splitlines()[0]) from None
-        return table.version()  # the table object now stands at its own commit
+        base = guard.read_versions[spec.name]
+        with self._lock:
+            latest = self._latest_tables.get(spec.name)
+            table = latest if latest is not None and latest.version() == base else None
+            if table is None:
+                table = self.open(spec.name, base)
+            try:
+                write(table)
+            except CommitFailedError as exc:
+                raise WriteConflict(f"{spec.name}: {exc}".splitlines()[0]) from None
+            return table.version()  # the table object now stands at its own commit
 
     def append(
         self,
@@ -460,6 +484,13 @@ class Lake:
         self, name: str, version: int | None = None, columns: list[str] | None = None
     ) -> pl.DataFrame:
         """Read table `name` into polars (optionally some columns, at a version)."""
+        with self._lock:  # a kept handle at that version saves replaying the log
+            kept = self._latest_tables.get(name)
+            if kept is not None and version is None:
+                kept.update_incremental()
+            if kept is not None and version in (None, kept.version()):
+                frame = pl.scan_delta(kept)  # read now: the handle moves on later
+                return (frame if columns is None else frame.select(columns)).collect()
         frame = self.scan(name, version)
         if columns is not None:
             frame = frame.select(columns)
