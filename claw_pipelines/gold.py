@@ -147,21 +147,25 @@ def _tokens(lake: Lake, version: int, keys: pl.Series, at: int | None) -> pl.Dat
 
 
 def _tree_rows(part: GoldPartition, trees: pl.Series) -> pa.Table:
-    """One row per segment of the partition's forest."""
+    """One row per segment of the partition's forest; segments are numbered within their
+    tree (so a tree's rows do not depend on the other trees: increments and full builds
+    write the same rows)."""
     forest = part.forest
     keys = part.steps["step_key"]
     offsets = pa.array(forest.offsets.astype(np.int32))
+    first = forest.tree_first()
+    paths = [[k - f for k in path] for path, f in zip(forest.paths(), first.tolist(), strict=True)]
     return pa.table(
         {
             "policy_version": pa.array(np.full(len(forest.row), part.policy_version), pa.int64()),
             "tree_id": trees.gather(forest.row).to_arrow(),
-            "segment": pa.array(np.arange(len(forest.row)), pa.int64()),
-            "parent": pa.array(forest.parent, pa.int64()),
+            "segment": pa.array(np.arange(len(forest.row)) - first, pa.int64()),
+            "parent": pa.array(np.where(forest.parent >= 0, forest.parent - first, -1), pa.int64()),
             "start_depth": pa.array(forest.start, pa.int64()),
             "end_depth": pa.array(forest.length, pa.int64()),
             "tokens": pa.ListArray.from_arrays(offsets, pa.array(forest.tokens, pa.int32())),
             "step_key": keys.gather(forest.row).to_arrow(),
-            "path": pa.array(forest.paths(), pa.list_(pa.int64())),
+            "path": pa.array(paths, pa.list_(pa.int64())),
         }
     )
 
@@ -197,13 +201,14 @@ def _build_once(lake: Lake, spec: CurationSpec, policy_version: int, reason: str
     part.newest_version = int(newest) if newest is not None else 0
     chosen = chosen.filter(pl.col("policy_version") == policy_version)
     tokens = _tokens(lake, policy_version, chosen["step_key"], versions[SILVER_STEPS])
-    steps = chosen.join(tokens, on="step_key", how="inner", maintain_order="left")
+    steps = chosen.join(tokens, on="step_key", how="inner").sort("step_key")  # canonical
     trees = tree_ids(steps, spec)
     sequences = steps.select(pl.concat_list("prompt_ids", "response_ids")).to_series()
     codes = trees.cast(pl.Categorical).to_physical().to_numpy().astype(np.int64)
     part.forest = build_forest(codes, sequences.to_arrow())
     segment = part.forest.segment_of_row()
-    part.steps = steps.with_columns(tree_id=trees, segment=pl.Series(segment, dtype=pl.Int64))
+    local = segment - part.forest.tree_first()[segment]  # numbered within the tree
+    part.steps = steps.with_columns(tree_id=trees, segment=pl.Series(local, dtype=pl.Int64))
     guard = Guard(partition_writer(policy_version), versions[SILVER_TRAJECTORIES] or 0, pins)
     _write(lake, part, trees, guard)
     return part

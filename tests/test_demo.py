@@ -50,13 +50,15 @@ def test_claw_demo_fills_bronze_and_silver(tmp_path):
     }
     for version in trees["policy_version"].unique().to_list():
         rows = trees.filter(pl.col("policy_version") == version)
-        by_segment = {r["segment"]: r for r in rows.to_dicts()}
+        by_segment = {(r["tree_id"], r["segment"]): r for r in rows.to_dicts()}
         for row in rows.to_dicts():
             rebuilt: list[int] = []
             for here, below in zip(row["path"], [*row["path"][1:], None], strict=True):
-                seg = by_segment[here]
+                seg = by_segment[row["tree_id"], here]
                 cut = (
-                    None if below is None else by_segment[below]["start_depth"] - seg["start_depth"]
+                    None
+                    if below is None
+                    else by_segment[row["tree_id"], below]["start_depth"] - seg["start_depth"]
                 )
                 rebuilt += seg["tokens"][:cut]
             assert rebuilt == sequences[row["step_key"]]

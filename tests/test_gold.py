@@ -240,12 +240,16 @@ def test_trees_follow_the_merge_scope_and_rebuild_from_the_table(lake):
     # turns nest: a trajectory tree holds its last turn; a group also shares the prompt
     assert tokens["none"] > tokens["trajectory"] > tokens["prompt_group"]
     rows = lake.read(gold_tree_table("prompt-group")).sort("segment")
-    by_segment = {r["segment"]: r for r in rows.to_dicts()}
+    by_segment = {(r["tree_id"], r["segment"]): r for r in rows.to_dicts()}
     for row in rows.to_dicts():  # rebuild each step from the stored rows alone
         sequence: list[int] = []
         for here, below in zip(row["path"], [*row["path"][1:], None], strict=True):
-            seg = by_segment[here]
-            cut = None if below is None else by_segment[below]["start_depth"] - seg["start_depth"]
+            seg = by_segment[row["tree_id"], here]
+            cut = (
+                None
+                if below is None
+                else by_segment[row["tree_id"], below]["start_depth"] - seg["start_depth"]
+            )
             sequence += seg["tokens"][:cut]
         assert len(sequence) == row["end_depth"]
     dataset = lake.read(gold_dataset_table("prompt-group"))

@@ -162,7 +162,7 @@ def forest_from_segments(
 ) -> PrefixForest | None:
     """The stored prefix trees of a partition (`gold/trees` rows) as a forest over the steps'
     rows, trees reordered by rank; None when they do not match the steps one to one."""
-    segments = segments.sort("segment")
+    segments = segments.sort("tree_id", "segment")
     keys = segments["step_key"].to_list()
     if len(keys) != len(step_row) or any(k not in step_row for k in keys):
         return None
@@ -174,7 +174,13 @@ def forest_from_segments(
     offsets, values, _ = list_parts(segments["tokens"].to_arrow())
     old = offsets[:-1][move].tolist(), offsets[1:][move].tolist()
     pieces = [values[a:b] for a, b in zip(*old, strict=True)]
-    parent = segments["parent"].to_numpy()[move]
+    # a parent is numbered within its tree: its row is the tree's first row + that number
+    # (less the tree's first number, for trees stored before segments were numbered so)
+    tree = segments["tree_id"].to_numpy()
+    first = np.flatnonzero(np.r_[True, tree[1:] != tree[:-1]]) if len(tree) else np.zeros(0, int)
+    tree_start = np.repeat(first, np.diff(np.r_[first, len(tree)]))
+    numbered = segments["parent"].to_numpy() - segments["segment"].to_numpy()[tree_start]
+    parent = np.where(segments["parent"].to_numpy() < 0, -1, tree_start + numbered)[move]
     sizes = np.diff(offsets)[move]
     return PrefixForest(
         row=rows[move],

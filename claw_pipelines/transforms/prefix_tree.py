@@ -54,6 +54,15 @@ class PrefixForest:
         inverse[self.row] = np.arange(len(self.row))
         return inverse
 
+    def tree_first(self) -> np.ndarray:
+        """For each segment, the index of its tree's first segment (a tree's segments are
+        contiguous): subtracting it numbers segments within their tree."""
+        count = len(self.row)
+        if count == 0:
+            return np.zeros(0, dtype=np.int64)
+        starts = np.flatnonzero(np.r_[True, self.tree[1:] != self.tree[:-1]])
+        return np.repeat(starts, np.diff(np.r_[starts, count])).astype(np.int64)
+
     def paths(self) -> list[list[int]]:
         """For each segment, the segments from its root down to itself."""
         paths: list[list[int]] = []
