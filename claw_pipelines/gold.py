@@ -35,6 +35,7 @@ from claw_pipelines.contracts.tables import (
     SILVER_TRAJECTORIES,
     gold_dataset_spec,
     gold_tree_spec,
+    gold_tree_table,
 )
 from claw_pipelines.lake import Guard, Lake, until_landed
 from claw_pipelines.quality import (
@@ -48,7 +49,6 @@ from claw_pipelines.quality import (
 from claw_pipelines.silver import silver_state
 from claw_pipelines.transforms.curation import (
     CANDIDATE_STEP_COLUMNS,
-    GROUP,
     candidates,
     curate,
     tree_ids,
@@ -61,7 +61,7 @@ TOKEN_COLUMNS = ["step_key", "prompt_ids", "response_ids", "rollout_log_probs", 
 
 @dataclass
 class GoldPartition:
-    """What one partition write read and wrote."""
+    """What one partition write read and wrote (for an increment: the trees it rewrote)."""
 
     dataset: str
     policy_version: int
@@ -118,11 +118,13 @@ def source_versions(lake: Lake) -> dict[str, int | None]:
 
 
 def curated(lake: Lake, spec: CurationSpec, versions: dict[str, int | None]) -> pl.DataFrame:
-    """Every step the spec keeps, over all policy versions (small columns, pinned versions)."""
+    """Every step the spec keeps, over all policy versions (small columns, pinned versions),
+    with its `tree_id`."""
     steps = lake.read(SILVER_STEPS, versions[SILVER_STEPS], columns=STEP_COLUMNS)
     rewards = lake.read(SILVER_STEP_REWARDS, versions[SILVER_STEP_REWARDS])
     trajectories = lake.read(SILVER_TRAJECTORIES, versions[SILVER_TRAJECTORIES])
-    return curate(candidates(steps, rewards, trajectories), spec)
+    kept = curate(candidates(steps, rewards, trajectories), spec)
+    return kept.with_columns(tree_id=tree_ids(kept, spec))
 
 
 def policy_versions(lake: Lake) -> list[int]:
@@ -133,46 +135,98 @@ def policy_versions(lake: Lake) -> list[int]:
     return sorted(int(v) for v in versions.fill_null(0).unique().to_list())
 
 
-def _tokens(lake: Lake, version: int, keys: pl.Series, at: int | None) -> pl.DataFrame:
-    """Token columns of the given steps of one policy version (its partition only)."""
-    in_partition = pl.col("policy_version") == version
-    if version == 0:
-        in_partition = in_partition | pl.col("policy_version").is_null()
-    return (
+def with_tokens(lake: Lake, chosen: pl.DataFrame, at: int | None) -> pl.DataFrame:
+    """`chosen` (curated rows) beside their token columns from silver, in step_key order (the
+    canonical order trees are merged in)."""
+    versions = chosen["policy_version"].unique().to_list()
+    in_partitions = pl.col("policy_version").is_in(versions)
+    if 0 in versions:
+        in_partitions = in_partitions | pl.col("policy_version").is_null()
+    tokens = (
         lake.scan(SILVER_STEPS, at)
-        .filter(in_partition & pl.col("step_key").is_in(keys.implode()))
+        .filter(in_partitions & pl.col("step_key").is_in(chosen["step_key"].implode()))
         .select(TOKEN_COLUMNS)
         .collect()
     )
+    return chosen.join(tokens, on="step_key", how="inner").sort("step_key")
 
 
-def _tree_rows(part: GoldPartition, trees: pl.Series) -> pa.Table:
-    """One row per segment of the partition's forest; segments are numbered within their
-    tree (so a tree's rows do not depend on the other trees: increments and full builds
-    write the same rows)."""
-    forest = part.forest
-    keys = part.steps["step_key"]
+def merge_trees(steps: pl.DataFrame) -> tuple[pl.DataFrame, PrefixForest]:
+    """Merge the steps of one partition (with tokens and `tree_id`) into their prefix trees:
+    (the steps with their `segment`, numbered within the tree; the forest)."""
+    sequences = steps.select(pl.concat_list("prompt_ids", "response_ids")).to_series()
+    codes = steps["tree_id"].cast(pl.Categorical).to_physical().to_numpy().astype(np.int64)
+    forest = build_forest(codes, sequences.to_arrow())
+    segment = forest.segment_of_row()
+    local = segment - forest.tree_first()[segment]
+    return steps.with_columns(segment=pl.Series(local, dtype=pl.Int64)), forest
+
+
+def tree_rows(policy_version: int, steps: pl.DataFrame, forest: PrefixForest) -> pa.Table:
+    """One `gold/trees` row per segment of the forest of `steps` (see `merge_trees`);
+    segments are numbered within their tree (so a tree's rows do not depend on the other
+    trees: increments and full builds write the same rows)."""
     offsets = pa.array(forest.offsets.astype(np.int32))
     first = forest.tree_first()
     paths = [[k - f for k in path] for path, f in zip(forest.paths(), first.tolist(), strict=True)]
     return pa.table(
         {
-            "policy_version": pa.array(np.full(len(forest.row), part.policy_version), pa.int64()),
-            "tree_id": trees.gather(forest.row).to_arrow(),
+            "policy_version": pa.array(np.full(len(forest.row), policy_version), pa.int64()),
+            "tree_id": steps["tree_id"].gather(forest.row).to_arrow(),
             "segment": pa.array(np.arange(len(forest.row)) - first, pa.int64()),
             "parent": pa.array(np.where(forest.parent >= 0, forest.parent - first, -1), pa.int64()),
             "start_depth": pa.array(forest.start, pa.int64()),
             "end_depth": pa.array(forest.length, pa.int64()),
             "tokens": pa.ListArray.from_arrays(offsets, pa.array(forest.tokens, pa.int32())),
-            "step_key": keys.gather(forest.row).to_arrow(),
+            "step_key": steps["step_key"].gather(forest.row).to_arrow(),
             "path": pa.array(paths, pa.list_(pa.int64())),
         }
     )
 
 
+def dataset_rows(steps: pl.DataFrame, landed_at: datetime) -> pa.Table:
+    """The `gold/datasets` rows of merged steps, stamped with when they landed."""
+    return steps.with_columns(
+        landed_at=pl.lit(landed_at, dtype=pl.Datetime("us", "UTC"))
+    ).to_arrow()
+
+
 def partition_writer(policy_version: int) -> str:
     """The application id of the commits that write one policy-version partition."""
     return f"claw.gold.v{int(policy_version)}"
+
+
+def lineage_row(
+    spec: CurationSpec,
+    policy_version: int,
+    sources: dict[str, int | None],
+    totals: dict[str, int],
+    reason: str,
+) -> dict[str, Any]:
+    """A `gold/lineage` row (without the versions written) for a partition of `totals`
+    (steps, trees, raw_tokens, tree_tokens, after the write)."""
+    raw, tree = totals["raw_tokens"], totals["tree_tokens"]
+    return {
+        "dataset": spec.name,
+        "policy_version": policy_version,
+        "spec_json": spec.canonical_json(),
+        "spec_hash": spec.spec_hash,
+        "source_versions": json.dumps(sources, sort_keys=True),
+        "code_version": code_version(),
+        "rows": totals["steps"],
+        "steps": totals["steps"],
+        "trees": totals["trees"],
+        "raw_tokens": raw,
+        "tree_tokens": tree,
+        "saved_tokens": raw - tree,
+        "token_ratio": (tree / raw) if raw else 1.0,
+        "reason": reason,
+    }
+
+
+def commit_metadata(lineage: dict[str, Any]) -> dict[str, Any]:
+    """What a gold commit records in its Delta commit info: the lineage, spec as `spec`."""
+    return {k: v for k, v in lineage.items() if k != "spec_json"} | {"spec": lineage["spec_json"]}
 
 
 def build_partition(
@@ -188,10 +242,17 @@ def build_partition(
     return part
 
 
+def pin_gold(lake: Lake, spec: CurationSpec) -> dict[str, int]:
+    """Create the dataset's two tables if missing; the versions a build is based on."""
+    tables = (gold_dataset_spec(spec.name), gold_tree_spec(spec.name))
+    for table in tables:
+        lake.ensure(table)
+    return {table.name: lake.version(table.name) for table in tables}
+
+
 def _build_once(lake: Lake, spec: CurationSpec, policy_version: int, reason: str) -> GoldPartition:
     """One attempt: pin both gold tables, read silver, build, commit guarded."""
-    tables = (gold_dataset_spec(spec.name), gold_tree_spec(spec.name))
-    pins = {table.name: lake.ensure(table).version() for table in tables}
+    pins = pin_gold(lake, spec)
     versions = source_versions(lake)
     part = GoldPartition(spec.name, policy_version, spec, versions, reason=reason)
     if versions[SILVER_STEPS] is None:
@@ -200,62 +261,66 @@ def _build_once(lake: Lake, spec: CurationSpec, policy_version: int, reason: str
     newest = chosen["policy_version"].max()
     part.newest_version = int(newest) if newest is not None else 0
     chosen = chosen.filter(pl.col("policy_version") == policy_version)
-    tokens = _tokens(lake, policy_version, chosen["step_key"], versions[SILVER_STEPS])
-    steps = chosen.join(tokens, on="step_key", how="inner").sort("step_key")  # canonical
-    trees = tree_ids(steps, spec)
-    sequences = steps.select(pl.concat_list("prompt_ids", "response_ids")).to_series()
-    codes = trees.cast(pl.Categorical).to_physical().to_numpy().astype(np.int64)
-    part.forest = build_forest(codes, sequences.to_arrow())
-    segment = part.forest.segment_of_row()
-    local = segment - part.forest.tree_first()[segment]  # numbered within the tree
-    part.steps = steps.with_columns(tree_id=trees, segment=pl.Series(local, dtype=pl.Int64))
-    guard = Guard(partition_writer(policy_version), versions[SILVER_TRAJECTORIES] or 0, pins)
-    _write(lake, part, trees, guard)
-    return part
-
-
-def _write(lake: Lake, part: GoldPartition, trees: pl.Series, guard: Guard) -> None:
-    """The partition's two guarded commits, then its lineage row."""
-    spec = part.spec
-    lineage = {
-        "dataset": spec.name,
-        "policy_version": part.policy_version,
-        "spec_json": spec.canonical_json(),
-        "spec_hash": spec.spec_hash,
-        "source_versions": json.dumps(part.source_versions, sort_keys=True),
-        "code_version": code_version(),
-        "rows": part.steps.height,
+    part.steps, part.forest = merge_trees(with_tokens(lake, chosen, versions[SILVER_STEPS]))
+    totals = {
         "steps": part.steps.height,
-        "trees": trees.n_unique(),
+        "trees": part.steps["tree_id"].n_unique(),
         "raw_tokens": part.raw_tokens,
         "tree_tokens": part.tree_tokens,
-        "saved_tokens": part.raw_tokens - part.tree_tokens,
-        "token_ratio": (part.tree_tokens / part.raw_tokens) if part.raw_tokens else 1.0,
-        "reason": part.reason,
     }
-    meta = {k: v for k, v in lineage.items() if k != "spec_json"} | {"spec": spec.canonical_json()}
+    lineage = lineage_row(spec, policy_version, versions, totals, reason)
+    guard = Guard((partition_writer(policy_version),), versions[SILVER_TRAJECTORIES] or 0, pins)
+    meta = commit_metadata(lineage)
     part.dataset_version = lake.replace_partition(
         gold_dataset_spec(spec.name),
-        part.steps.drop(GROUP, strict=False).to_arrow(),
+        dataset_rows(part.steps, datetime.now(UTC)),
         "policy_version",
-        part.policy_version,
+        policy_version,
         metadata=meta,
         guard=guard,
     )
     part.trees_version = lake.replace_partition(
         gold_tree_spec(spec.name),
-        _tree_rows(part, trees),
+        tree_rows(policy_version, part.steps, part.forest),
         "policy_version",
-        part.policy_version,
-        metadata=meta | {"dataset_version": part.dataset_version},
+        policy_version,
+        metadata=meta | {"dataset_version": part.dataset_version, "lineage": [lineage]},
         guard=guard,
     )
-    part.lineage = lineage | {
-        "dataset_version": part.dataset_version,
-        "trees_version": part.trees_version,
+    (part.lineage,) = record_lineage(lake, [lineage], part.dataset_version, part.trees_version)
+    return part
+
+
+def record_lineage(
+    lake: Lake, rows: list[dict[str, Any]], dataset_version: int, trees_version: int
+) -> list[dict[str, Any]]:
+    """Append the lineage rows of one write (its partitions), with the versions it made."""
+    written = {
+        "dataset_version": dataset_version,
+        "trees_version": trees_version,
         "written_at": datetime.now(UTC),
     }
-    lake.append(GOLD_LINEAGE, pa.Table.from_pylist([part.lineage]), metadata=meta)
+    full = [row | written for row in rows]
+    lake.append(GOLD_LINEAGE, pa.Table.from_pylist(full), metadata=commit_metadata(rows[0]))
+    return full
+
+
+def recover_lineage(lake: Lake, dataset: str) -> bool:
+    """Write the lineage rows of the dataset's newest write if a writer killed between its
+    trees commit and its lineage append left them out (the trees commit carries them)."""
+    trees = gold_tree_table(dataset)
+    found = lake.last_commit_with(trees, "lineage") if lake.exists(trees) else None
+    if found is None:
+        return False
+    trees_version, meta = found
+    if lake.exists(GOLD_LINEAGE):
+        recorded = lake.scan(GOLD_LINEAGE).filter(
+            (pl.col("dataset") == dataset) & (pl.col("trees_version") == trees_version)
+        )
+        if recorded.select(pl.len()).collect().item():
+            return False
+    record_lineage(lake, meta["lineage"], meta["dataset_version"], trees_version)
+    return True
 
 
 def partition_findings(lake: Lake, part: GoldPartition) -> dict[str, Finding]:

@@ -51,21 +51,22 @@ class WriteConflict(Exception):
 class Guard:
     """Optimistic concurrency for one writer's commits (e.g. one silver run).
 
-    Every guarded commit carries the Delta application transaction (`app_id`, `version`) and
-    is based on the table version the writer read (`read_versions[table]`). It lands only if
-    no other commit of the same `app_id` reached that table since; a whole-table overwrite
-    lands only if no commit at all did (delta-rs would otherwise keep the files a concurrent
-    compaction wrote). Anything else raises WriteConflict: nothing is ever committed on top of
-    a state the writer did not see.
+    Every guarded commit carries the Delta application transactions (`app_ids`, each at
+    `version`) and is based on the table version the writer read (`read_versions[table]`).
+    It lands only if no other commit of one of those app ids reached that table since; a
+    whole-table overwrite lands only if no commit at all did (delta-rs would otherwise keep
+    the files a concurrent compaction wrote). Anything else raises WriteConflict: nothing is
+    ever committed on top of a state the writer did not see. (One app id names one writer's
+    share of a table: all of silver, or one gold partition.)
     """
 
-    app_id: str
+    app_ids: tuple[str, ...]
     version: int
     read_versions: Mapping[str, int]
 
     def transactions(self) -> list[Transaction]:
-        """The application transaction every guarded commit carries."""
-        return [Transaction(app_id=self.app_id, version=self.version)]
+        """The application transactions every guarded commit carries."""
+        return [Transaction(app_id=app_id, version=self.version) for app_id in self.app_ids]
 
 
 def until_landed(work: Callable[[], T], what: str, attempts: int = 50) -> tuple[T, int]:

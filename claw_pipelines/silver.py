@@ -339,7 +339,7 @@ def _build_once(
         run.bronze_version = state.bronze_version
         run.versions = dict(state.versions)
         return run
-    guard = Guard(SILVER_WRITER, until, pins)
+    guard = Guard((SILVER_WRITER,), until, pins)
     steps, fact_records, run.read_mode = _read_bronze(lake, after, until)
     run.bronze_rows = steps.height + fact_records.height
     index = _stored(lake, SILVER_STEPS, INDEX_COLUMNS, pins[SILVER_STEPS])
@@ -394,7 +394,7 @@ def dedupe_silver(lake: Lake, options: SilverOptions | None = None) -> dict[str,
 def _dedupe_once(lake: Lake, options: SilverOptions) -> dict[str, int]:
     pins = {t: lake.version(t) for t in SILVER_TABLES}
     state = silver_state(lake, at=pins[WATERMARK_TABLE])
-    guard = Guard(SILVER_WRITER, state.bronze_version or 0, pins)
+    guard = Guard((SILVER_WRITER,), state.bronze_version or 0, pins)
     steps = lake.read(SILVER_STEPS, pins[SILVER_STEPS]).with_columns(
         received_at=pl.col("created_at")
     )

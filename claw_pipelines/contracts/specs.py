@@ -57,6 +57,16 @@ class CurationSpec(BaseModel):
     drop_zero_variance_groups: bool = Field(
         False, description="drop prompt groups whose trajectory returns are all equal"
     )
+    group_deadline_s: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="a prompt group still waiting (not complete, or smaller than "
+        "min_group_size) this long after its first step is released as it stands or skipped "
+        "(on_deadline), so a straggler never holds it back for ever; measured on the data's "
+        "clock (the newest step or fact silver holds)",
+    )
+    on_deadline: Literal["release", "skip"] = Field(
+        "release", description="what a group past its deadline becomes"
+    )
     max_policy_staleness: Length | None = Field(
         None, description="keep policy versions within this many of the newest one"
     )

@@ -310,6 +310,8 @@ GOLD_DATASET_SCHEMA = pa.schema(
         ("tree_id", pa.string()),
         ("segment", pa.int64()),
         ("spec_hash", pa.string()),
+        ("admission", pa.string()),
+        ("landed_at", UTC_MICROS),
     ]
 )
 

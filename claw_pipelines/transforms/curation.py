@@ -6,7 +6,9 @@ kept. Rules:
   prompt/response length, trajectory status, sources, tenants, policy versions (explicit, or
   within `max_policy_staleness` of the newest version in silver);
 - group filters, on the prompt group (its `prompt_uid`, else the trajectory alone), judged on
-  all of the group's trajectories in silver: all complete, at least N trajectories, returns
+  all of the group's trajectories in silver: all complete, at least N trajectories (waiting
+  rules: a group that fails them waits, unless `group_deadline_s` after its first step has
+  passed, when it is released as it stands or skipped; `admission` says which), returns
   not all equal;
 - `advantage = grpo`: every step of a trajectory gets (R - mean) / (std + eps), R its
   trajectory's resolved return, mean and std (sample std; 0 for one trajectory) over the
@@ -52,6 +54,8 @@ def candidates(
                 "trajectory_uid",
                 trajectory_status="status",
                 trajectory_return="resolved_return",
+                trajectory_first_seen="first_seen_at",
+                trajectory_last_seen="last_seen_at",
             ),
             on="trajectory_uid",
             how="left",
@@ -114,8 +118,10 @@ def group_stats(frame: pl.DataFrame) -> pl.DataFrame:
         pl.col(GROUP).first(),
         pl.col("trajectory_status").first(),
         pl.col("trajectory_return").first(),
+        pl.col("trajectory_first_seen").first(),
     )
     return per_trajectory.group_by(GROUP).agg(
+        group_first_seen=pl.col("trajectory_first_seen").min(),
         group_size=pl.len().cast(pl.Int64),
         group_complete=(pl.col("trajectory_status") == "complete").all(),
         group_scored=(
@@ -127,16 +133,37 @@ def group_stats(frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def curate(frame: pl.DataFrame, spec: CurationSpec) -> pl.DataFrame:
-    """The steps `spec` keeps (all policy versions), with `advantage` and the group stats."""
-    newest = frame["policy_version"].max()
-    newest = 0 if newest is None else int(newest)
-    groups = group_stats(frame)
-    kept = frame.filter(step_filter(spec, newest)).join(groups, on=GROUP, how="left")
+def admission(spec: CurationSpec, clock: pl.Expr) -> pl.Expr:
+    """Per step (beside its group stats): "ready" when its group meets the spec's waiting
+    rules (complete, big enough), "deadline" when it does not but its deadline passed and the
+    spec releases it, else null (waiting, or skipped past its deadline)."""
+    ready = pl.lit(True)
     if spec.complete_groups_only:
-        kept = kept.filter(pl.col("group_complete"))
+        ready = ready & pl.col("group_complete")
     if spec.min_group_size is not None:
-        kept = kept.filter(pl.col("group_size") >= spec.min_group_size)
+        ready = ready & (pl.col("group_size") >= spec.min_group_size)
+    late = pl.lit(False)
+    if spec.group_deadline_s is not None and spec.on_deadline == "release":
+        deadline = pl.duration(microseconds=int(spec.group_deadline_s * 1_000_000))
+        late = (clock - pl.col("group_first_seen") >= deadline).fill_null(False)
+    return pl.when(ready).then(pl.lit("ready")).when(late).then(pl.lit("deadline"))
+
+
+def curate(frame: pl.DataFrame, spec: CurationSpec, newest: int | None = None) -> pl.DataFrame:
+    """The steps `spec` keeps (all policy versions), with `advantage`, the group stats and
+    their `admission`. Staleness counts from `newest` (default: the newest version in
+    `frame`); deadlines from the newest trajectory activity in `frame`."""
+    if newest is None:
+        top = frame["policy_version"].max()
+        newest = 0 if top is None else int(top)
+    groups = group_stats(frame)
+    clock = pl.lit(frame["trajectory_last_seen"].max(), dtype=frame["trajectory_last_seen"].dtype)
+    kept = (
+        frame.filter(step_filter(spec, newest))
+        .join(groups, on=GROUP, how="left")
+        .with_columns(admission=admission(spec, clock))
+        .filter(pl.col("admission").is_not_null())
+    )
     if spec.drop_zero_variance_groups:
         kept = kept.filter(pl.col("group_distinct_returns") > 1)
     advantage = pl.lit(None, pl.Float64)

@@ -22,7 +22,11 @@ if steps is None or steps.is_empty():
 rewards = data.table(
     at, SILVER_STEP_REWARDS, ("step_key", "reward", "reward_status", "rating", "labels")
 )
-trajectories = data.table(at, SILVER_TRAJECTORIES, ("trajectory_uid", "status", "resolved_return"))
+trajectories = data.table(
+    at,
+    SILVER_TRAJECTORIES,
+    ("trajectory_uid", "status", "resolved_return", "first_seen_at", "last_seen_at"),
+)
 frame = candidates(steps, rewards, trajectories)
 
 

@@ -1,0 +1,242 @@
+"""Gold in increments: bring a dataset up to date with silver, rewriting only what changed.
+
+The unit is a prompt group within one policy-version partition (the trees of its steps). An
+increment curates silver exactly as a full build does (small columns only), fingerprints
+every unit, and compares with the fingerprints of the rows gold holds. Only units that
+differ are written: a group that became ready is appended once, with its trees; a kept group
+whose inputs changed (a late reward or feedback, another trajectory) has exactly its rows
+replaced; a group no longer kept is removed. Tokens are read and trees merged for those
+units alone. One guarded commit per table covers every partition touched (a predicate
+overwrite of those units' trees), then one lineage row per partition says what changed.
+Since trees are numbered within themselves and merged in step_key order, the rows equal a
+full build's (`landed_at` aside).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import polars as pl
+import pyarrow as pa
+
+from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.contracts.tables import (
+    GOLD_DATASET_SCHEMA,
+    SILVER_STEPS,
+    SILVER_TRAJECTORIES,
+    gold_dataset_spec,
+    gold_dataset_table,
+    gold_tree_spec,
+    gold_tree_table,
+)
+from claw_pipelines.gold import (
+    TOKEN_COLUMNS,
+    GoldPartition,
+    curated,
+    dataset_rows,
+    lineage_row,
+    merge_trees,
+    partition_writer,
+    pin_gold,
+    record_lineage,
+    recover_lineage,
+    source_versions,
+    tree_rows,
+    with_tokens,
+)
+from claw_pipelines.lake import Guard, Lake, conform, until_landed
+
+UNIT = ["policy_version", "unit"]
+# what a unit's rows are judged on: every dataset column but tokens and write bookkeeping
+FINGERPRINTED = pa.schema(
+    [f for f in GOLD_DATASET_SCHEMA if f.name not in {*TOKEN_COLUMNS[1:], "segment", "landed_at"}]
+)
+SHOWN_UNITS = 5  # unit keys a lineage reason names
+
+
+@dataclass
+class GoldIncrement:
+    """What one increment of a dataset found and wrote."""
+
+    dataset: str
+    source_versions: dict[str, int | None]
+    added: list[str] = field(default_factory=list)  # "policy_version:unit" keys
+    rewritten: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    partitions: dict[int, GoldPartition] = field(default_factory=dict)
+    dataset_version: int | None = None
+    trees_version: int | None = None
+    write_conflicts: int = 0
+
+    @property
+    def changed(self) -> bool:
+        """Whether the increment wrote anything."""
+        return bool(self.added or self.rewritten or self.removed)
+
+    def summary(self) -> dict[str, object]:
+        """Counts, as plain JSON-able values."""
+        return {
+            "dataset": self.dataset,
+            "added": len(self.added),
+            "rewritten": len(self.rewritten),
+            "removed": len(self.removed),
+            "partitions": sorted(self.partitions),
+            "dataset_version": self.dataset_version,
+            "write_conflicts": self.write_conflicts,
+        }
+
+
+def with_units(rows: pl.DataFrame) -> pl.DataFrame:
+    """Rows with their `unit`: the prompt group (its `prompt_uid`, else the trajectory) of
+    their tree, the smallest one when a tree's steps name several (a tree is never split)."""
+    group = pl.coalesce("prompt_uid", "trajectory_uid")
+    return rows.with_columns(unit=group.min().over("policy_version", "tree_id"))
+
+
+def unit_fingerprints(rows: pl.DataFrame) -> pl.DataFrame:
+    """Per unit (policy_version, unit): a fingerprint of its rows, and its tree ids."""
+    columns = [c for c in FINGERPRINTED.names if c in rows.columns]
+    typed = pl.from_arrow(conform(rows.select(columns).to_arrow(), FINGERPRINTED))
+    typed = with_units(typed)
+    return typed.group_by(UNIT).agg(
+        fingerprint=pl.struct(FINGERPRINTED.names).hash().sum(),
+        trees=pl.col("tree_id").unique(),
+    )
+
+
+def update_dataset(lake: Lake, spec: CurationSpec) -> GoldIncrement:
+    """Bring every partition of `spec`'s dataset up to date with silver's last completed run,
+    rewriting only the units that changed. Guarded: an increment overtaken by another
+    writer of a partition it touches starts again from the new state."""
+    increment, lost = until_landed(lambda: _increment_once(lake, spec), f"gold {spec.name}")
+    increment.write_conflicts = lost
+    return increment
+
+
+def _quoted(values: list[str]) -> str:
+    return ", ".join("'" + v.replace("'", "''") + "'" for v in sorted(values))
+
+
+def _increment_once(lake: Lake, spec: CurationSpec) -> GoldIncrement:
+    pins = pin_gold(lake, spec)
+    recover_lineage(lake, spec.name)
+    versions = source_versions(lake)
+    increment = GoldIncrement(spec.name, versions)
+    if versions[SILVER_STEPS] is None:
+        return increment
+    table = gold_dataset_table(spec.name)
+    now = with_units(curated(lake, spec, versions))
+    stored = with_units(lake.read(table, pins[table], columns=FINGERPRINTED.names))
+    judged = unit_fingerprints(now).join(
+        unit_fingerprints(stored), on=UNIT, how="full", coalesce=True, suffix="_stored"
+    )
+    changed = judged.filter(
+        pl.col("fingerprint").ne_missing(pl.col("fingerprint_stored"))
+    ).with_columns(key=pl.col("policy_version").cast(pl.String) + ":" + pl.col("unit"))
+    if changed.is_empty():
+        return increment
+    increment.added = changed.filter(pl.col("fingerprint_stored").is_null())["key"].to_list()
+    increment.removed = changed.filter(pl.col("fingerprint").is_null())["key"].to_list()
+    both = pl.col("fingerprint").is_not_null() & pl.col("fingerprint_stored").is_not_null()
+    increment.rewritten = changed.filter(both)["key"].to_list()
+
+    writing = with_tokens(lake, now.join(changed.select(UNIT), on=UNIT), versions[SILVER_STEPS])
+    doomed = changed.select(
+        "policy_version",
+        trees=pl.concat_list(pl.col("trees").fill_null([]), pl.col("trees_stored").fill_null([])),
+    )
+    stats = _stored_tree_stats(lake, spec, pins)
+    landed_at = datetime.now(UTC)
+    clauses, dataset_parts, tree_parts, lineages = [], [], [], []
+    for (version,), gone in doomed.group_by("policy_version"):
+        version = int(version)
+        trees = gone["trees"].explode().unique().drop_nulls().to_list()
+        clauses.append(f"(policy_version = {version} AND tree_id IN ({_quoted(trees)}))")
+        part = GoldPartition(spec.name, version, spec, versions, reason=_reason(increment, version))
+        rows = writing.filter(pl.col("policy_version") == version)
+        if rows.height:
+            part.steps, part.forest = merge_trees(rows)
+            dataset_parts.append(dataset_rows(part.steps, landed_at))
+            tree_parts.append(tree_rows(version, part.steps, part.forest))
+        kept = stats.filter((pl.col("policy_version") == version) & ~pl.col("tree_id").is_in(trees))
+        totals = {
+            "steps": kept["steps"].sum() + part.steps.height,
+            "trees": kept.height + (part.steps["tree_id"].n_unique() if rows.height else 0),
+            "raw_tokens": kept["raw_tokens"].sum() + part.raw_tokens,
+            "tree_tokens": kept["tree_tokens"].sum() + part.tree_tokens,
+        }
+        part.lineage = lineage_row(spec, version, versions, totals, part.reason)
+        lineages.append(part.lineage)
+        increment.partitions[version] = part
+
+    writers = tuple(partition_writer(v) for v in sorted(increment.partitions))
+    guard = Guard(writers, versions[SILVER_TRAJECTORIES] or 0, pins)
+    where = " OR ".join(clauses)
+    meta = {"increment": increment.summary() | {"partitions": sorted(increment.partitions)}}
+    meta |= {"spec_hash": spec.spec_hash, "source_versions": versions}
+    increment.dataset_version = lake.overwrite(
+        gold_dataset_spec(spec.name),
+        _stack(dataset_parts, GOLD_DATASET_SCHEMA),
+        metadata=meta,
+        where=where,
+        guard=guard,
+    )
+    increment.trees_version = lake.overwrite(
+        gold_tree_spec(spec.name),
+        _stack(tree_parts, gold_tree_spec(spec.name).schema),
+        metadata=meta | {"dataset_version": increment.dataset_version, "lineage": lineages},
+        where=where,
+        guard=guard,
+    )
+    rows = record_lineage(lake, lineages, increment.dataset_version, increment.trees_version)
+    for part, row in zip(increment.partitions.values(), rows, strict=True):
+        part.lineage = row
+        part.dataset_version, part.trees_version = row["dataset_version"], row["trees_version"]
+    return increment
+
+
+def _stack(parts: list[pa.Table], schema: pa.Schema) -> pa.Table:
+    """Tables of rows conformed to one schema, stacked (empty: a delete)."""
+    if not parts:
+        return schema.empty_table()
+    return pa.concat_tables([conform(part, schema) for part in parts])
+
+
+def _stored_tree_stats(lake: Lake, spec: CurationSpec, pins: dict[str, int]) -> pl.DataFrame:
+    """Per stored tree (policy_version, tree_id): steps, raw and tree tokens."""
+    table, trees_table = gold_dataset_table(spec.name), gold_tree_table(spec.name)
+    steps = lake.read(
+        table, pins[table], columns=["policy_version", "tree_id", "prompt_len", "response_len"]
+    )
+    segments = lake.read(
+        trees_table,
+        pins[trees_table],
+        columns=["policy_version", "tree_id", "start_depth", "end_depth"],
+    )
+    per_tree = steps.group_by("policy_version", "tree_id").agg(
+        steps=pl.len().cast(pl.Int64),
+        raw_tokens=(pl.col("prompt_len") + pl.col("response_len")).sum(),
+    )
+    stored = segments.group_by("policy_version", "tree_id").agg(
+        tree_tokens=(pl.col("end_depth") - pl.col("start_depth")).sum()
+    )
+    return per_tree.join(stored, on=["policy_version", "tree_id"], how="left").with_columns(
+        pl.col("tree_tokens").fill_null(0)
+    )
+
+
+def _reason(increment: GoldIncrement, version: int) -> str:
+    """What the increment did to one partition, in words, naming a few units."""
+    prefix = f"{version}:"
+    parts = []
+    for what, keys in (
+        ("added", increment.added),
+        ("rewrote (inputs changed: a late reward, feedback or trajectory)", increment.rewritten),
+        ("removed (no longer kept)", increment.removed),
+    ):
+        mine = [k.removeprefix(prefix) for k in keys if k.startswith(prefix)]
+        if mine:
+            shown = ", ".join(mine[:SHOWN_UNITS]) + (", ..." if len(mine) > SHOWN_UNITS else "")
+            parts.append(f"{what} {len(mine)} group(s): {shown}")
+    return "increment: " + "; ".join(parts)
