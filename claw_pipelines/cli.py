@@ -127,6 +127,28 @@ def _cmd_repair(args: argparse.Namespace) -> None:
     print("repaired: no problem left" if report.found else "nothing to repair")
 
 
+def _cmd_policy_publish(args: argparse.Namespace) -> None:
+    from claw_pipelines.policy import publish_policy_version
+
+    try:
+        publish_policy_version(_open_lake(args), args.version, by=args.by, note=args.note)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print(f"published policy version {args.version}")
+
+
+def _cmd_policy_show(args: argparse.Namespace) -> None:
+    from claw_pipelines.policy import published_versions
+
+    versions = published_versions(_open_lake(args))
+    if versions.is_empty():
+        print("no policy version published yet")
+    for row in versions.iter_rows(named=True):
+        by = f" by {row['published_by']}" if row.get("published_by") else ""
+        note = f": {row['note']}" if row.get("note") else ""
+        print(f"v{row['policy_version']}  {row['published_at']:%Y-%m-%d %H:%M:%S}{by}{note}")
+
+
 def _cmd_dashboard(args: argparse.Namespace) -> None:
     import os
 
@@ -206,6 +228,20 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_repair,
         "repair what `claw check` finds, keeping every acknowledged record once",
     )
+
+    policy = verbs.add_parser("policy", help="the policy versions a trainer publishes")
+    policy_verbs = policy.add_subparsers(dest="policy_verb", required=True, metavar="ACTION")
+    publish = policy_verbs.add_parser(
+        "publish", help="record a newer policy version as current (the gateway stamps it)"
+    )
+    publish.add_argument("version", type=int)
+    publish.add_argument("--by", help="who publishes it (e.g. the trainer run)")
+    publish.add_argument("--note")
+    publish.add_argument("--lake", help="lake URI (overrides CLAW_LAKE_URI)")
+    publish.set_defaults(handler=_cmd_policy_publish)
+    show = policy_verbs.add_parser("show", help="list the published versions")
+    show.add_argument("--lake", help="lake URI (overrides CLAW_LAKE_URI)")
+    show.set_defaults(handler=_cmd_policy_show)
 
     keys = verbs.add_parser("keys", help="manage gateway API keys")
     key_verbs = keys.add_subparsers(dest="keys_verb", required=True, metavar="ACTION")

@@ -30,6 +30,7 @@ import pyarrow as pa
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_LINEAGE,
+    GOLD_POLICY_VERSIONS,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
@@ -109,12 +110,25 @@ def code_version() -> str:
 
 def source_versions(lake: Lake) -> dict[str, int | None]:
     """The silver table versions a gold build reads (as the last completed silver run left
-    them), and the bronze version behind them."""
+    them), the bronze version behind them, and the published policy versions' table."""
     state = silver_state(lake)
     versions = {
         t: state.versions[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES)
     }
-    return versions | {"bronze/events": state.bronze_version}
+    published = lake.version(GOLD_POLICY_VERSIONS)
+    return versions | {"bronze/events": state.bronze_version, GOLD_POLICY_VERSIONS: published}
+
+
+def newest_policy(lake: Lake, versions: dict[str, int | None], steps: pl.DataFrame) -> int:
+    """The version staleness counts from: the newest published, or in silver if newer."""
+    in_silver = steps["policy_version"].max()
+    newest = [0 if in_silver is None else int(in_silver)]
+    if versions.get(GOLD_POLICY_VERSIONS) is not None:
+        published = lake.read(
+            GOLD_POLICY_VERSIONS, versions[GOLD_POLICY_VERSIONS], columns=["policy_version"]
+        )["policy_version"].max()
+        newest += [] if published is None else [int(published)]
+    return max(newest)
 
 
 def curated(lake: Lake, spec: CurationSpec, versions: dict[str, int | None]) -> pl.DataFrame:
@@ -123,7 +137,8 @@ def curated(lake: Lake, spec: CurationSpec, versions: dict[str, int | None]) -> 
     steps = lake.read(SILVER_STEPS, versions[SILVER_STEPS], columns=STEP_COLUMNS)
     rewards = lake.read(SILVER_STEP_REWARDS, versions[SILVER_STEP_REWARDS])
     trajectories = lake.read(SILVER_TRAJECTORIES, versions[SILVER_TRAJECTORIES])
-    kept = curate(candidates(steps, rewards, trajectories), spec)
+    frame = candidates(steps, rewards, trajectories)
+    kept = curate(frame, spec, newest_policy(lake, versions, frame))
     return kept.with_columns(tree_id=tree_ids(kept, spec))
 
 
@@ -258,8 +273,7 @@ def _build_once(lake: Lake, spec: CurationSpec, policy_version: int, reason: str
     if versions[SILVER_STEPS] is None:
         return part
     chosen = curated(lake, spec, versions)
-    newest = chosen["policy_version"].max()
-    part.newest_version = int(newest) if newest is not None else 0
+    part.newest_version = int(chosen["newest_policy_version"].max() or 0) if chosen.height else 0
     chosen = chosen.filter(pl.col("policy_version") == policy_version)
     part.steps, part.forest = merge_trees(with_tokens(lake, chosen, versions[SILVER_STEPS]))
     totals = {

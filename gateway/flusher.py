@@ -20,6 +20,7 @@ from pathlib import Path
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
 from claw_pipelines.lake import Lake
+from claw_pipelines.policy import published_version
 from claw_pipelines.settings import ClawSettings
 from gateway.records import to_bronze_table
 from gateway.wal import read_segment, sealed_segments, segment_seq, take_lock
@@ -29,6 +30,7 @@ STATUS_FILE = "flusher-status.json"
 FLUSHER_LOCK = "FLUSHER.LOCK"
 MAX_RETRY_DELAY = 5.0
 STATUS_HEARTBEAT_S = 5.0  # the status file is rewritten at least this often
+POLICY_REFRESH_S = 1.0  # how often the published policy version is read from the lake
 
 
 class BronzeFlusher:
@@ -48,7 +50,9 @@ class BronzeFlusher:
             "failures": 0,
             "last_error": None,
             "pid": os.getpid(),
+            "policy_version": None,
         }
+        self._policy_read_at = 0.0
         self._landed_seq: int | None = None
         self._published: tuple[dict, float] = ({}, 0.0)  # status last written, and when
 
@@ -99,6 +103,18 @@ class BronzeFlusher:
             path.unlink(missing_ok=True)
         return len(records)
 
+    def refresh_policy(self) -> None:
+        """Read the newest published policy version (at most every POLICY_REFRESH_S) into the
+        status: the gateway stamps it on steps that name none."""
+        now = time.monotonic()
+        if now - self._policy_read_at < POLICY_REFRESH_S:
+            return
+        self._policy_read_at = now
+        try:
+            self.status["policy_version"] = published_version(self.lake)
+        except Exception as exc:  # the lake is unreachable: keep the version known
+            log.warning("could not read the published policy version: %s", exc)
+
     def write_status(self) -> None:
         """Publish counters for the gateway's /metrics (atomic replace) when they changed, or
         as a heartbeat: a rename per poll would cost more than an idle flusher does."""
@@ -132,6 +148,7 @@ class BronzeFlusher:
                     self.status["last_error"] = f"{type(exc).__name__}: {exc}"
                     delay = min(MAX_RETRY_DELAY, max(0.1, delay * 2))
                     log.warning("bronze commit failed (retrying in %.1fs): %s", delay, exc)
+                self.refresh_policy()
                 self.write_status()
                 if stopping and not delay:
                     return

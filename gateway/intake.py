@@ -44,12 +44,18 @@ def step_records(
     *,
     kind: str = "step",
     token_source: str = "client",
+    policy_version: int | None = None,
 ) -> list[BronzeRecord]:
-    """Bronze records of white-box steps: token arrays typed, the rest as JSON payload."""
+    """Bronze records of white-box steps: token arrays typed, the rest as JSON payload. A
+    step naming no policy version gets `policy_version` (the published one), and its
+    metadata says so."""
     received = now_us()
     records = []
     for step, event_id in zip(steps, event_ids_for(steps, idempotency_key), strict=True):
         step.event_id = event_id
+        if step.policy_version is None and policy_version is not None:
+            step.policy_version = policy_version
+            step.metadata = {**step.metadata, "policy_version_via": "published"}
         payload = step.model_dump_json(exclude=_TOKEN_FIELD_SET).encode()
         arrays = typed_arrays([getattr(step, name) for name in TOKEN_FIELDS])
         records.append(

@@ -75,6 +75,7 @@ class Landing:
         self._sealed_bytes = 0
         self._flusher_restart_at = 0.0
         self.ready = False
+        self.policy_version: int | None = None  # the newest published (the flusher reads it)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -139,6 +140,7 @@ class Landing:
             if segment and segment.records and time.monotonic() - segment.opened_at >= interval:
                 self.wal.seal()
             self.backlog()
+            self.policy_version = self._read_status().get("policy_version", self.policy_version)
             exited = self.flusher is not None and self.flusher.poll() is not None
             if exited and time.monotonic() >= self._flusher_restart_at:
                 log.error("bronze flusher exited (%s); restarting it", self.flusher.returncode)
@@ -240,12 +242,16 @@ class Landing:
             "open_records": segment.records if segment else 0,
         }
 
+    def _read_status(self) -> dict:
+        """The flusher's status file (empty before it wrote one)."""
+        try:
+            return json.loads((self.settings.resolved_wal_dir / STATUS_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+
     def flusher_status(self) -> dict:
         """What the flusher process last reported (commits, latency, errors), and liveness."""
-        try:
-            status = json.loads((self.settings.resolved_wal_dir / STATUS_FILE).read_text())
-        except (OSError, ValueError):
-            status = {}
+        status = self._read_status()
         status["alive"] = self.flusher is not None and self.flusher.poll() is None
         self.metrics.record_flusher(status)
         return status

@@ -23,7 +23,8 @@ from gateway.deps import idempotency_key_of, parse_json, tenant_of
 from gateway.intake import accept, fact_record, step_records
 from gateway.records import BronzeRecord
 
-Build = Callable[[Any, str, str | None, Mapping[str, str]], list[BronzeRecord]]
+# (body, tenant, idempotency key, path parameters, published policy version) -> records
+Build = Callable[[Any, str, str | None, Mapping[str, str], int | None], list[BronzeRecord]]
 
 
 @dataclass(frozen=True)
@@ -36,15 +37,15 @@ class WriteRoute:
     optional_body: bool = False
 
 
-def _steps(body: Any, tenant: str, key: str | None, _: Mapping[str, str]):
-    return step_records(body.steps, tenant, key)
+def _steps(body: Any, tenant: str, key: str | None, _: Mapping[str, str], policy: int | None):
+    return step_records(body.steps, tenant, key, policy_version=policy)
 
 
 def _fact(kind: str) -> Build:
-    return lambda body, tenant, key, _: [fact_record(body, kind, tenant, key)]
+    return lambda body, tenant, key, _, __: [fact_record(body, kind, tenant, key)]
 
 
-def _completion(body: Any, tenant: str, key: str | None, params: Mapping[str, str]):
+def _completion(body: Any, tenant: str, key: str | None, params: Mapping[str, str], _: int | None):
     completed = TrajectoryCompleted(trajectory_uid=params["trajectory_uid"], **body.model_dump())
     return [fact_record(completed, "trajectory_complete", tenant, key)]
 
@@ -82,7 +83,7 @@ async def perform_write(
     tenant = tenant_of(state.keys, headers)
     key = idempotency_key_of(headers)
     model = parse_json(route.model, body, optional=route.optional_body)
-    records = route.build(model, tenant, key, params)
+    records = route.build(model, tenant, key, params, state.landing.policy_version)
     # Free the validated model (for steps: thousands of Python ints) before waiting on the
     # disk: freed now it is still in cache; freed after the wait it costs ~100 µs a request.
     del model, body

@@ -16,6 +16,7 @@ SILVER_STEP_REWARDS = "silver/step_rewards"
 SILVER_STEP_CONFLICTS = "silver/step_conflicts"
 GOLD_LINEAGE = "gold/lineage"
 GOLD_CONSUMPTION = "gold/consumption"
+GOLD_POLICY_VERSIONS = "gold/policy_versions"
 GOLD_DATASETS_PREFIX = "gold/datasets"
 GOLD_TREES_PREFIX = "gold/trees"
 
@@ -255,6 +256,20 @@ GOLD_CONSUMPTION_SPEC = TableSpec(
     description="One batch pulled by a trainer, with the exact dataset version.",
 )
 
+GOLD_POLICY_VERSIONS_SPEC = TableSpec(
+    GOLD_POLICY_VERSIONS,
+    pa.schema(
+        [
+            pa.field("policy_version", pa.int64(), nullable=False),
+            pa.field("published_at", UTC_MICROS, nullable=False),
+            ("published_by", pa.string()),
+            ("note", pa.string()),
+        ]
+    ),
+    description="One policy version a trainer published, newest last: the version the gateway "
+    "stamps on steps that name none, and staleness counts from.",
+)
+
 TABLES: dict[str, TableSpec] = {
     spec.name: spec
     for spec in (
@@ -266,6 +281,7 @@ TABLES: dict[str, TableSpec] = {
         SILVER_STEP_CONFLICTS_SPEC,
         GOLD_LINEAGE_SPEC,
         GOLD_CONSUMPTION_SPEC,
+        GOLD_POLICY_VERSIONS_SPEC,
     )
 }
 

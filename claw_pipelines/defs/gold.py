@@ -9,6 +9,7 @@ from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_DATASETS_PREFIX,
     GOLD_LINEAGE,
+    GOLD_POLICY_VERSIONS,
     GOLD_TREES_PREFIX,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
@@ -156,9 +157,10 @@ def partition_fingerprints(lake: Lake, specs: dict[str, CurationSpec]) -> dict[s
         .group_by("policy_version")
         .agg(fingerprint=pl.struct(pl.all()).hash().sum())
     )
+    published = lake.version(GOLD_POLICY_VERSIONS)  # staleness counts from it
     return {
         dg.MultiPartitionKey({"dataset": name, "policy_version": str(version)}): (
-            f"{spec.spec_hash}-{fingerprint}"
+            f"{spec.spec_hash}-{fingerprint}-{published}"
         )
         for name, spec in specs.items()
         for version, fingerprint in per_version.iter_rows()

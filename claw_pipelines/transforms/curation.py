@@ -176,7 +176,11 @@ def curate(frame: pl.DataFrame, spec: CurationSpec, newest: int | None = None) -
             )
             .otherwise(None)
         )
-    return kept.with_columns(advantage=advantage, spec_hash=pl.lit(spec.spec_hash))
+    return kept.with_columns(
+        advantage=advantage,
+        spec_hash=pl.lit(spec.spec_hash),
+        newest_policy_version=pl.lit(newest, dtype=pl.Int64),
+    )
 
 
 def tree_ids(frame: pl.DataFrame, spec: CurationSpec) -> pl.Series:

@@ -333,11 +333,14 @@ class ProxyService:
         metadata says which). Unscoped: each choice starts its own trajectory at index 0, and
         the choices of one prompt share a prompt group (GRPO-style)."""
         scope = call.scope
+        published = self.landing.policy_version  # when neither the agent nor its scope says
         if scope.trajectory_uid is not None:
             first = self.book.claim_steps(scope.trajectory_uid, len(captured))
             version, registered = self.book.registered(scope.trajectory_uid)
             if scope.policy_version is not None:
                 version = scope.policy_version
+            if version is None and published is not None:
+                version, registered = published, {**registered, "policy_version_via": "published"}
             places = [
                 StepPlace(scope.trajectory_uid, first + i, scope.prompt_uid, version)
                 for i in range(len(captured))
@@ -345,12 +348,15 @@ class ProxyService:
             return places, dict(registered)
         groups: dict[int, str] = {}
         places = []
+        version, stamped = scope.policy_version, {}
+        if version is None and published is not None:
+            version, stamped = published, {"policy_version_via": "published"}
         for choice in captured:
             group = scope.prompt_uid
             if group is None:
                 group = groups.setdefault(choice.index // call.n, new_event_id())
-            places.append(StepPlace(new_event_id(), 0, group, scope.policy_version))
-        return places, {}
+            places.append(StepPlace(new_event_id(), 0, group, version))
+        return places, stamped
 
 
 def server_timing(received: float, upstream_ms: float) -> str:

@@ -30,6 +30,7 @@ async def readyz(request: Request) -> JSONResponse:
         "gateway_id": landing.gateway_id,
         "wal_backlog": backlog,
         "flusher": flusher,
+        "policy_version": landing.policy_version,  # stamped on steps that name none
     }
     return JSONResponse(body, status_code=200 if ready else 503)
 
