@@ -5,6 +5,10 @@ batches, exact and reproducible. Needs nothing of the agent runtime (no gateway,
 ds = open_dataset("default", lake_uri="./lake")          # version=N: time travel
 for batch in ds.batches(policy_version=3, batch_size=64, layout="tree", consumer="run-7"):
     tensors = batch.to_torch()                            # torch: `pip install .[train]`
+
+# asynchronous RL: block for fresh whole groups, each delivered once per consumer rank
+batch = ds.next_batch(groups=16, consumer="run-7", min_policy_version=4, timeout=60)
+publish_policy_version(5, lake_uri="./lake")             # agents move on to policy 5
 ```
 
 A tree batch packs whole prefix trees (a trajectory or prompt group, as the dataset's spec
@@ -19,8 +23,9 @@ of token t is read from the logits at row `parent[t]`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from itertools import pairwise
 from typing import Any
@@ -29,13 +34,25 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_CONSUMPTION,
+    GOLD_CONSUMPTION_SPEC,
     GOLD_LINEAGE,
     gold_dataset_table,
     gold_tree_table,
 )
-from claw_pipelines.lake import Lake
+from claw_pipelines.delivery import (
+    NEXT,
+    UNIT_COLUMNS,
+    available_units,
+    choose,
+    ledger,
+    record_delivery,
+    unit_keys,
+)
+from claw_pipelines.lake import Lake, until_landed
+from claw_pipelines.policy import published_version
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.packing import Layout, Packed, pack
 
@@ -66,6 +83,9 @@ class Batch:
     step_token_index: list[np.ndarray]
     tree_offsets: np.ndarray  # attention blocks: a tree (or, flat, a step) per block
     step_starts: np.ndarray  # per step: the depth where its own tokens start (0 when flat)
+    step_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    groups: list[str] = field(default_factory=list)  # next_batch: the units it delivers
+    batch_index: int | None = None  # next_batch: its index in the consumer rank's record
 
     @property
     def num_tokens(self) -> int:
@@ -245,18 +265,22 @@ class Dataset:
                 self._log(consumer, policy_version, index, batch.step_keys)
             yield batch
 
-    def stored_trees(self, policy_version: int, steps: pl.DataFrame) -> pl.DataFrame | None:
-        """The partition's stored prefix trees (`gold/trees` segments), as written with this
-        dataset version's rows (found through lineage); None when they cannot stand for
-        exactly `steps` (step_key, tree_id, prompt_len, response_len of the partition)."""
+    def stored_trees(
+        self, policy_version: int, steps: pl.DataFrame, version: int | None = None
+    ) -> pl.DataFrame | None:
+        """The stored prefix trees (`gold/trees` segments) of the trees of `steps` (step_key,
+        tree_id, prompt_len, response_len: a partition, or some of its trees), as written
+        with the rows of this dataset version (or `version`), found through lineage; None
+        when they cannot stand for exactly those steps."""
         if not (self.lake.exists(GOLD_LINEAGE) and self.lake.exists(self.trees_table)):
             return None
+        at = self.version if version is None else version
         written = (
             self.lake.scan(GOLD_LINEAGE)
             .filter(
                 (pl.col("dataset") == self.name)
                 & (pl.col("policy_version") == policy_version)
-                & (pl.col("dataset_version") <= self.version)
+                & (pl.col("dataset_version") <= at)
             )
             .sort("dataset_version")
             .select("trees_version")
@@ -264,9 +288,10 @@ class Dataset:
         )
         if written.is_empty() or written["trees_version"][-1] is None:
             return None
+        trees = steps["tree_id"].unique().implode()
         segments = (
             self.lake.scan(self.trees_table, int(written["trees_version"][-1]))
-            .filter(pl.col("policy_version") == policy_version)
+            .filter((pl.col("policy_version") == policy_version) & pl.col("tree_id").is_in(trees))
             .select(
                 "segment", "tree_id", "parent", "start_depth", "end_depth", "tokens", "step_key"
             )
@@ -291,8 +316,202 @@ class Dataset:
             "batch_index": index,
             "step_keys": step_keys,
             "consumed_at": datetime.now(UTC),
+            "kind": "batches",
         }
-        self.lake.append(GOLD_CONSUMPTION, pa.Table.from_pylist([row]))
+        self.lake.append(GOLD_CONSUMPTION_SPEC, pa.Table.from_pylist([row]))
+
+    # -- live delivery ----------------------------------------------------------------------
+    def next_batch(
+        self,
+        groups: int | None = None,
+        *,
+        consumer: str,
+        max_tokens: int | None = None,
+        min_policy_version: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        timeout: float | None = None,
+        layout: Layout = "tree",
+        poll_s: float = 0.2,
+    ) -> Batch | None:
+        """The next `groups` whole prompt groups (default 1; with `max_tokens`, as many as
+        fit, at least one) that `consumer` rank `rank` of `world_size` has not been given,
+        from the newest version of the dataset, oldest landed first. Blocks until they exist;
+        None when `timeout` seconds pass first. Policy versions below `min_policy_version`
+        (default: the newest published minus the spec's `max_policy_staleness`) are left out.
+        Each batch is recorded in `gold/consumption` before it is returned: a group is
+        delivered once per consumer rank, across restarts (`replay` re-reads a batch)."""
+        _check_delivery(groups, max_tokens, rank, world_size, layout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            batch, _ = until_landed(
+                lambda: self._deliver(
+                    groups, consumer, max_tokens, min_policy_version, rank, world_size, layout
+                ),
+                f"delivery to {consumer}",
+            )
+            if batch is not None:
+                return batch
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(poll_s)
+
+    def follow(
+        self,
+        groups: int | None = None,
+        *,
+        consumer: str,
+        stop: Callable[[], bool] | None = None,
+        poll_s: float = 0.2,
+        **options: Any,
+    ) -> Iterator[Batch]:
+        """`next_batch` after `next_batch` as the dataset grows, until `stop()` says so (or for
+        ever); the same options."""
+        while stop is None or not stop():
+            batch = self.next_batch(groups, consumer=consumer, timeout=poll_s, **options)
+            if batch is not None:
+                yield batch
+
+    def replay(
+        self, consumer: str, rank: int = 0, after_batch: int = -1, layout: Layout = "tree"
+    ) -> Iterator[Batch]:
+        """The batches `next_batch` delivered to `consumer` rank `rank` after batch index
+        `after_batch`, rebuilt exactly (each at its recorded dataset version): a trainer that
+        restarts from a checkpoint trains on them again, then goes on with `next_batch`."""
+        if not self.lake.exists(GOLD_CONSUMPTION):
+            return
+        rows = (
+            self.lake.scan(GOLD_CONSUMPTION)
+            .filter(
+                (pl.col("dataset") == self.name)
+                & (pl.col("consumer") == consumer)
+                & (pl.col("kind") == NEXT)
+                & (pl.col("rank") == rank)
+                & (pl.col("batch_index") > after_batch)
+            )
+            .sort("batch_index")
+            .collect()
+        )
+        for row in rows.iter_rows(named=True):
+            frame = (
+                self.lake.scan(self.table, row["dataset_version"])
+                .filter(pl.col("step_key").is_in(row["step_keys"]))
+                .select(*STEP_COLUMNS, "policy_version")
+                .collect()
+            )
+            batch = self._pack(frame, row["dataset_version"], layout)
+            batch.groups, batch.batch_index = list(row["groups"]), row["batch_index"]
+            yield batch
+
+    def _deliver(
+        self,
+        groups: int | None,
+        consumer: str,
+        max_tokens: int | None,
+        min_policy_version: int | None,
+        rank: int,
+        world_size: int,
+        layout: Layout,
+    ) -> Batch | None:
+        """One attempt: choose from the newest version, pack, record (guarded), or None."""
+        book = ledger(self.lake, self.name, consumer, rank)
+        version = self.lake.version(self.table)
+        columns = list(dict.fromkeys([*STEP_COLUMNS, *UNIT_COLUMNS]))
+        steps = self.lake.read(self.table, version, columns=columns)
+        floor = self.staleness_floor() if min_policy_version is None else min_policy_version
+        units = available_units(steps, book.units, floor, rank, world_size)
+        chosen = choose(units, groups, max_tokens)
+        if chosen is None:
+            return None
+        frame = steps.filter(unit_keys(steps).is_in(chosen))
+        batch = self._pack(frame.select(*STEP_COLUMNS, "policy_version"), version, layout)
+        newest = int(frame["policy_version"].max())
+        record_delivery(
+            self.lake,
+            self.name,
+            version,
+            consumer,
+            rank,
+            world_size,
+            book,
+            chosen,
+            batch.step_keys,
+            newest,
+        )
+        batch.groups, batch.batch_index = chosen, book.next_index
+        return batch
+
+    def staleness_floor(self) -> int | None:
+        """The oldest policy version the dataset's spec still admits: the newest published
+        minus its `max_policy_staleness` (None when either is unknown)."""
+        published = published_version(self.lake)
+        if published is None or not self.lake.exists(GOLD_LINEAGE):
+            return None
+        specs = (
+            self.lake.scan(GOLD_LINEAGE)
+            .filter(pl.col("dataset") == self.name)
+            .sort("written_at")
+            .select("spec_json")
+            .collect()
+        )
+        if specs.is_empty():
+            return None
+        spec = CurationSpec.model_validate_json(specs["spec_json"][-1])
+        if spec.max_policy_staleness is None:
+            return None
+        return published - spec.max_policy_staleness
+
+    def _pack(self, frame: pl.DataFrame, version: int, layout: Layout) -> Batch:
+        """One batch of `frame`'s steps (STEP_COLUMNS and policy_version, at dataset version
+        `version`; whole trees, possibly of several partitions), trees in id order."""
+        segments = None
+        if layout == "tree":
+            found = []
+            for (policy_version,), part in frame.group_by("policy_version"):
+                stored = self.stored_trees(int(policy_version), part, version)
+                if stored is None:
+                    break
+                found.append(stored.with_columns(policy_version=pl.lit(policy_version, pl.Int64)))
+            else:
+                segments = pl.concat(found) if found else None
+        if segments is None:
+            tokens = (
+                self.lake.scan(self.table, version)
+                .filter(pl.col("step_key").is_in(frame["step_key"].implode()))
+                .select("step_key", "prompt_ids", "response_ids")
+                .collect()
+            )
+            frame = frame.join(tokens, on="step_key", how="left", maintain_order="left")
+        # trees are told apart by partition too: a trajectory may span policy versions
+        within = pl.col("policy_version").cast(pl.String) + ":" + pl.col("tree_id")
+        frame = frame.with_columns(tree_id=within)
+        if segments is not None:
+            segments = segments.with_columns(tree_id=within).drop("policy_version")
+        trees = frame.group_by("tree_id").agg(pl.len().alias("n")).sort("tree_id")
+        trees = trees.with_row_index("rank")
+        rank = frame.select("tree_id").join(trees, on="tree_id", how="left", maintain_order="left")
+        packed = pack(frame, rank["rank"].to_numpy().astype(np.int64), layout, segments)
+        newest = int(frame["policy_version"].max()) if frame.height else 0
+        batch = _batch(packed, 0, frame.height, newest)
+        version_of = dict(zip(frame["step_key"], frame["policy_version"], strict=True))
+        batch.step_policy_versions = np.array(
+            [version_of[k] for k in batch.step_keys], dtype=np.int64
+        )
+        return batch
+
+
+def _check_delivery(
+    groups: int | None, max_tokens: int | None, rank: int, world_size: int, layout: str
+) -> None:
+    """One clear error naming the argument, before anything is read."""
+    if groups is not None and groups < 1:
+        raise ValueError(f"groups must be at least 1, not {groups}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), not {rank}")
+    if layout not in ("tree", "flat"):
+        raise ValueError(f"layout must be 'tree' or 'flat', not {layout!r}")
 
 
 def _groups(sizes: np.ndarray, batch_size: int) -> Iterator[tuple[int, int]]:

@@ -251,9 +251,14 @@ GOLD_CONSUMPTION_SPEC = TableSpec(
             ("batch_index", pa.int64()),
             ("step_keys", pa.list_(pa.string())),
             ("consumed_at", UTC_MICROS),
+            ("rank", pa.int64()),
+            ("world_size", pa.int64()),
+            ("groups", pa.list_(pa.string())),
+            ("kind", pa.string()),
         ]
     ),
-    description="One batch pulled by a trainer, with the exact dataset version.",
+    description="One batch pulled by a trainer, with the exact dataset version: `batches` "
+    "(a partition, in order) or `next` (live delivery: its groups, once per consumer rank).",
 )
 
 GOLD_POLICY_VERSIONS_SPEC = TableSpec(

@@ -1,0 +1,184 @@
+"""Live delivery: which prompt groups a trainer gets next, each once per consumer, recorded.
+
+A unit of delivery is a prompt group within a policy-version partition of a gold dataset
+(the same unit incremental gold writes: `"<policy_version>:<group>"`). A consumer pulls
+units through `Dataset.next_batch`: whole groups only, oldest landed first, within a
+staleness bound, split between data-parallel ranks by a stable hash of the unit (disjoint,
+deterministic, covering every unit). Every delivered batch is one `gold/consumption` row
+(consumer, rank, batch index, dataset version, its units and steps), appended before the
+batch is handed over and guarded per (consumer, rank), so two processes of the same rank
+never deliver the same unit twice and a restarted trainer resumes where the record says:
+later calls skip every unit recorded, and `Dataset.replay` rebuilds any recorded batch
+exactly (time travel to its dataset version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_CONSUMPTION_SPEC
+from claw_pipelines.lake import Guard, Lake
+
+NEXT = "next"  # the `kind` of consumption rows written by next_batch
+UNIT_COLUMNS = [
+    "step_key",
+    "policy_version",
+    "prompt_uid",
+    "trajectory_uid",
+    "tree_id",
+    "prompt_len",
+    "response_len",
+    "landed_at",
+]
+
+
+def delivery_writer(dataset: str, consumer: str, rank: int) -> str:
+    """The application id of one consumer rank's deliveries from one dataset."""
+    return f"claw.delivery.{dataset}.{consumer}.{int(rank)}"
+
+
+def unit_keys(frame: pl.DataFrame) -> pl.Series:
+    """Each row's unit: "<policy_version>:<group>", the group (prompt_uid, else trajectory)
+    of its tree (the smallest one when a tree's steps name several)."""
+    group = pl.coalesce("prompt_uid", "trajectory_uid").min().over("policy_version", "tree_id")
+    return frame.select(
+        (pl.col("policy_version").cast(pl.String) + ":" + group).alias("unit")
+    ).to_series()
+
+
+def shard_of(units: list[str], world_size: int) -> np.ndarray:
+    """The rank each unit goes to: a stable hash (BLAKE2b) modulo `world_size`."""
+    digests = [hashlib.blake2b(u.encode(), digest_size=8).digest() for u in units]
+    values = (
+        np.frombuffer(b"".join(digests), dtype=np.uint64) if digests else np.zeros(0, np.uint64)
+    )
+    return (values % np.uint64(world_size)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What one consumer rank has been delivered, as of consumption version `version`."""
+
+    version: int
+    units: set[str]
+    next_index: int
+
+
+def ledger(lake: Lake, dataset: str, consumer: str, rank: int) -> Ledger:
+    """The consumer rank's deliveries so far (the table is created if missing)."""
+    lake.ensure(GOLD_CONSUMPTION_SPEC)
+    version = lake.version(GOLD_CONSUMPTION)
+    rows = (
+        lake.scan(GOLD_CONSUMPTION, version)
+        .filter(
+            (pl.col("dataset") == dataset)
+            & (pl.col("consumer") == consumer)
+            & (pl.col("kind") == NEXT)
+            & (pl.col("rank") == rank)
+        )
+        .select("groups", "batch_index")
+        .collect()
+    )
+    units = set(rows["groups"].explode().drop_nulls().to_list()) if rows.height else set()
+    top = rows["batch_index"].max() if rows.height else None
+    return Ledger(version, units, 0 if top is None else int(top) + 1)
+
+
+def available_units(
+    steps: pl.DataFrame, taken: set[str], min_policy_version: int | None, rank: int, world: int
+) -> pl.DataFrame:
+    """Units of `steps` (UNIT_COLUMNS of a dataset version) this rank may be given now, oldest
+    landed first: (unit, policy_version, steps, tokens, landed_at)."""
+    frame = steps.with_columns(unit=unit_keys(steps))
+    if min_policy_version is not None:
+        frame = frame.filter(pl.col("policy_version") >= min_policy_version)
+    units = (
+        frame.group_by("unit")
+        .agg(
+            pl.col("policy_version").first(),
+            steps=pl.len(),
+            tokens=(pl.col("prompt_len") + pl.col("response_len")).sum(),
+            landed_at=pl.col("landed_at").min(),
+        )
+        .filter(~pl.col("unit").is_in(list(taken)))
+        .sort("landed_at", "unit", nulls_last=False)
+    )
+    return units.filter(pl.Series(shard_of(units["unit"].to_list(), world) == rank))
+
+
+def choose(units: pl.DataFrame, groups: int | None, max_tokens: int | None) -> list[str] | None:
+    """The units of the next batch, in order: `groups` of them (all that fit within
+    `max_tokens` when given, at least one); None when fewer than `groups` are available."""
+    wanted = groups if groups is not None else 1
+    if units.height < wanted:
+        return None
+    if max_tokens is None:
+        return units["unit"].head(wanted).to_list()
+    within = units.with_columns(total=pl.col("tokens").cum_sum()).filter(
+        pl.col("total") <= max_tokens
+    )
+    limit = groups if groups is not None else units.height
+    chosen = within["unit"].head(limit).to_list()
+    return chosen or units["unit"].head(1).to_list()  # a unit over budget goes alone
+
+
+def record_delivery(
+    lake: Lake,
+    dataset: str,
+    dataset_version: int,
+    consumer: str,
+    rank: int,
+    world_size: int,
+    book: Ledger,
+    units: list[str],
+    step_keys: list[str],
+    policy_version: int,
+) -> int:
+    """Append the batch's consumption row, guarded by the ledger it was chosen from (another
+    process of this rank that delivered first makes this raise WriteConflict)."""
+    row = {
+        "consumer": consumer,
+        "dataset": dataset,
+        "dataset_version": dataset_version,
+        "policy_version": policy_version,
+        "batch_index": book.next_index,
+        "step_keys": step_keys,
+        "consumed_at": datetime.now(UTC),
+        "rank": rank,
+        "world_size": world_size,
+        "groups": units,
+        "kind": NEXT,
+    }
+    guard = Guard(
+        (delivery_writer(dataset, consumer, rank),),
+        book.next_index,
+        {GOLD_CONSUMPTION: book.version},
+    )
+    return lake.append(GOLD_CONSUMPTION_SPEC, pa.Table.from_pylist([row]), guard=guard)
+
+
+def consumer_positions(lake: Lake, dataset: str) -> pl.DataFrame:
+    """Per consumer and rank of a dataset: batches and groups delivered, the newest policy
+    version delivered, and when it last pulled."""
+    if not lake.exists(GOLD_CONSUMPTION):
+        return pl.DataFrame(schema={"consumer": pl.String, "rank": pl.Int64})
+    return (
+        lake.scan(GOLD_CONSUMPTION)
+        .filter(pl.col("dataset") == dataset)
+        .group_by("consumer", pl.col("rank").fill_null(0))
+        .agg(
+            batches=pl.len(),
+            steps=pl.col("step_keys").list.len().sum(),
+            groups=pl.col("groups").list.len().sum(),
+            newest_policy_version=pl.col("policy_version").max(),
+            last_pulled_at=pl.col("consumed_at").max(),
+        )
+        .sort("consumer", "rank")
+        .collect()
+    )
