@@ -65,7 +65,19 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 
 
 def _cmd_materialize(args: argparse.Namespace) -> None:
-    from claw_pipelines.materialize import materialize
+    from claw_pipelines.materialize import follow, materialize
+
+    if args.follow:
+        import signal
+        import threading
+
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            follow(_settings(args), poll_s=args.poll_s, stop=stop, say=_say_now)
+        except KeyboardInterrupt:
+            stop.set()
+        return
 
     try:
         report = materialize(_settings(args), args.select, args.dataset, args.policy_version)
@@ -80,6 +92,10 @@ def _cmd_materialize(args: argparse.Namespace) -> None:
         print(f"check {check}: {'passed' if passed else 'FAILED'}{note}")
     if not report.success:
         raise CliError(f"materialization failed: {report.error}")
+
+
+def _say_now(line: str) -> None:
+    print(line, flush=True)
 
 
 def _open_lake(args: argparse.Namespace):
@@ -209,6 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
     mat.add_argument("--dataset", action="append", help="only these gold datasets; repeatable")
     mat.add_argument(
         "--policy-version", type=int, action="append", help="only these policy versions"
+    )
+    mat.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep silver and every dataset up to date as bronze grows (increments, seconds "
+        "after each acknowledged step) until Ctrl-C; reported to Dagster when DAGSTER_HOME is set",
+    )
+    mat.add_argument(
+        "--poll-s", type=float, default=0.2, help="with --follow: how often bronze is looked at"
     )
 
     dash = verb("dashboard", _cmd_dashboard, "run the Streamlit dashboard on the lake")

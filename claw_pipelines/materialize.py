@@ -1,14 +1,17 @@
-"""`claw materialize`: run the Dagster assets in-process against the configured lake.
+"""`claw materialize`: run the Dagster assets in-process against the configured lake, or,
+with `--follow`, keep them up to date continuously.
 
 Unpartitioned assets (silver) run first, in one run; partitioned ones (gold) then run once per
-(dataset, policy version) partition that the lake's specs and silver define.
+(dataset, policy version) partition that the lake's specs and silver define. `follow` runs
+the live materializer (`claw_pipelines.live`) and reports its increments to Dagster.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from claw_pipelines.settings import ClawSettings
@@ -146,4 +149,109 @@ def materialize(
                 instance.add_dynamic_partitions(DATASETS.name, [dims["dataset"]])
                 instance.add_dynamic_partitions(POLICY_VERSIONS.name, [dims["policy_version"]])
                 report.add(run(partitioned, key), str(key))
+    return report
+
+
+def follow(
+    settings: ClawSettings,
+    poll_s: float = 0.2,
+    stop: threading.Event | None = None,
+    say: Callable[[str], None] = print,
+) -> None:
+    """`claw materialize --follow`: keep silver and every spec's gold up to date (see
+    `claw_pipelines.live`) until `stop` is set. Each increment is reported to the Dagster
+    instance of `DAGSTER_HOME` (when set) as runless materializations of the same assets,
+    with the versions in their metadata, so the UI's asset history shows it."""
+    from claw_pipelines.lake import Lake
+    from claw_pipelines.live import LiveMaterializer
+    from claw_pipelines.silver import SilverOptions
+
+    stop = stop or threading.Event()
+    lake = Lake.from_settings(settings)
+    live = LiveMaterializer(lake, SilverOptions.from_settings(settings))
+    report = _dagster_reporter() if os.environ.get("DAGSTER_HOME") else None
+    say(f"claw materialize --follow: {lake.uri} (every {poll_s:g} s; Ctrl-C stops)")
+    failures = 0
+    while not stop.is_set():
+        try:
+            done = live.step()
+        except Exception as exc:  # keep following: the next round starts from the lake
+            failures += 1
+            say(f"round failed ({type(exc).__name__}: {exc}); retrying")
+            stop.wait(min(5.0, 0.5 * failures))
+            continue
+        failures = 0
+        for name, error in done.spec_errors.items():
+            if name not in live.reported_errors:
+                say(f"not building {error}")
+        live.reported_errors = set(done.spec_errors)
+        if done.changed:
+            say(_round_line(done))
+            if report is not None:
+                report(done)
+        else:
+            stop.wait(poll_s)
+
+
+def _round_line(done) -> str:
+    """One line per round that wrote something."""
+    parts = []
+    if done.silver is not None and done.silver.bronze_rows:
+        run = done.silver
+        parts.append(f"silver to bronze v{run.bronze_version}: +{run.steps_added} steps")
+    for inc in done.gold:
+        if inc.changed:
+            parts.append(
+                f"{inc.dataset}: +{len(inc.added)} ~{len(inc.rewritten)} -{len(inc.removed)} groups"
+            )
+    return f"{done.seconds:.2f} s  " + "; ".join(parts)
+
+
+def _dagster_reporter() -> Callable:
+    """A function reporting a round's writes to the Dagster instance as runless events."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import dagster as dg
+
+        from claw_pipelines.definitions import DATASETS, POLICY_VERSIONS, defs
+
+    instance = dg.DagsterInstance.get()
+    keys = defs.resolve_asset_graph().get_all_asset_keys()
+    silver_keys = sorted(k for k in keys if k.path[0] == "silver")
+    gold_keys = sorted(k for k in keys if k.path[0] == "gold")
+    by = {"materialized_by": "claw materialize --follow"}
+
+    def report(done) -> None:
+        run = done.silver
+        if run is not None and run.bronze_rows:
+            summary = {k: v for k, v in run.summary().items() if v is not None}
+            for key in silver_keys:
+                version = run.versions.get("/".join(key.path))
+                metadata = summary | by | {"delta_version": version or 0}
+                instance.report_runless_asset_event(
+                    dg.AssetMaterialization(asset_key=key, metadata=metadata)
+                )
+        for inc in done.gold:
+            if not inc.changed:
+                continue
+            versions = [str(v) for v in inc.partitions]
+            instance.add_dynamic_partitions(DATASETS.name, [inc.dataset])
+            instance.add_dynamic_partitions(POLICY_VERSIONS.name, versions)
+            for version, part in inc.partitions.items():
+                partition = dg.MultiPartitionKey(
+                    {"dataset": inc.dataset, "policy_version": str(version)}
+                )
+                metadata = by | {
+                    "reason": part.reason,
+                    "steps": part.lineage.get("steps", 0),
+                    "dataset_version": inc.dataset_version or 0,
+                    "source_versions": dg.MetadataValue.json(inc.source_versions),
+                }
+                for key in gold_keys:
+                    instance.report_runless_asset_event(
+                        dg.AssetMaterialization(
+                            asset_key=key, partition=partition, metadata=metadata
+                        )
+                    )
+
     return report

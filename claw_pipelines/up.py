@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from claw_pipelines.lake import Lake
+from claw_pipelines.live import materializer_running
 from claw_pipelines.processes import ServiceProcess, free_port
 from claw_pipelines.settings import ClawSettings
 
@@ -82,7 +84,8 @@ class Stack:
         self.children.append(child)
         child.start(timeout=120)
         self.urls[name] = child.url
-        print(f"{name:<17}{child.url}{('  ' + note) if note else ''}", flush=True)
+        shown = child.url if child.ready is None else "running"  # `ready`: no HTTP of its own
+        print(f"{name:<17}{shown}{('  ' + note) if note else ''}", flush=True)
         return child
 
     def up(self, gateway_port: int, dashboard_port: int, dagster_port: int) -> None:
@@ -138,6 +141,17 @@ class Stack:
             ),
             "dagster daemon",
             "(sensors: bronze -> silver -> gold; hourly maintenance)",
+        )
+        self.start(
+            ServiceProcess(
+                "materialize",
+                self.logs / "materializer.log",
+                env=dagster_env,
+                command=[sys.executable, "-m", "claw_pipelines.cli", "materialize", "--follow"],
+                ready=lambda: materializer_running(Lake.from_settings(self.settings)),
+            ),
+            "materializer",
+            "(silver and gold seconds after each step; runs show in Dagster)",
         )
         self.start(
             ServiceProcess(

@@ -8,6 +8,7 @@ from claw_pipelines.defs.keys import BRONZE
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.defs.runs import runs_in_flight
 from claw_pipelines.defs.silver import SILVER_SPECS
+from claw_pipelines.live import materializer_running
 from claw_pipelines.silver import watermark
 
 silver_job = dg.define_asset_job(
@@ -23,7 +24,8 @@ silver_job = dg.define_asset_job(
     minimum_interval_seconds=10,
     description="Requests a silver run when bronze/events has a version silver has not read "
     "and no silver run is queued or running (that run reads up to the newest bronze anyway); "
-    "records the version as bronze's observed data version.",
+    "records the version as bronze's observed data version. Idle while a live materializer "
+    "(claw materialize --follow) keeps silver up to date.",
 )
 def bronze_version_sensor(context: dg.SensorEvaluationContext, claw: ClawLake):
     """At most one silver run in flight, whatever the number of new bronze versions."""
@@ -31,6 +33,8 @@ def bronze_version_sensor(context: dg.SensorEvaluationContext, claw: ClawLake):
     version = lake.version(BRONZE_EVENTS)
     if version is None:
         return dg.SkipReason("bronze/events does not exist yet")
+    if materializer_running(lake):
+        return dg.SkipReason("the live materializer (claw materialize --follow) keeps silver up")
     observed = []
     if context.cursor != str(version):
         context.update_cursor(str(version))

@@ -21,6 +21,7 @@ from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.defs.runs import PRIORITY_TAG, partitions_in_flight
 from claw_pipelines.gold import build_partition, partition_findings, policy_versions
 from claw_pipelines.lake import Lake
+from claw_pipelines.live import materializer_running
 from claw_pipelines.silver import silver_state
 from claw_pipelines.specs import SpecError, load_spec, load_specs, read_specs
 
@@ -187,11 +188,14 @@ def _build_order(key: dg.MultiPartitionKey, seen: dict[str, str]) -> tuple[bool,
     "partition for each version in silver, and requests a gold run for every partition "
     "whose inputs (spec, steps, rewards, trajectory states) changed, unless a run of that "
     "partition is already queued or running (at most 6 gold runs in flight; new specs "
-    "first). An invalid spec file stops only its own dataset.",
+    "first). An invalid spec file stops only its own dataset. Idle while a live materializer "
+    "(claw materialize --follow) keeps gold up to date.",
 )
 def gold_partitions_sensor(context: dg.SensorEvaluationContext, claw: ClawLake):
     """Keep the gold partitions in step with the specs and silver, one run per partition."""
     lake = claw.lake()
+    if materializer_running(lake):
+        return dg.SkipReason("the live materializer (claw materialize --follow) keeps gold up")
     shelf = read_specs(lake)
     for error in shelf.errors.values():
         context.log.warning(f"not building {error}")

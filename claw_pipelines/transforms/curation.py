@@ -127,8 +127,10 @@ def group_stats(frame: pl.DataFrame) -> pl.DataFrame:
         group_scored=(
             (pl.col("trajectory_status") == "complete") & pl.col("trajectory_return").is_not_null()
         ).all(),
-        group_mean=pl.col("trajectory_return").mean(),
-        group_std=pl.col("trajectory_return").std(ddof=1).fill_null(0.0),
+        # sorted first: float sums then do not depend on row order (increments and full
+        # builds must agree to the bit)
+        group_mean=pl.col("trajectory_return").sort().mean(),
+        group_std=pl.col("trajectory_return").sort().std(ddof=1).fill_null(0.0),
         group_distinct_returns=pl.col("trajectory_return").drop_nulls().n_unique(),
     )
 

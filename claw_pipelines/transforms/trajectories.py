@@ -62,6 +62,6 @@ def with_returns(statuses: pl.DataFrame, rewards: pl.DataFrame) -> pl.DataFrame:
     returns = (
         rewards.filter(pl.col("reward").is_not_null())
         .group_by("trajectory_uid")
-        .agg(resolved_return=pl.col("reward").sum())
+        .agg(resolved_return=pl.col("reward").sort().sum())  # sorted: order-free float sum
     )
     return statuses.join(returns, on="trajectory_uid", how="left")

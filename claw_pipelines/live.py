@@ -1,0 +1,108 @@
+"""Continuous materialization: silver and every spec's gold, up to date seconds after bronze.
+
+`LiveMaterializer.step()` is one round: a silver run when bronze has a version silver has not
+read, then an increment of every valid spec's dataset when silver, the specs or the
+published policy version moved. It uses the same guarded transforms as the Dagster assets,
+so it may run beside them and beside itself; a killed materializer converges on restart. It
+leaves a heartbeat in the lake (`_live/materializer.json`), and while that is fresh the
+Dagster sensors leave routine runs to it (Dagster's jobs stay for backfills, spec changes
+made from the UI and full rebuilds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.contracts.tables import BRONZE_EVENTS, GOLD_POLICY_VERSIONS
+from claw_pipelines.gold_increments import GoldIncrement, update_dataset
+from claw_pipelines.lake import Lake
+from claw_pipelines.silver import SilverOptions, SilverRun, build_silver, silver_state
+from claw_pipelines.specs import SpecError, read_specs
+
+HEARTBEAT = "_live/materializer.json"
+HEARTBEAT_S = 5.0  # the heartbeat is rewritten at least this often
+STALE_AFTER_S = 30.0  # a heartbeat older than this: no materializer is running
+SPECS_EVERY_S = 2.0  # spec files are listed again at most this often
+
+
+@dataclass
+class Round:
+    """What one round did: the silver run (when one ran) and the increments that wrote."""
+
+    silver: SilverRun | None = None
+    gold: list[GoldIncrement] = field(default_factory=list)
+    spec_errors: dict[str, SpecError] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def changed(self) -> bool:
+        """Whether anything was written."""
+        wrote_silver = self.silver is not None and self.silver.bronze_rows > 0
+        return wrote_silver or any(g.changed for g in self.gold)
+
+
+class LiveMaterializer:
+    """Brings silver and gold up to date, one `step()` at a time (see the module doc)."""
+
+    def __init__(self, lake: Lake, options: SilverOptions | None = None) -> None:
+        self.lake, self.options = lake, options or SilverOptions()
+        self._gold_inputs: dict[str, tuple] = {}  # per dataset: what it was last brought to
+        self._specs: tuple[float, dict[str, CurationSpec], dict[str, SpecError]] = (-1e9, {}, {})
+        self._beat_at = -1e9
+        self.rounds = 0
+        self.reported_errors: set[str] = set()  # spec errors already shown
+
+    def step(self) -> Round:
+        """One round: silver if bronze moved, then the datasets whose inputs moved."""
+        started = time.perf_counter()
+        done = Round()
+        bronze = self.lake.version(BRONZE_EVENTS)
+        state = silver_state(self.lake)
+        if bronze is not None and (state.bronze_version is None or bronze > state.bronze_version):
+            done.silver = build_silver(self.lake, self.options)
+            state = silver_state(self.lake)
+        specs, done.spec_errors = self._current_specs()
+        published = self.lake.version(GOLD_POLICY_VERSIONS)
+        for name, spec in specs.items():
+            inputs = (state.versions, spec.spec_hash, published)
+            if self._gold_inputs.get(name) != inputs:
+                done.gold.append(update_dataset(self.lake, spec))
+                self._gold_inputs[name] = inputs
+        done.seconds = time.perf_counter() - started
+        self.rounds += 1
+        self.beat(done)
+        return done
+
+    def _current_specs(self) -> tuple[dict[str, CurationSpec], dict[str, SpecError]]:
+        """The valid specs and the errors of the others, listed at most every SPECS_EVERY_S."""
+        read_at, specs, errors = self._specs
+        if time.monotonic() - read_at >= SPECS_EVERY_S:
+            shelf = read_specs(self.lake)
+            specs, errors = shelf.specs, shelf.errors
+            self._specs = (time.monotonic(), specs, errors)
+        return specs, errors
+
+    def beat(self, done: Round | None = None) -> None:
+        """Rewrite the heartbeat when a round wrote something, or every HEARTBEAT_S."""
+        now = time.monotonic()
+        if (done is None or not done.changed) and now - self._beat_at < HEARTBEAT_S:
+            return
+        self._beat_at = now
+        beat = {"pid": os.getpid(), "updated_at": datetime.now(UTC).isoformat()}
+        beat |= {"rounds": self.rounds, "last_round_s": done.seconds if done else None}
+        self.lake.write_text(HEARTBEAT, json.dumps(beat))
+
+
+def materializer_running(lake: Lake, within_s: float = STALE_AFTER_S) -> bool:
+    """Whether a live materializer's heartbeat is fresher than `within_s` seconds."""
+    try:
+        text = lake.read_text(HEARTBEAT)
+        updated = datetime.fromisoformat(json.loads(text)["updated_at"]) if text else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return updated is not None and (datetime.now(UTC) - updated).total_seconds() < within_s
