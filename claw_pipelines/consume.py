@@ -34,6 +34,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from claw_pipelines import policy
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_CONSUMPTION,
@@ -52,7 +53,6 @@ from claw_pipelines.delivery import (
     unit_keys,
 )
 from claw_pipelines.lake import Lake, until_landed
-from claw_pipelines.policy import published_version
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.packing import Layout, Packed, pack
 
@@ -444,7 +444,7 @@ class Dataset:
     def staleness_floor(self) -> int | None:
         """The oldest policy version the dataset's spec still admits: the newest published
         minus its `max_policy_staleness` (None when either is unknown)."""
-        published = published_version(self.lake)
+        published = policy.published_version(self.lake)
         if published is None or not self.lake.exists(GOLD_LINEAGE):
             return None
         specs = (
@@ -532,3 +532,18 @@ def open_dataset(name: str, lake_uri: str | None = None, version: int | None = N
     (default: the newest)."""
     settings = ClawSettings().with_overrides(lake_uri=lake_uri)
     return Dataset(Lake.from_settings(settings), name, version)
+
+
+def publish_policy_version(
+    version: int, lake_uri: str | None = None, by: str | None = None, note: str | None = None
+) -> int:
+    """Record that the trainer's policy `version` is current (newer than every published one):
+    the gateway stamps it on steps that name none, and staleness counts from it."""
+    settings = ClawSettings().with_overrides(lake_uri=lake_uri)
+    return policy.publish_policy_version(Lake.from_settings(settings), version, by, note)
+
+
+def current_policy_version(lake_uri: str | None = None) -> int | None:
+    """The newest published policy version (None before the first)."""
+    settings = ClawSettings().with_overrides(lake_uri=lake_uri)
+    return policy.published_version(Lake.from_settings(settings))

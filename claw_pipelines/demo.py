@@ -61,9 +61,12 @@ def run_demo(settings: ClawSettings, workdir: str | None = None, seed: int = 7) 
         ) as gateway:
             say(f"  simulated model {sim.url} (a test double, not a language model)")
             say(f"  gateway {gateway.url}")
-            tally = drive_agents(sim.url, gateway.url, random.Random(seed))
+            rng = random.Random(seed)
+            tally = drive_agents(sim.url, gateway.url, rng)
+            say("  the online loop: agents -> live gold -> trainer -> next policy version")
+            rounds = online_loop(lake, sim.url, gateway.url, rng, tally)
             say("  stopping the gateway: it lands every acknowledged record in bronze")
-        summary = summarize(lake, tally)
+        summary = summarize(lake, tally) | {"rounds": rounds}
     say("  materializing every asset (Dagster, in-process)")
     summary |= materialize_all(settings, lake)
     summary |= consume_a_batch(lake)
@@ -109,6 +112,26 @@ def drive_agents(sim_url: str, gateway_url: str, rng: random.Random) -> Tally:
             feedback_service(gateway, finished, rng, tally)
         progress.close()
     return tally
+
+
+def online_loop(
+    lake: Lake, sim_url: str, gateway_url: str, rng: random.Random, tally: Tally
+) -> list[str]:
+    """Three rounds of the asynchronous RL loop (claw_pipelines.demo_loop); a line each."""
+    from claw_pipelines.demo_loop import run_loop
+
+    auth = {"Authorization": f"Bearer {DEMO_KEY}"}
+    with (
+        httpx.Client(base_url=f"{sim_url}/v1", timeout=60) as llm,
+        httpx.Client(base_url=gateway_url, headers=auth, timeout=60) as gateway,
+    ):
+        done = run_loop(
+            lake, llm, gateway, rng, rollouts=ROLLOUTS, tally=tally,
+            first_version=max(POLICY_VERSIONS) + 1,
+        )  # fmt: skip
+    for number, played in enumerate(done, 1):
+        say(f"    round {number}: {played.line()}")
+    return [played.line() for played in done]
 
 
 def summarize(lake: Lake, tally: Tally) -> dict:
@@ -223,6 +246,7 @@ def render(summary: dict, lake: Lake) -> str:
         )
         if name in summary
     ]
+    rows += [(f"online round {i}", line) for i, line in enumerate(summary.get("rounds", []), 1)]
     width = max(len(name) for name, _ in rows)
     lines = ["", "claw demo: summary"] + [f"  {n:<{width}}  {v}" for n, v in rows]
     lines += [

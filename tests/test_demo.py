@@ -38,12 +38,26 @@ def test_claw_demo_fills_bronze_and_silver(tmp_path):
     assert re.search(r"checks\s+(\d+)/\1 passed", done.stdout)  # gold checks included:
     # every step rebuilds from its tree, trees hold exactly U tokens
     lineage = lake.read("gold/lineage")
-    assert set(lineage["dataset"]) == {"default"} and lineage.height >= 3
+    assert set(lineage["dataset"]) == {"default", "live-grpo"}
+    newest = lineage.filter(pl.col("dataset") == "default").sort("written_at")
+    newest = newest.unique("policy_version", keep="last")
     dataset = lake.read("gold/datasets/default")
-    assert dataset.height == lineage["steps"].sum() > 0
+    assert dataset.height == newest["steps"].sum() > 0
     trees = lake.read("gold/trees/default")
     assert trees.height == dataset.height  # a segment per step
-    assert lake.read("gold/consumption")["consumer"].unique().to_list() == ["claw-demo"]
+    consumers = lake.read("gold/consumption")["consumer"].unique().sort().to_list()
+    assert consumers == ["claw-demo", "claw-demo-trainer"]
+    # the online loop: three rounds, each on fresh groups of the policy it published last
+    rounds = re.findall(
+        r"online round (\d)\s+policy v(\d+): (\d+) groups.*published v(\d+)", done.stdout
+    )
+    assert [r[0] for r in rounds] == ["1", "2", "3"]
+    assert all(int(r[3]) == int(r[1]) + 1 and int(r[2]) == 4 for r in rounds)
+    assert [int(r[1]) for r in rounds] == [4, 5, 6]
+    published = lake.read("gold/policy_versions")["policy_version"].sort().to_list()
+    assert published == [4, 5, 6, 7]
+    stamped = steps.filter(pl.col("metadata").str.contains("policy_version_via"))
+    assert set(stamped["policy_version"]) == {4, 5, 6}  # the gateway stamped the published one
     # every step rebuilds from the stored tree rows alone
     sequences = {
         k: p + r for k, p, r in dataset.select("step_key", "prompt_ids", "response_ids").iter_rows()

@@ -67,11 +67,12 @@ def white_box_group(
     gateway: httpx.Client,
     task: Task,
     rollouts: int,
-    policy_version: int,
+    policy_version: int | None,
     tally: Tally,
 ) -> list[str]:
     """GRPO group of a white-box agent: it samples from its own inference server with exact
-    token ids and log-probs, then submits token-level steps with rewards. Returns step keys."""
+    token ids and log-probs, then submits token-level steps with rewards (`policy_version`
+    None: the gateway stamps the published one). Returns step keys."""
     group = f"wb-{uuid.uuid4().hex[:12]}"
     answer = (
         llm.post(
