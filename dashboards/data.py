@@ -21,7 +21,9 @@ from claw_pipelines.contracts.tables import (
     gold_dataset_table,
     gold_tree_table,
 )
+from claw_pipelines.delivery import UNIT_COLUMNS, consumer_positions, unit_keys
 from claw_pipelines.lake import Lake
+from claw_pipelines.live import materializer_running
 from claw_pipelines.settings import ClawSettings
 
 TABLES = (
@@ -219,3 +221,54 @@ def empty_lake_help() -> str:
         "The lake is empty. Run `make demo` (or `claw demo`) to fill it with simulated "
         "agents, or point agents at `claw gateway`, then `claw materialize`."
     )
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def freshness(at: Where, name: str, version: int) -> pl.DataFrame:
+    """Per prompt group of a gold dataset version, newest landed first: when its last step was
+    acknowledged, when it became available to trainers, and the lag between (seconds)."""
+    steps = at.lake().read(
+        gold_dataset_table(name), version=version, columns=[*UNIT_COLUMNS, "created_at"]
+    )
+    return (
+        steps.with_columns(unit=unit_keys(steps))
+        .group_by("unit")
+        .agg(last_ack=pl.col("created_at").max(), available_at=pl.col("landed_at").min())
+        .drop_nulls("available_at")
+        .with_columns(
+            lag_s=(pl.col("available_at") - pl.col("last_ack")).dt.total_milliseconds() / 1000
+        )
+        .sort("available_at", descending=True)
+    )
+
+
+@st.cache_data(ttl=5, show_spinner=False)
+def consumers(at: Where, name: str, version: int) -> pl.DataFrame:
+    """Each consumer rank's position in a dataset: batches and groups taken, the newest policy
+    version taken, when, and (live consumers) how many groups it has not been given yet."""
+    lake = at.lake()
+    positions = consumer_positions(lake, name)
+    if positions.is_empty():
+        return positions
+    units = freshness(at, name, version).height
+    taken = pl.col("groups").fill_null(0)
+    world = (
+        lake.read(GOLD_CONSUMPTION, columns=["dataset", "consumer", "world_size"])
+        .filter(pl.col("dataset") == name)
+        .group_by("consumer")
+        .agg(world_size=pl.col("world_size").max().fill_null(1))
+    )
+    return (
+        positions.join(world, on="consumer", how="left")
+        .with_columns(
+            not_yet_given=pl.when(taken > 0)
+            .then((units / pl.col("world_size") - taken).round(0).clip(lower_bound=0))
+            .otherwise(None)
+        )
+        .sort("consumer", "rank")
+    )
+
+
+def materializer_status(at: Where) -> bool:
+    """Whether a live materializer is running on this lake (its heartbeat is fresh)."""
+    return materializer_running(at.lake())

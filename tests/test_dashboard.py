@@ -34,6 +34,7 @@ def filled(tmp_path_factory) -> Lake:
     for version in (1, 2):
         build_partition(lake, DEFAULT_SPEC, version)
     next(open_dataset("default", lake.uri).batches(1, 8, consumer="trainer-1"))
+    open_dataset("default", lake.uri).next_batch(2, consumer="live-trainer", timeout=0)
     return lake
 
 
@@ -95,3 +96,16 @@ def test_curation_names_a_bad_spec_file_in_one_line_and_keeps_the_others(filled,
     )
     assert "\n" not in warning
     assert "default" in next(s for s in app.selectbox if s.label == "start from").options
+
+
+def test_collection_shows_the_live_lag_and_consumption_the_consumers(filled, monkeypatch):
+    collection = page("collection", filled.uri, monkeypatch)
+    assert not collection.exception
+    assert any("no live materializer is running" in c.value for c in collection.caption)
+    lag = collection.dataframe[-1].value
+    assert list(lag["dataset"]) == ["default"] and lag["lag p50 (s)"][0] >= 0
+    consumption = page("consumption", filled.uri, monkeypatch)
+    assert not consumption.exception
+    positions = next(d.value for d in consumption.dataframe if "not_yet_given" in d.value.columns)
+    live = positions[positions["consumer"] == "live-trainer"].iloc[0]
+    assert live["groups"] == 2 and live["not_yet_given"] == 2  # of four groups

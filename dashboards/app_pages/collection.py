@@ -6,7 +6,7 @@ import altair as alt
 import polars as pl
 import streamlit as st
 
-from claw_pipelines.contracts.tables import BRONZE_EVENTS
+from claw_pipelines.contracts.tables import BRONZE_EVENTS, gold_dataset_table
 from dashboards import data
 
 st.title("Collection")
@@ -49,6 +49,38 @@ def live() -> None:
     )
     st.subheader("Latest records")
     st.dataframe(recent, hide_index=True, width="stretch")
+    live_lag()
+
+
+def live_lag() -> None:
+    """From acknowledgement to trainers: how long the newest groups took to be available."""
+    st.subheader("Live: acknowledged → available to trainers")
+    running = data.materializer_status(at)
+    st.caption(
+        "a live materializer keeps gold up to date (claw materialize --follow)"
+        if running
+        else "no live materializer is running: gold moves with Dagster runs "
+        "(start one with `claw materialize --follow`, or `claw up`)"
+    )
+    rows = []
+    lake = at.lake()
+    for name in data.datasets(at):
+        version = lake.version(gold_dataset_table(name))
+        recent = data.freshness(at, name, version).head(50)
+        if recent.height:
+            rows.append(
+                {
+                    "dataset": name,
+                    "groups (newest 50)": recent.height,
+                    "lag p50 (s)": round(float(recent["lag_s"].median()), 2),
+                    "lag max (s)": round(float(recent["lag_s"].max()), 2),
+                    "newest available": recent["available_at"].max(),
+                }
+            )
+    if rows:
+        st.dataframe(pl.DataFrame(rows), hide_index=True, width="stretch")
+    else:
+        st.caption("no gold dataset has groups yet")
 
 
 live()

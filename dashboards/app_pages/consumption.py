@@ -76,6 +76,17 @@ else:
         hide_index=True,
     )
 
+st.subheader("Consumers' positions")
+positions = data.consumers(at, name, newest)
+if positions.is_empty():
+    st.caption("No trainer has pulled from this dataset yet (`next_batch` or `batches`).")
+else:
+    st.dataframe(positions, hide_index=True, width="stretch")
+    st.caption(
+        "live consumers (`next_batch`) get each group once per rank; `not_yet_given` counts "
+        "the groups of this rank's share that are available but not delivered yet"
+    )
+
 st.subheader("Lineage of each version")
 lineage = data.table(
     at,
