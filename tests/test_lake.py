@@ -15,8 +15,14 @@ import httpx
 import pyarrow as pa
 import pytest
 
+from claw_pipelines.consume import Dataset
+from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
 from claw_pipelines.lake import Lake
+from claw_pipelines.live import LiveMaterializer
+from claw_pipelines.policy import publish_policy_version
+from claw_pipelines.specs import save_spec
+from tests.lakes import group_of, land
 from tests.servers import GatewayProcess, free_port, wait_until
 
 
@@ -172,3 +178,19 @@ def test_maintenance_beside_concurrent_appends_never_fails_a_commit(tmp_path):
     assert any(r["files_removed"] > 0 for r in results)
     changes = lake.changes(BRONZE_EVENTS, 0, lake.version(BRONZE_EVENTS), columns=["event_id"])
     assert changes is not None and sorted(changes.column("event_id").to_pylist()) == sorted(ids)
+
+
+@pytest.mark.s3
+def test_the_online_loop_runs_on_an_s3_lake(s3_server):
+    lake = Lake("s3://claw-lake/online", s3_options(s3_server))
+    save_spec(lake, CurationSpec(name="live", complete_groups_only=True, merge="prompt_group"))
+    publish_policy_version(lake, 2)
+    land(lake, [*group_of("a", [1, 2], [1.0, 0.0], version=2), *group_of("b", [3], [0.5], 2)])
+    live = LiveMaterializer(lake)
+    assert live.step().changed  # silver, then the dataset: in increments, on S3
+    dataset = Dataset(lake, "live")
+    first = dataset.next_batch(consumer="s3-trainer", timeout=5)
+    second = dataset.next_batch(consumer="s3-trainer", timeout=5)
+    assert sorted([*first.groups, *second.groups]) == ["2:a", "2:b"]
+    assert dataset.next_batch(consumer="s3-trainer", timeout=0.2) is None
+    assert [b.groups for b in dataset.replay("s3-trainer")] == [first.groups, second.groups]
