@@ -224,7 +224,7 @@ def warm_group_body(seed: int) -> bytes:
 # -- trainer ------------------------------------------------------------------------------
 
 
-def trainer(uri: str, groups: int, poll_s: float, stop, out) -> None:
+def trainer(uri: str, groups: int | None, max_tokens: int | None, poll_s: float, stop, out):
     """Spawned: block on `next_batch` until `stop`; report each batch's delivery time."""
     from claw_pipelines.consume import Dataset
 
@@ -239,7 +239,9 @@ def trainer(uri: str, groups: int, poll_s: float, stop, out) -> None:
     while not stop.is_set():
         started = time.perf_counter()
         try:
-            batch = dataset.next_batch(groups, consumer=CONSUMER, timeout=1.0, poll_s=poll_s)
+            batch = dataset.next_batch(
+                groups, consumer=CONSUMER, max_tokens=max_tokens, timeout=1.0, poll_s=poll_s
+            )
         except Exception as exc:  # every exception is reported, none hidden
             errors[f"{type(exc).__name__}: {exc}"[:300]] += 1
             time.sleep(poll_s)
@@ -287,12 +289,13 @@ class Deliveries:
             self.summary = {"calls": calls, "empty_calls": empty, "errors": errors}
 
 
-def start_trainer(uri: str, groups: int, poll_s: float) -> tuple:
+def start_trainer(uri: str, groups: int | None, max_tokens: int | None, poll_s: float) -> tuple:
     """A spawned trainer process (fork after delta-rs' runtime started would panic), once it
     has imported everything."""
     context = mp.get_context("spawn")
     stop, out = context.Event(), context.Queue()
-    proc = context.Process(target=trainer, args=(uri, groups, poll_s, stop, out), daemon=True)
+    options = (uri, groups, max_tokens, poll_s, stop, out)
+    proc = context.Process(target=trainer, args=options, daemon=True)
     proc.start()
     message = out.get(timeout=120)
     assert message == ("ready",), message
@@ -547,7 +550,10 @@ def measure(path: str, seconds: float, drain_s: float, args: argparse.Namespace)
         try:
             gateway.start(timeout=60)
             builder.start(timeout=120)
-            trainer_proc, stop, out = start_trainer(uri, args.trainer_groups, args.trainer_poll_s)
+            groups = None if args.trainer_max_tokens else args.trainer_groups
+            trainer_proc, stop, out = start_trainer(
+                uri, groups, args.trainer_max_tokens, args.trainer_poll_s
+            )
             warm_s = warm_up(gateway.url, got, out, args.warmup_timeout)
             log(f"{path}: warm-up group delivered after {warm_s:.1f} s")
             plan = plan_load(seconds, args.rate, args.turn_gap, seed=11)
@@ -657,6 +663,13 @@ def main() -> None:
     parser.add_argument("--flush-ms", type=int, default=1000, help="CLAW_FLUSH_INTERVAL_MS")
     parser.add_argument("--poll-s", type=float, default=0.2, help="materializer --poll-s")
     parser.add_argument("--trainer-groups", type=int, default=1, help="next_batch(groups=)")
+    parser.add_argument(
+        "--trainer-max-tokens",
+        type=int,
+        default=262_144,
+        help="next_batch(max_tokens=): every ready group that fits, at least one (an async "
+        "trainer's batch); 0: next_batch(groups=--trainer-groups) instead",
+    )
     parser.add_argument("--trainer-poll-s", type=float, default=0.05)
     args = parser.parse_args()
 
@@ -680,7 +693,8 @@ def main() -> None:
         "turns": TURNS,
         "flush_interval_ms": args.flush_ms,
         "materializer_poll_s": args.poll_s,
-        "trainer_groups_per_batch": args.trainer_groups,
+        "trainer_groups_per_batch": None if args.trainer_max_tokens else args.trainer_groups,
+        "trainer_max_tokens": args.trainer_max_tokens,
         "trainer_poll_s": args.trainer_poll_s,
         "live": live,
         "dagster_sensors": dagster,

@@ -40,12 +40,14 @@ from claw_pipelines.contracts.tables import (
     GOLD_CONSUMPTION,
     GOLD_CONSUMPTION_SPEC,
     GOLD_LINEAGE,
+    GOLD_POLICY_VERSIONS,
     gold_dataset_table,
     gold_tree_table,
 )
 from claw_pipelines.delivery import (
     NEXT,
     UNIT_COLUMNS,
+    Ledger,
     available_units,
     choose,
     ledger,
@@ -187,6 +189,10 @@ class Dataset:
         if not lake.exists(self.table):
             raise LookupError(f"no gold dataset {name!r} in {lake.uri}")
         self.version: int = lake.version(self.table) if version is None else int(version)
+        # live delivery keeps what it read while the tables it came from have not moved
+        self._books: dict[tuple[str, int], Ledger] = {}
+        self._newest: tuple[int, pl.DataFrame] | None = None
+        self._floor: tuple[tuple[int | None, int | None], int | None] | None = None
 
     def __repr__(self) -> str:
         return f"Dataset({self.name!r}, version={self.version})"
@@ -275,27 +281,29 @@ class Dataset:
         if not (self.lake.exists(GOLD_LINEAGE) and self.lake.exists(self.trees_table)):
             return None
         at = self.version if version is None else version
-        written = (
-            self.lake.scan(GOLD_LINEAGE)
-            .filter(
-                (pl.col("dataset") == self.name)
-                & (pl.col("policy_version") == policy_version)
-                & (pl.col("dataset_version") <= at)
-            )
-            .sort("dataset_version")
-            .select("trees_version")
-            .collect()
-        )
+        written = self.lake.read(
+            GOLD_LINEAGE,
+            columns=["dataset_version", "trees_version"],
+            where=(pl.col("dataset") == self.name)
+            & (pl.col("policy_version") == policy_version)
+            & (pl.col("dataset_version") <= at),
+        ).sort("dataset_version")
         if written.is_empty() or written["trees_version"][-1] is None:
             return None
         trees = steps["tree_id"].unique().implode()
-        segments = (
-            self.lake.scan(self.trees_table, int(written["trees_version"][-1]))
-            .filter((pl.col("policy_version") == policy_version) & pl.col("tree_id").is_in(trees))
-            .select(
-                "segment", "tree_id", "parent", "start_depth", "end_depth", "tokens", "step_key"
-            )
-            .collect()
+        segments = self.lake.read(
+            self.trees_table,
+            int(written["trees_version"][-1]),
+            columns=[
+                "segment",
+                "tree_id",
+                "parent",
+                "start_depth",
+                "end_depth",
+                "tokens",
+                "step_key",
+            ],
+            where=(pl.col("policy_version") == policy_version) & pl.col("tree_id").is_in(trees),
         )
         expected = steps.select(
             "step_key", "tree_id", end_depth=pl.col("prompt_len") + pl.col("response_len")
@@ -414,10 +422,12 @@ class Dataset:
         layout: Layout,
     ) -> Batch | None:
         """One attempt: choose from the newest version, pack, record (guarded), or None."""
-        book = ledger(self.lake, self.name, consumer, rank)
+        book = self._ledger(consumer, rank)
         version = self.lake.version(self.table)
-        columns = list(dict.fromkeys([*STEP_COLUMNS, *UNIT_COLUMNS]))
-        steps = self.lake.read(self.table, version, columns=columns)
+        if self._newest is None or self._newest[0] != version:
+            columns = list(dict.fromkeys([*STEP_COLUMNS, *UNIT_COLUMNS]))
+            self._newest = version, self.lake.read(self.table, version, columns=columns)
+        steps = self._newest[1]
         floor = self.staleness_floor() if min_policy_version is None else min_policy_version
         units = available_units(steps, book.units, floor, rank, world_size)
         chosen = choose(units, groups, max_tokens)
@@ -426,7 +436,7 @@ class Dataset:
         frame = steps.filter(unit_keys(steps).is_in(chosen))
         batch = self._pack(frame.select(*STEP_COLUMNS, "policy_version"), version, layout)
         newest = int(frame["policy_version"].max())
-        record_delivery(
+        written = record_delivery(
             self.lake,
             self.name,
             version,
@@ -438,12 +448,28 @@ class Dataset:
             batch.step_keys,
             newest,
         )
+        self._books[consumer, rank] = Ledger(written, book.units | set(chosen), book.next_index + 1)
         batch.groups, batch.batch_index = chosen, book.next_index
         return batch
+
+    def _ledger(self, consumer: str, rank: int) -> Ledger:
+        """The consumer rank's deliveries: as this object last wrote them when nobody has
+        written since, else read again."""
+        kept = self._books.get((consumer, rank))
+        if kept is not None and self.lake.version(GOLD_CONSUMPTION) == kept.version:
+            return kept
+        self._books[consumer, rank] = book = ledger(self.lake, self.name, consumer, rank)
+        return book
 
     def staleness_floor(self) -> int | None:
         """The oldest policy version the dataset's spec still admits: the newest published
         minus its `max_policy_staleness` (None when either is unknown)."""
+        inputs = (self.lake.version(GOLD_LINEAGE), self.lake.version(GOLD_POLICY_VERSIONS))
+        if self._floor is None or self._floor[0] != inputs:
+            self._floor = inputs, self._staleness_floor()
+        return self._floor[1]
+
+    def _staleness_floor(self) -> int | None:
         published = policy.published_version(self.lake)
         if published is None or not self.lake.exists(GOLD_LINEAGE):
             return None

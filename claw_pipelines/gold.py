@@ -150,19 +150,29 @@ def policy_versions(lake: Lake) -> list[int]:
     return sorted(int(v) for v in versions.fill_null(0).unique().to_list())
 
 
-def with_tokens(lake: Lake, chosen: pl.DataFrame, at: int | None) -> pl.DataFrame:
+def with_tokens(
+    lake: Lake, chosen: pl.DataFrame, at: int | None, known: pl.DataFrame | None = None
+) -> pl.DataFrame:
     """`chosen` (curated rows) beside their token columns from silver, in step_key order (the
-    canonical order trees are merged in)."""
-    versions = chosen["policy_version"].unique().to_list()
-    in_partitions = pl.col("policy_version").is_in(versions)
-    if 0 in versions:
-        in_partitions = in_partitions | pl.col("policy_version").is_null()
-    tokens = (
-        lake.scan(SILVER_STEPS, at)
-        .filter(in_partitions & pl.col("step_key").is_in(chosen["step_key"].implode()))
-        .select(TOKEN_COLUMNS)
-        .collect()
-    )
+    canonical order trees are merged in). `known` (TOKEN_COLUMNS of steps at hand, e.g. the
+    ones a silver run just wrote) saves reading those from silver."""
+    wanted, parts = chosen["step_key"], []
+    if known is not None and known.height:
+        hit = known.select(TOKEN_COLUMNS).filter(pl.col("step_key").is_in(wanted.implode()))
+        parts.append(hit)
+        wanted = wanted.filter(~wanted.is_in(hit["step_key"].implode()))
+    if wanted.len() or not parts:
+        versions = chosen["policy_version"].unique().to_list()
+        in_partitions = pl.col("policy_version").is_in(versions)
+        if 0 in versions:
+            in_partitions = in_partitions | pl.col("policy_version").is_null()
+        parts.append(
+            lake.scan(SILVER_STEPS, at)
+            .filter(in_partitions & pl.col("step_key").is_in(wanted.implode()))
+            .select(TOKEN_COLUMNS)
+            .collect()
+        )
+    tokens = pl.concat(parts, how="vertical_relaxed")
     return chosen.join(tokens, on="step_key", how="inner").sort("step_key")
 
 

@@ -105,11 +105,20 @@ def unit_fingerprints(rows: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def update_dataset(lake: Lake, spec: CurationSpec) -> GoldIncrement:
+def update_dataset(
+    lake: Lake,
+    spec: CurationSpec,
+    tokens: pl.DataFrame | None = None,
+    recover: bool = True,
+) -> GoldIncrement:
     """Bring every partition of `spec`'s dataset up to date with silver's last completed run,
     rewriting only the units that changed. Guarded: an increment overtaken by another
-    writer of a partition it touches starts again from the new state."""
-    increment, lost = until_landed(lambda: _increment_once(lake, spec), f"gold {spec.name}")
+    writer of a partition it touches starts again from the new state. `tokens` (silver
+    token columns at hand) saves reading those steps again; `recover` first writes lineage
+    a killed writer left out (a follower does it once, on its first increment)."""
+    if recover:
+        recover_lineage(lake, spec.name)
+    increment, lost = until_landed(lambda: _increment_once(lake, spec, tokens), f"gold {spec.name}")
     increment.write_conflicts = lost
     return increment
 
@@ -118,9 +127,8 @@ def _quoted(values: list[str]) -> str:
     return ", ".join("'" + v.replace("'", "''") + "'" for v in sorted(values))
 
 
-def _increment_once(lake: Lake, spec: CurationSpec) -> GoldIncrement:
+def _increment_once(lake: Lake, spec: CurationSpec, tokens: pl.DataFrame | None) -> GoldIncrement:
     pins = pin_gold(lake, spec)
-    recover_lineage(lake, spec.name)
     versions = source_versions(lake)
     increment = GoldIncrement(spec.name, versions)
     if versions[SILVER_STEPS] is None:
@@ -141,7 +149,9 @@ def _increment_once(lake: Lake, spec: CurationSpec) -> GoldIncrement:
     both = pl.col("fingerprint").is_not_null() & pl.col("fingerprint_stored").is_not_null()
     increment.rewritten = changed.filter(both)["key"].to_list()
 
-    writing = with_tokens(lake, now.join(changed.select(UNIT), on=UNIT), versions[SILVER_STEPS])
+    writing = with_tokens(
+        lake, now.join(changed.select(UNIT), on=UNIT), versions[SILVER_STEPS], tokens
+    )
     doomed = changed.select(
         "policy_version",
         trees=pl.concat_list(pl.col("trees").fill_null([]), pl.col("trees_stored").fill_null([])),

@@ -30,6 +30,7 @@ from claw_pipelines.settings import REMOTE_SCHEMES, ClawSettings
 
 T = TypeVar("T")
 COMMIT_METADATA_KEY = "claw"
+REFRESH_S = 0.025  # kept table handles are refreshed at most this often (own writes: at once)
 CHANGE_FEED_PROPERTY = "delta.enableChangeDataFeed"
 CHANGE_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
 
@@ -146,8 +147,9 @@ class Lake:
         self.storage_options = dict(storage_options or {})
         self._writers: dict[str, DeltaTable] = {}
         self._latest_tables: dict[str, DeltaTable] = {}  # kept current by update_incremental
+        self._refreshed_at: dict[str, float] = {}
         self._ensured: set[str] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     @classmethod
     def from_settings(cls, settings: ClawSettings | None = None) -> Lake:
@@ -228,14 +230,25 @@ class Lake:
 
     def _latest(self, name: str) -> DeltaTable:
         """Table `name` at its newest version: one handle per table, brought up to date by
-        reading only the commits it has not seen (opening a table replays its log)."""
+        reading only the commits it has not seen (opening a table replays its log). Calls
+        within REFRESH_S of each other share one refresh; this lake's own writes are seen at
+        once, other writers' within REFRESH_S (their commits would make a guarded write
+        based on the older version conflict, never land on top of it)."""
         with self._lock:
             table = self._latest_tables.get(name)
+            now = time.monotonic()
             if table is None:
                 table = self._latest_tables[name] = self.open(name)
-            else:
+            elif now - self._refreshed_at.get(name, -1.0) >= REFRESH_S:
                 table.update_incremental()
+            else:
+                return table
+            self._refreshed_at[name] = now
             return table
+
+    def _wrote(self, name: str) -> None:
+        """This lake committed to `name`: its next read refreshes the kept handle."""
+        self._refreshed_at.pop(name, None)
 
     def version(self, name: str) -> int | None:
         """Current version of table `name`, or None when it does not exist."""
@@ -257,6 +270,7 @@ class Lake:
         if table is None:
             try:
                 self._ensured.add(spec.name)
+                self._wrote(spec.name)
                 return DeltaTable.create(
                     self.table_uri(spec.name),
                     schema=spec.schema,
@@ -276,6 +290,7 @@ class Lake:
         if missing:  # a column declared since the table was created
             table.alter.add_columns([Field.from_arrow(f) for f in missing])
         self._ensured.add(spec.name)
+        self._wrote(spec.name)
         return table
 
     def transaction_version(self, name: str, app_id: str) -> int | None:
@@ -331,7 +346,9 @@ class Lake:
             try:
                 write(table)
             except CommitFailedError as exc:
+                self._wrote(spec.name)  # someone else did: look again next time
                 raise WriteConflict(f"{spec.name}: {exc}".splitlines()[0]) from None
+            self._wrote(spec.name)
             return table.version()  # the table object now stands at its own commit
 
     def append(
@@ -373,6 +390,7 @@ class Lake:
         if table is None:
             table = self._writers[spec.name] = self.ensure(spec)
         write(table)
+        self._wrote(spec.name)
         version = table.version()
         table.update_incremental()
         return version
@@ -428,7 +446,9 @@ class Lake:
         if guard is not None:
             return self._guarded(spec, guard, write)
         table = self.ensure(spec)
-        return _retry_conflicts(table, lambda: write(table))
+        written = _retry_conflicts(table, lambda: write(table))
+        self._wrote(spec.name)
+        return written
 
     def maintain(self, name: str, retention_hours: int = 168) -> dict[str, Any]:
         """Compact small files, write a checkpoint, vacuum files unreferenced for longer than
@@ -445,6 +465,7 @@ class Lake:
         table.create_checkpoint()
         removed = table.vacuum(retention_hours=retention_hours, dry_run=False)
         table.cleanup_metadata()
+        self._wrote(name)
         return {
             "version": table.version(),
             "files_added": compacted.get("numFilesAdded", 0),
@@ -482,17 +503,24 @@ class Lake:
         return pl.scan_delta(self.table_uri(name), version=version, storage_options=self._options())
 
     def read(
-        self, name: str, version: int | None = None, columns: list[str] | None = None
+        self,
+        name: str,
+        version: int | None = None,
+        columns: list[str] | None = None,
+        where: pl.Expr | None = None,
     ) -> pl.DataFrame:
-        """Read table `name` into polars (optionally some columns, at a version)."""
+        """Read table `name` into polars (optionally some columns, the rows matching `where`,
+        at a version)."""
+
+        def shaped(frame: pl.LazyFrame) -> pl.DataFrame:
+            frame = frame if where is None else frame.filter(where)
+            return (frame if columns is None else frame.select(columns)).collect()
+
         with self._lock:  # a kept handle at that version saves replaying the log
-            kept = self._latest_tables.get(name)
-            if kept is not None and version is None:
-                kept.update_incremental()
+            try:
+                kept = self._latest(name)
+            except TableNotFoundError:
+                kept = None  # the scan below says so
             if kept is not None and version in (None, kept.version()):
-                frame = pl.scan_delta(kept)  # read now: the handle moves on later
-                return (frame if columns is None else frame.select(columns)).collect()
-        frame = self.scan(name, version)
-        if columns is not None:
-            frame = frame.select(columns)
-        return frame.collect()
+                return shaped(pl.scan_delta(kept))  # read now: the handle moves on later
+        return shaped(self.scan(name, version))

@@ -15,10 +15,13 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+
+import polars as pl
 
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, GOLD_POLICY_VERSIONS
+from claw_pipelines.gold import TOKEN_COLUMNS
 from claw_pipelines.gold_increments import GoldIncrement, update_dataset
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import SilverOptions, SilverRun, build_silver, silver_state
@@ -28,6 +31,7 @@ HEARTBEAT = "_live/materializer.json"
 HEARTBEAT_S = 5.0  # the heartbeat is rewritten at least this often
 STALE_AFTER_S = 30.0  # a heartbeat older than this: no materializer is running
 SPECS_EVERY_S = 2.0  # spec files are listed again at most this often
+RECENT_S = 300.0  # how much data time of new steps' tokens a follower keeps at hand
 
 
 @dataclass
@@ -54,6 +58,8 @@ class LiveMaterializer:
         self._gold_inputs: dict[str, tuple] = {}  # per dataset: what it was last brought to
         self._specs: tuple[float, dict[str, CurationSpec], dict[str, SpecError]] = (-1e9, {}, {})
         self._beat_at = -1e9
+        self._recent = pl.DataFrame()  # token columns of the steps silver took lately
+        self._recovered: set[str] = set()
         self.rounds = 0
         self.reported_errors: set[str] = set()  # spec errors already shown
 
@@ -66,17 +72,35 @@ class LiveMaterializer:
         if bronze is not None and (state.bronze_version is None or bronze > state.bronze_version):
             done.silver = build_silver(self.lake, self.options)
             state = silver_state(self.lake)
+            self._remember(done.silver)
         specs, done.spec_errors = self._current_specs()
         published = self.lake.version(GOLD_POLICY_VERSIONS)
         for name, spec in specs.items():
             inputs = (state.versions, spec.spec_hash, published)
             if self._gold_inputs.get(name) != inputs:
-                done.gold.append(update_dataset(self.lake, spec))
+                recover = name not in self._recovered
+                done.gold.append(update_dataset(self.lake, spec, self._recent, recover))
+                self._recovered.add(name)
                 self._gold_inputs[name] = inputs
         done.seconds = time.perf_counter() - started
         self.rounds += 1
         self.beat(done)
         return done
+
+    def _remember(self, run: SilverRun) -> None:
+        """Keep the token columns of the steps silver just took (for RECENT_S of data time):
+        a group becomes ready soon after its last steps land, and its increment then reads
+        their tokens from here instead of from silver."""
+        if run.new_steps.is_empty():
+            return
+        fresh = run.new_steps.select(*TOKEN_COLUMNS, "created_at")
+        recent = (
+            pl.concat([self._recent, fresh], how="vertical_relaxed")
+            if self._recent.height
+            else fresh
+        )
+        horizon = recent["created_at"].max() - timedelta(seconds=RECENT_S)
+        self._recent = recent.filter(pl.col("created_at") >= horizon)
 
     def _current_specs(self) -> tuple[dict[str, CurationSpec], dict[str, SpecError]]:
         """The valid specs and the errors of the others, listed at most every SPECS_EVERY_S."""
