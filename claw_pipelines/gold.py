@@ -131,13 +131,24 @@ def newest_policy(lake: Lake, versions: dict[str, int | None], steps: pl.DataFra
     return max(newest)
 
 
-def curated(lake: Lake, spec: CurationSpec, versions: dict[str, int | None]) -> pl.DataFrame:
-    """Every step the spec keeps, over all policy versions (small columns, pinned versions),
-    with its `tree_id`."""
+def candidate_steps(lake: Lake, versions: dict[str, int | None]) -> pl.DataFrame:
+    """Every silver step (small columns) beside its reward and trajectory, at `versions`:
+    what any spec curates from."""
     steps = lake.read(SILVER_STEPS, versions[SILVER_STEPS], columns=STEP_COLUMNS)
     rewards = lake.read(SILVER_STEP_REWARDS, versions[SILVER_STEP_REWARDS])
     trajectories = lake.read(SILVER_TRAJECTORIES, versions[SILVER_TRAJECTORIES])
-    frame = candidates(steps, rewards, trajectories)
+    return candidates(steps, rewards, trajectories)
+
+
+def curated(
+    lake: Lake,
+    spec: CurationSpec,
+    versions: dict[str, int | None],
+    frame: pl.DataFrame | None = None,
+) -> pl.DataFrame:
+    """Every step the spec keeps, over all policy versions (small columns, pinned versions),
+    with its `tree_id`. `frame`: `candidate_steps` at `versions`, when already at hand."""
+    frame = candidate_steps(lake, versions) if frame is None else frame
     kept = curate(frame, spec, newest_policy(lake, versions, frame))
     return kept.with_columns(tree_id=tree_ids(kept, spec))
 

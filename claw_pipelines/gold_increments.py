@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import polars as pl
 import pyarrow as pa
@@ -23,8 +24,10 @@ import pyarrow as pa
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_DATASET_SCHEMA,
+    SILVER_STEP_REWARDS,
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
+    TableSpec,
     gold_dataset_spec,
     gold_dataset_table,
     gold_tree_spec,
@@ -33,6 +36,7 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.gold import (
     TOKEN_COLUMNS,
     GoldPartition,
+    candidate_steps,
     curated,
     dataset_rows,
     lineage_row,
@@ -105,20 +109,40 @@ def unit_fingerprints(rows: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+@dataclass
+class AtHand:
+    """What a follower keeps between increments: the token columns of steps silver took
+    lately (`tokens`), and the candidate steps at the silver versions it last read (shared
+    by every spec's increment of a round)."""
+
+    tokens: pl.DataFrame | None = None
+    _candidates: tuple[tuple, pl.DataFrame] | None = None
+
+    def candidates(self, lake: Lake, versions: dict[str, int | None]) -> pl.DataFrame:
+        """`candidate_steps` at `versions`, read once per set of silver versions."""
+        key = tuple(versions[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES))
+        if self._candidates is None or self._candidates[0] != key:
+            self._candidates = (key, candidate_steps(lake, versions))
+        return self._candidates[1]
+
+
 def update_dataset(
     lake: Lake,
     spec: CurationSpec,
-    tokens: pl.DataFrame | None = None,
+    at_hand: AtHand | None = None,
     recover: bool = True,
 ) -> GoldIncrement:
     """Bring every partition of `spec`'s dataset up to date with silver's last completed run,
     rewriting only the units that changed. Guarded: an increment overtaken by another
-    writer of a partition it touches starts again from the new state. `tokens` (silver
-    token columns at hand) saves reading those steps again; `recover` first writes lineage
+    writer of a partition it touches starts again from the new state. `at_hand` (a
+    follower's) saves reading silver again; `recover` first writes lineage
     a killed writer left out (a follower does it once, on its first increment)."""
     if recover:
         recover_lineage(lake, spec.name)
-    increment, lost = until_landed(lambda: _increment_once(lake, spec, tokens), f"gold {spec.name}")
+    at_hand = at_hand or AtHand()
+    increment, lost = until_landed(
+        lambda: _increment_once(lake, spec, at_hand), f"gold {spec.name}"
+    )
     increment.write_conflicts = lost
     return increment
 
@@ -127,14 +151,14 @@ def _quoted(values: list[str]) -> str:
     return ", ".join("'" + v.replace("'", "''") + "'" for v in sorted(values))
 
 
-def _increment_once(lake: Lake, spec: CurationSpec, tokens: pl.DataFrame | None) -> GoldIncrement:
+def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncrement:
     pins = pin_gold(lake, spec)
     versions = source_versions(lake)
     increment = GoldIncrement(spec.name, versions)
     if versions[SILVER_STEPS] is None:
         return increment
     table = gold_dataset_table(spec.name)
-    now = with_units(curated(lake, spec, versions))
+    now = with_units(curated(lake, spec, versions, at_hand.candidates(lake, versions)))
     stored = with_units(lake.read(table, pins[table], columns=FINGERPRINTED.names))
     judged = unit_fingerprints(now).join(
         unit_fingerprints(stored), on=UNIT, how="full", coalesce=True, suffix="_stored"
@@ -150,13 +174,13 @@ def _increment_once(lake: Lake, spec: CurationSpec, tokens: pl.DataFrame | None)
     increment.rewritten = changed.filter(both)["key"].to_list()
 
     writing = with_tokens(
-        lake, now.join(changed.select(UNIT), on=UNIT), versions[SILVER_STEPS], tokens
+        lake, now.join(changed.select(UNIT), on=UNIT), versions[SILVER_STEPS], at_hand.tokens
     )
     doomed = changed.select(
         "policy_version",
         trees=pl.concat_list(pl.col("trees").fill_null([]), pl.col("trees_stored").fill_null([])),
     )
-    stats = _stored_tree_stats(lake, spec, pins)
+    stats = _stored_tree_stats(lake, spec, pins, stored)
     landed_at = datetime.now(UTC)
     clauses, dataset_parts, tree_parts, lineages = [], [], [], []
     for (version,), gone in doomed.group_by("policy_version"):
@@ -185,19 +209,21 @@ def _increment_once(lake: Lake, spec: CurationSpec, tokens: pl.DataFrame | None)
     where = " OR ".join(clauses)
     meta = {"increment": increment.summary() | {"partitions": sorted(increment.partitions)}}
     meta |= {"spec_hash": spec.spec_hash, "source_versions": versions}
-    increment.dataset_version = lake.overwrite(
-        gold_dataset_spec(spec.name),
-        _stack(dataset_parts, GOLD_DATASET_SCHEMA),
-        metadata=meta,
-        where=where,
-        guard=guard,
-    )
-    increment.trees_version = lake.overwrite(
+    # only new units: their trees are disjoint from every stored one, so a plain (guarded)
+    # append does what the predicate overwrite would, without scanning the stored files
+    only_added = not increment.rewritten and not increment.removed
+
+    def write(table: TableSpec, parts: list[pa.Table], metadata: dict[str, Any]) -> int:
+        rows = _stack(parts, table.schema)
+        if only_added:
+            return lake.append(table, rows, metadata=metadata, guard=guard)
+        return lake.overwrite(table, rows, metadata=metadata, where=where, guard=guard)
+
+    increment.dataset_version = write(gold_dataset_spec(spec.name), dataset_parts, meta)
+    increment.trees_version = write(
         gold_tree_spec(spec.name),
-        _stack(tree_parts, gold_tree_spec(spec.name).schema),
-        metadata=meta | {"dataset_version": increment.dataset_version, "lineage": lineages},
-        where=where,
-        guard=guard,
+        tree_parts,
+        meta | {"dataset_version": increment.dataset_version, "lineage": lineages},
     )
     rows = record_lineage(lake, lineages, increment.dataset_version, increment.trees_version)
     for part, row in zip(increment.partitions.values(), rows, strict=True):
@@ -213,25 +239,25 @@ def _stack(parts: list[pa.Table], schema: pa.Schema) -> pa.Table:
     return pa.concat_tables([conform(part, schema) for part in parts])
 
 
-def _stored_tree_stats(lake: Lake, spec: CurationSpec, pins: dict[str, int]) -> pl.DataFrame:
-    """Per stored tree (policy_version, tree_id): steps, raw and tree tokens."""
-    table, trees_table = gold_dataset_table(spec.name), gold_tree_table(spec.name)
-    steps = lake.read(
-        table, pins[table], columns=["policy_version", "tree_id", "prompt_len", "response_len"]
-    )
+def _stored_tree_stats(
+    lake: Lake, spec: CurationSpec, pins: dict[str, int], stored: pl.DataFrame
+) -> pl.DataFrame:
+    """Per stored tree (policy_version, tree_id): steps, raw and tree tokens (`stored`: the
+    dataset's rows at its pin)."""
+    trees_table = gold_tree_table(spec.name)
     segments = lake.read(
         trees_table,
         pins[trees_table],
         columns=["policy_version", "tree_id", "start_depth", "end_depth"],
     )
-    per_tree = steps.group_by("policy_version", "tree_id").agg(
+    per_tree = stored.group_by("policy_version", "tree_id").agg(
         steps=pl.len().cast(pl.Int64),
         raw_tokens=(pl.col("prompt_len") + pl.col("response_len")).sum(),
     )
-    stored = segments.group_by("policy_version", "tree_id").agg(
+    tree_tokens = segments.group_by("policy_version", "tree_id").agg(
         tree_tokens=(pl.col("end_depth") - pl.col("start_depth")).sum()
     )
-    return per_tree.join(stored, on=["policy_version", "tree_id"], how="left").with_columns(
+    return per_tree.join(tree_tokens, on=["policy_version", "tree_id"], how="left").with_columns(
         pl.col("tree_tokens").fill_null(0)
     )
 

@@ -20,9 +20,10 @@ from datetime import UTC, datetime, timedelta
 import polars as pl
 
 from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.contracts.tables import BRONZE_EVENTS, GOLD_POLICY_VERSIONS
+from claw_pipelines.contracts.tables import BRONZE_EVENTS, GOLD_CONSUMPTION, GOLD_POLICY_VERSIONS
+from claw_pipelines.delivery import NEXT
 from claw_pipelines.gold import TOKEN_COLUMNS
-from claw_pipelines.gold_increments import GoldIncrement, update_dataset
+from claw_pipelines.gold_increments import AtHand, GoldIncrement, update_dataset
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import SilverOptions, SilverRun, build_silver, silver_state
 from claw_pipelines.specs import SpecError, read_specs
@@ -58,7 +59,7 @@ class LiveMaterializer:
         self._gold_inputs: dict[str, tuple] = {}  # per dataset: what it was last brought to
         self._specs: tuple[float, dict[str, CurationSpec], dict[str, SpecError]] = (-1e9, {}, {})
         self._beat_at = -1e9
-        self._recent = pl.DataFrame()  # token columns of the steps silver took lately
+        self.at_hand = AtHand()  # silver inputs kept between increments
         self._recovered: set[str] = set()
         self.rounds = 0
         self.reported_errors: set[str] = set()  # spec errors already shown
@@ -79,7 +80,7 @@ class LiveMaterializer:
             inputs = (state.versions, spec.spec_hash, published)
             if self._gold_inputs.get(name) != inputs:
                 recover = name not in self._recovered
-                done.gold.append(update_dataset(self.lake, spec, self._recent, recover))
+                done.gold.append(update_dataset(self.lake, spec, self.at_hand, recover))
                 self._recovered.add(name)
                 self._gold_inputs[name] = inputs
         done.seconds = time.perf_counter() - started
@@ -94,20 +95,20 @@ class LiveMaterializer:
         if run.new_steps.is_empty():
             return
         fresh = run.new_steps.select(*TOKEN_COLUMNS, "created_at")
-        recent = (
-            pl.concat([self._recent, fresh], how="vertical_relaxed")
-            if self._recent.height
-            else fresh
-        )
+        kept = self.at_hand.tokens
+        recent = pl.concat([kept, fresh], how="vertical_relaxed") if kept is not None else fresh
         horizon = recent["created_at"].max() - timedelta(seconds=RECENT_S)
-        self._recent = recent.filter(pl.col("created_at") >= horizon)
+        self.at_hand.tokens = recent.filter(pl.col("created_at") >= horizon)
 
     def _current_specs(self) -> tuple[dict[str, CurationSpec], dict[str, SpecError]]:
-        """The valid specs and the errors of the others, listed at most every SPECS_EVERY_S."""
+        """The valid specs and the errors of the others, listed at most every SPECS_EVERY_S;
+        datasets a trainer pulled from live come first (in order of their last pull)."""
         read_at, specs, errors = self._specs
         if time.monotonic() - read_at >= SPECS_EVERY_S:
             shelf = read_specs(self.lake)
-            specs, errors = shelf.specs, shelf.errors
+            pulled = live_consumed(self.lake)
+            first = sorted(shelf.specs, key=lambda n: pulled.get(n, ""), reverse=True)
+            specs, errors = {n: shelf.specs[n] for n in first}, shelf.errors
             self._specs = (time.monotonic(), specs, errors)
         return specs, errors
 
@@ -120,6 +121,19 @@ class LiveMaterializer:
         beat = {"pid": os.getpid(), "updated_at": datetime.now(UTC).isoformat()}
         beat |= {"rounds": self.rounds, "last_round_s": done.seconds if done else None}
         self.lake.write_text(HEARTBEAT, json.dumps(beat))
+
+
+def live_consumed(lake: Lake) -> dict[str, str]:
+    """Per dataset, when a trainer last pulled a live batch from it (ISO time)."""
+    if not lake.exists(GOLD_CONSUMPTION):
+        return {}
+    pulls = pl.col("kind") == NEXT
+    last = (
+        lake.read(GOLD_CONSUMPTION, columns=["dataset", "consumed_at"], where=pulls)
+        .group_by("dataset")
+        .agg(pl.col("consumed_at").max())
+    )
+    return {d: t.isoformat() for d, t in last.iter_rows() if t is not None}
 
 
 def materializer_running(lake: Lake, within_s: float = STALE_AFTER_S) -> bool:
