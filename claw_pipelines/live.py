@@ -2,11 +2,13 @@
 
 `LiveMaterializer.step()` is one round: a silver run when bronze has a version silver has not
 read, then an increment of every valid spec's dataset when silver, the specs or the
-published policy version moved. It uses the same guarded transforms as the Dagster assets,
-so it may run beside them and beside itself; a killed materializer converges on restart. It
-leaves a heartbeat in the lake (`_live/materializer.json`), and while that is fresh the
-Dagster sensors leave routine runs to it (Dagster's jobs stay for backfills, spec changes
-made from the UI and full rebuilds).
+published policy version moved. Datasets a trainer pulls from live (`next_batch`) go first
+and every round; while there are such, the others follow at most every BACKGROUND_S. It
+uses the same guarded transforms as the Dagster assets, so it may run beside them and
+beside itself; a killed materializer converges on restart. It leaves a heartbeat in the
+lake (`_live/materializer.json`), and while that is fresh the Dagster sensors leave routine
+runs to it (Dagster's jobs stay for backfills, spec changes made from the UI and full
+rebuilds).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ HEARTBEAT = "_live/materializer.json"
 HEARTBEAT_S = 5.0  # the heartbeat is rewritten at least this often
 STALE_AFTER_S = 30.0  # a heartbeat older than this: no materializer is running
 SPECS_EVERY_S = 2.0  # spec files are listed again at most this often
+PULLING_S = 600.0  # a dataset pulled from live within this long has a trainer waiting
+BACKGROUND_S = 5.0  # while trainers wait on some datasets, the others follow this often
 RECENT_S = 300.0  # how much data time of new steps' tokens a follower keeps at hand
 
 
@@ -61,6 +65,8 @@ class LiveMaterializer:
         self._beat_at = -1e9
         self.at_hand = AtHand()  # silver inputs kept between increments
         self._recovered: set[str] = set()
+        self._pulled: set[str] = set()  # datasets trainers pull from live lately
+        self._brought_at: dict[str, float] = {}  # per dataset: its last increment (monotonic)
         self.rounds = 0
         self.reported_errors: set[str] = set()  # spec errors already shown
 
@@ -78,11 +84,12 @@ class LiveMaterializer:
         published = self.lake.version(GOLD_POLICY_VERSIONS)
         for name, spec in specs.items():
             inputs = (state.versions, spec.spec_hash, published)
-            if self._gold_inputs.get(name) != inputs:
+            if self._gold_inputs.get(name) != inputs and self._due(name):
                 recover = name not in self._recovered
                 done.gold.append(update_dataset(self.lake, spec, self.at_hand, recover))
                 self._recovered.add(name)
                 self._gold_inputs[name] = inputs
+                self._brought_at[name] = time.monotonic()
         done.seconds = time.perf_counter() - started
         self.rounds += 1
         self.beat(done)
@@ -100,13 +107,21 @@ class LiveMaterializer:
         horizon = recent["created_at"].max() - timedelta(seconds=RECENT_S)
         self.at_hand.tokens = recent.filter(pl.col("created_at") >= horizon)
 
+    def _due(self, name: str) -> bool:
+        """Whether dataset `name` is brought up to date this round: every round while no
+        trainer pulls live or one pulls from it; otherwise at most every BACKGROUND_S."""
+        if not self._pulled or name in self._pulled:
+            return True
+        return time.monotonic() - self._brought_at.get(name, -1e9) >= BACKGROUND_S
+
     def _current_specs(self) -> tuple[dict[str, CurationSpec], dict[str, SpecError]]:
         """The valid specs and the errors of the others, listed at most every SPECS_EVERY_S;
         datasets a trainer pulled from live come first (in order of their last pull)."""
         read_at, specs, errors = self._specs
         if time.monotonic() - read_at >= SPECS_EVERY_S:
             shelf = read_specs(self.lake)
-            pulled = live_consumed(self.lake)
+            pulled = live_consumed(self.lake, within_s=PULLING_S)
+            self._pulled = set(pulled)
             first = sorted(shelf.specs, key=lambda n: pulled.get(n, ""), reverse=True)
             specs, errors = {n: shelf.specs[n] for n in first}, shelf.errors
             self._specs = (time.monotonic(), specs, errors)
@@ -123,11 +138,14 @@ class LiveMaterializer:
         self.lake.write_text(HEARTBEAT, json.dumps(beat))
 
 
-def live_consumed(lake: Lake) -> dict[str, str]:
-    """Per dataset, when a trainer last pulled a live batch from it (ISO time)."""
+def live_consumed(lake: Lake, within_s: float | None = None) -> dict[str, str]:
+    """Per dataset, when a trainer last pulled a live batch from it (ISO time), counting
+    pulls of the last `within_s` seconds when given."""
     if not lake.exists(GOLD_CONSUMPTION):
         return {}
     pulls = pl.col("kind") == NEXT
+    if within_s is not None:
+        pulls = pulls & (pl.col("consumed_at") >= datetime.now(UTC) - timedelta(seconds=within_s))
     last = (
         lake.read(GOLD_CONSUMPTION, columns=["dataset", "consumed_at"], where=pulls)
         .group_by("dataset")

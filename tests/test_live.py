@@ -210,6 +210,25 @@ def test_a_trainer_killed_mid_run_resumes_without_repeats_or_gaps(grown):
     assert len(seen) == len(set(seen)) == 12  # every group once: none twice, none skipped
 
 
+def test_a_dataset_trainers_pull_from_goes_first_and_the_others_follow(tmp_path, monkeypatch):
+    lake = Lake(str(tmp_path / "lake"))
+    save_spec(lake, LIVE)
+    save_spec(lake, LIVE.model_copy(update={"name": "other"}))
+    land(lake, group_of("g0", [1, 5], [1.0, 0.0]))
+    live = LiveMaterializer(lake)
+    assert {g.dataset for g in live.step().gold} >= {"live", "other"}  # nobody pulls: all
+    assert Dataset(lake, "live").next_batch(1, consumer="t", timeout=0).groups == ["1:g0"]
+    monkeypatch.setattr("claw_pipelines.live.SPECS_EVERY_S", 0.0)
+    monkeypatch.setattr("claw_pipelines.live.BACKGROUND_S", 3600.0)
+    land(lake, group_of("g1", [2, 5], [1.0, 0.0]))
+    done = live.step()
+    assert next(g.dataset for g in done.gold) == "live"  # the pulled dataset first
+    assert "other" not in {g.dataset for g in done.gold}  # the others wait their turn
+    monkeypatch.setattr("claw_pipelines.live.BACKGROUND_S", 0.0)
+    assert "other" in {g.dataset for g in live.step().gold}  # and then catch up
+    assert Dataset(lake, "other").steps()["prompt_uid"].n_unique() == 2
+
+
 def test_the_live_materializer_survives_sigkill_and_lands_each_group_once(tmp_path):
     lake = Lake(str(tmp_path / "lake"))
     save_spec(lake, LIVE)
