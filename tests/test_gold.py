@@ -37,6 +37,7 @@ from claw_pipelines.specs import (
     save_spec,
 )
 from claw_pipelines.transforms.prefix_tree import build_forest
+from tests.dagster_runs import materialize_gold_partition
 from tests.lakes import completion, feedback, group_of, land, step
 
 
@@ -338,15 +339,7 @@ def test_sensor_adds_partitions_and_requests_changed_ones_then_dagster_builds_th
         changed = sorted(str(r.partition_key) for r in gold_partitions_sensor(context).run_requests)
         assert changed == ["default|3", "mine|3"]  # only version 3 read something new
 
-    instance.add_dynamic_partitions(DATASETS.name, ["mine"])
-    instance.add_dynamic_partitions(POLICY_VERSIONS.name, ["3"])
-    run = dg.materialize(
-        defs.assets,
-        selection=dg.AssetSelection.groups("gold"),
-        resources=resources,
-        instance=instance,
-        partition_key=dg.MultiPartitionKey({"dataset": "mine", "policy_version": "3"}),
-    )
+    run = materialize_gold_partition(instance, resources, "mine", 3)
     assert run.success
     assert all(c.passed for c in run.get_asset_check_evaluations())
     assert len(run.get_asset_check_evaluations()) == 5

@@ -24,14 +24,14 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEPS,
     gold_dataset_spec,
 )
-from claw_pipelines.definitions import defs
-from claw_pipelines.defs.gold import DATASETS, POLICY_VERSIONS, gold_partitions_sensor
+from claw_pipelines.defs.gold import gold_partitions_sensor
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.gold import build_partition
 from claw_pipelines.integrity import check_lake, repair_lake
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import build_silver, watermark
 from claw_pipelines.specs import save_spec
+from tests.dagster_runs import materialize_gold_partition
 from tests.lakes import land, step
 from tests.servers import REPO
 from tests.test_exactly_once import assert_each_once, fill_bronze
@@ -160,16 +160,7 @@ def test_a_bad_spec_fails_only_its_own_dataset_naming_the_file_and_field(tmp_pat
         wanted = sorted(str(r.partition_key) for r in gold_partitions_sensor(context).run_requests)
     assert wanted == ["default|1", "good|1"]
 
-    instance.add_dynamic_partitions(DATASETS.name, ["broken"])
-    instance.add_dynamic_partitions(POLICY_VERSIONS.name, ["1"])
-    run = dg.materialize(
-        defs.assets,
-        selection=dg.AssetSelection.groups("gold"),
-        resources=resources,
-        instance=instance,
-        partition_key=dg.MultiPartitionKey({"dataset": "broken", "policy_version": "1"}),
-        raise_on_error=False,
-    )
+    run = materialize_gold_partition(instance, resources, "broken", 1, raise_on_error=False)
     (failure,) = [e for e in run.all_events if e.is_step_failure]
     shown = failure.step_failure_data.user_failure_data.description  # the UI's headline
     assert shown == f"{expected}, unable to parse string as an integer"
