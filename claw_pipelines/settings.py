@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 from pathlib import Path
@@ -95,6 +96,16 @@ class ClawSettings(BaseSettings):
         else:
             base = Path(self.lake_uri.removeprefix("file://")) / "_wal"
         return base / self.gateway_id
+
+    def to_env(self) -> dict[str, str]:
+        """The `CLAW_*` environment that gives a child process exactly these settings."""
+        env = {}
+        for name, value in self.model_dump(exclude_none=True).items():
+            env[f"CLAW_{name.upper()}"] = (
+                json.dumps(value) if isinstance(value, dict) else str(value)
+            )
+        env["CLAW_WAL_DIR"] = str(self.resolved_wal_dir.parent)
+        return env
 
     def with_overrides(self, **values: Any) -> ClawSettings:
         """A copy with some fields replaced (CLI flags over the environment)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import json
 import logging
@@ -17,20 +16,14 @@ import polars as pl
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
 from claw_pipelines.lake import Lake
 from claw_pipelines.settings import ClawSettings
-from gateway.flusher import FLUSHER_LOCK, STATUS_FILE
 from gateway.idempotency import IdempotencyIndex
 from gateway.metrics import GatewayMetrics, labelled
-from gateway.records import BronzeRecord, encode_frame
+from gateway.records import BronzeRecord
 from gateway.redaction import redact_payload
-from gateway.wal import (
-    SEALED_SUFFIX,
-    WalUnavailable,
-    Write,
-    WriteAheadLog,
-    read_segment,
-    segment_seq,
-    take_lock,
-)
+from gateway.wal.frames import encode_frame, read_segment
+from gateway.wal.layout import FLUSHER_LOCK, STATUS_FILE, sealed_sizes, segment_seq, take_lock
+from gateway.wal.log import Write, WriteAheadLog
+from gateway.wal.scheduling import WalUnavailable
 
 log = logging.getLogger(__name__)
 FLUSHER_STOP_TIMEOUT_S = 60.0
@@ -45,20 +38,11 @@ class Overloaded(Exception):
         self.retry_after = retry_after
 
 
-def settings_env(settings: ClawSettings) -> dict[str, str]:
-    """The environment that gives a child process exactly these settings."""
-    env = {}
-    for name, value in settings.model_dump(exclude_none=True).items():
-        env[f"CLAW_{name.upper()}"] = json.dumps(value) if isinstance(value, dict) else str(value)
-    env["CLAW_WAL_DIR"] = str(settings.resolved_wal_dir.parent)
-    return env
-
-
 class Landing:
     """The durable path of every record: idempotency, WAL group commit, sealing for bronze.
 
     The event loop admits requests and commits WAL groups; every `flush_interval_ms` it seals
-    the open segment; the flusher process (gateway.flusher) lands sealed segments in
+    the open segment; the flusher process (gateway.wal.flusher) lands sealed segments in
     `bronze/events`, so Parquet encoding and lake latency never hold this process's GIL.
     """
 
@@ -109,9 +93,9 @@ class Landing:
         # Its own session: a Ctrl-C in the terminal stops the gateway, which then closes the
         # flusher's stdin; the flusher drains the WAL and exits.
         self.flusher = subprocess.Popen(
-            [sys.executable, "-m", "gateway.flusher"],
+            [sys.executable, "-m", "gateway.wal.flusher"],
             stdin=subprocess.PIPE,
-            env={**os.environ, **settings_env(self.settings)},
+            env={**os.environ, **self.settings.to_env()},
             start_new_session=True,
         )
 
@@ -226,10 +210,7 @@ class Landing:
 
     def backlog(self) -> dict[str, int]:
         """Durable bytes not yet in bronze: sealed segments on disk plus the open one."""
-        sizes = []
-        for path in self.settings.resolved_wal_dir.glob(f"*{SEALED_SUFFIX}"):
-            with contextlib.suppress(FileNotFoundError):  # landed meanwhile
-                sizes.append(path.stat().st_size)
+        sizes = sealed_sizes(self.settings.resolved_wal_dir)
         self._sealed_bytes = sum(sizes)
         segment = self.wal.current
         open_bytes = segment.nbytes if segment else 0

@@ -77,7 +77,7 @@ class GatewayMetrics:
         self.replayed_records = Counter(
             "claw_gateway_replayed_records", "Records found in the WAL at start", registry=r
         )
-        # Reported by the flusher process (gateway.flusher), refreshed on each scrape.
+        # Reported by the flusher process (gateway.wal.flusher), refreshed on each scrape.
         self.flusher = {
             key: Gauge(f"claw_flusher_{name}", help_text, registry=r)
             for key, name, help_text in (

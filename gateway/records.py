@@ -1,10 +1,9 @@
-"""Bronze records: what an accepted request becomes, its WAL frame, and a batch as Arrow."""
+"""Bronze records: what an accepted request becomes, and a batch of them as Arrow (their WAL
+frames are in gateway.wal.frames)."""
 
 from __future__ import annotations
 
-import json
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,9 +20,6 @@ from claw_pipelines.contracts.tables import (
 TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "response_mask")
 _ARRAY_DTYPES = (np.dtype("<i4"), np.dtype("<i4"), np.dtype("<f4"), np.dtype("i1"))
 _STRUCT_CODES = ("i", "i", "f", "b")
-_NULL_LEN = 0xFFFFFFFF
-_PREFIX = struct.Struct("<II")  # body length, crc32(body)
-_U32 = struct.Struct("<I")
 _US_PER_DAY = 86_400_000_000
 
 # Scalar step fields decoded from the (small) JSON payload into typed columns at flush time.
@@ -71,76 +67,6 @@ def typed_arrays(values: Sequence[Sequence[float] | None]) -> list[bytes | None]
         None if v is None else struct.pack(f"<{len(v)}{code}", *v)
         for v, code in zip(values, _STRUCT_CODES, strict=True)
     ]
-
-
-# -- WAL frames -----------------------------------------------------------------------------
-
-
-def frame(body: bytes) -> bytes:
-    """Length-prefix and checksum an encoded record."""
-    return _PREFIX.pack(len(body), zlib.crc32(body)) + body
-
-
-def encode_frame(record: BronzeRecord) -> bytes:
-    """Serialize a record as one checksummed, length-prefixed WAL frame."""
-    return frame(encode_record(record))
-
-
-def encode_record(record: BronzeRecord) -> bytes:
-    """Serialize a record (the frame body, before its checksum)."""
-    header = json.dumps(
-        [record.event_id, record.kind, record.tenant, record.received_us, record.token_source],
-        separators=(",", ":"),
-        check_circular=False,
-    ).encode()
-    parts = [_U32.pack(len(header)), header, _U32.pack(len(record.payload)), record.payload]
-    for packed in record.arrays():
-        if packed is None:
-            parts.append(_U32.pack(_NULL_LEN))
-        else:
-            parts.append(_U32.pack(len(packed)))
-            parts.append(packed)
-    return b"".join(parts)
-
-
-def decode_frames(buffer: bytes) -> tuple[list[BronzeRecord], int]:
-    """Decode consecutive frames; stop at the first torn or corrupt one, or at zeros.
-
-    Returns the records and the number of valid bytes (a torn tail was never acknowledged).
-    """
-    records: list[BronzeRecord] = []
-    view = memoryview(buffer)
-    offset = 0
-    while offset + _PREFIX.size <= len(buffer):
-        length, crc = _PREFIX.unpack_from(buffer, offset)
-        if length == 0:  # no frame is empty: the zeros a segment was preallocated with
-            break
-        start, end = offset + _PREFIX.size, offset + _PREFIX.size + length
-        if end > len(buffer) or zlib.crc32(view[start:end]) != crc:
-            break
-        records.append(_decode_body(view[start:end]))
-        offset = end
-    return records, offset
-
-
-def _decode_body(body: memoryview) -> BronzeRecord:
-    pos = 0
-
-    def take(n: int) -> memoryview:
-        nonlocal pos
-        chunk = body[pos : pos + n]
-        pos += n
-        return chunk
-
-    (header_len,) = _U32.unpack(take(4))
-    event_id, kind, tenant, received_us, token_source = json.loads(bytes(take(header_len)))
-    (payload_len,) = _U32.unpack(take(4))
-    payload = bytes(take(payload_len))
-    arrays: list[bytes | None] = []
-    for _ in TOKEN_FIELDS:
-        (n,) = _U32.unpack(take(4))
-        arrays.append(None if n == _NULL_LEN else bytes(take(n)))
-    return BronzeRecord(event_id, kind, tenant, received_us, payload, token_source, *arrays)
 
 
 # -- Arrow ----------------------------------------------------------------------------------

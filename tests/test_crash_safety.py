@@ -103,14 +103,14 @@ def test_a_killed_syncer_is_replaced_and_nothing_acknowledged_is_lost(tmp_path):
         for i in range(5):
             body = {"type": "a", "event_id": f"a-{i}"}
             acked += httpx.post(server.url + "/v1/events", json=body).json()["event_ids"]
-        (syncer,) = _helper_pids(server.proc.pid, "gateway.syncer")
+        (syncer,) = _helper_pids(server.proc.pid, "gateway.wal.syncer")
         os.kill(syncer, signal.SIGKILL)
         for i in range(5):  # like any client: retry a 503 with the same event id
             body = {"type": "b", "event_id": f"b-{i}"}
             reply = wait_until(lambda body=body: _posted(server.url + "/v1/events", body),
                                what="a write after the syncer restarted")  # fmt: skip
             acked += reply.json()["event_ids"]
-        assert _helper_pids(server.proc.pid, "gateway.syncer") not in ([], [syncer])
+        assert _helper_pids(server.proc.pid, "gateway.wal.syncer") not in ([], [syncer])
     finally:
         server.stop()
     assert sorted(bronze(lake)["event_id"].to_list()) == sorted(acked)

@@ -12,16 +12,13 @@ import numpy as np
 import pytest
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS_SPEC
-from gateway import wal as wal_module
-from gateway.records import (
-    BronzeRecord,
-    decode_frames,
-    encode_frame,
-    to_bronze_table,
-    typed_arrays,
-)
-from gateway.syncer import ANSWER, COMMAND, MIN_SPARE_BYTES, OPEN, SEAL, SPARE, SYNC, serve
-from gateway.wal import WalUnavailable, Write, WriteAheadLog, read_segment, sealed_segments
+from gateway.records import BronzeRecord, to_bronze_table, typed_arrays
+from gateway.wal import scheduling
+from gateway.wal.frames import decode_frames, encode_frame, read_segment
+from gateway.wal.layout import SPARE, sealed_segments
+from gateway.wal.log import Write, WriteAheadLog
+from gateway.wal.scheduling import WalUnavailable
+from gateway.wal.syncer import ANSWER, COMMAND, MIN_SPARE_BYTES, OPEN, SEAL, SYNC, serve
 
 
 def record(i: int, with_tokens: bool = True) -> BronzeRecord:
@@ -126,8 +123,8 @@ def test_a_lone_write_on_an_idle_log_is_synced_by_the_loop_itself(tmp_path):
 
 
 def test_after_a_slow_inline_sync_the_syncer_takes_the_syncs(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(wal_module, "INLINE_SYNC_LIMIT_S", 0.0)  # any sync counts as slow
-    caplog.set_level(logging.INFO, logger="gateway.wal")
+    monkeypatch.setattr(scheduling, "INLINE_SYNC_LIMIT_S", 0.0)  # any sync counts as slow
+    caplog.set_level(logging.INFO, logger="gateway.wal.scheduling")
 
     groups: list[tuple[int, str]] = []
 
@@ -157,10 +154,11 @@ def test_leftover_open_segments_are_sealed_on_recovery(tmp_path):
         wal.submit(Write(encode_frame(record(0)), 1, future))
         await future
         # the process "dies" here: no seal, no close; the syncer sees its socket close
-        wal._loop.remove_reader(wal._channel.fileno())
-        wal._channel.close()
+        sync = wal._sync
+        sync._loop.remove_reader(sync._channel.fileno())
+        sync._channel.close()
         os.close(wal._lock_fd)
-        await asyncio.to_thread(wal._syncer.wait, 10)
+        await asyncio.to_thread(sync._syncer.wait, 10)
 
     asyncio.run(write_one())
     wal = WriteAheadLog(tmp_path / "wal")

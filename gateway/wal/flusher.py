@@ -3,7 +3,7 @@
 It runs apart from the gateway so that Parquet encoding and object-store latency never take
 the gateway's GIL. Each commit carries a delta-rs transaction (`app_id` = gateway id,
 `version` = the newest segment's sequence), so a replay after any crash lands nothing twice.
-Run by the gateway as `python -m gateway.flusher` with a pipe on stdin; it exits once that
+Run by the gateway as `python -m gateway.wal.flusher` with a pipe on stdin; it exits once that
 pipe closes (graceful stop or a killed gateway) and every sealed segment has landed.
 """
 
@@ -23,11 +23,16 @@ from claw_pipelines.lake import Lake
 from claw_pipelines.policy import published_version
 from claw_pipelines.settings import ClawSettings
 from gateway.records import to_bronze_table
-from gateway.wal import read_segment, sealed_segments, segment_seq, take_lock
+from gateway.wal.frames import read_segment
+from gateway.wal.layout import (
+    FLUSHER_LOCK,
+    STATUS_FILE,
+    sealed_segments,
+    segment_seq,
+    take_lock,
+)
 
 log = logging.getLogger("claw.flusher")
-STATUS_FILE = "flusher-status.json"
-FLUSHER_LOCK = "FLUSHER.LOCK"
 MAX_RETRY_DELAY = 5.0
 STATUS_HEARTBEAT_S = 5.0  # the status file is rewritten at least this often
 POLICY_REFRESH_S = 1.0  # how often the published policy version is read from the lake

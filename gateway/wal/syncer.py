@@ -28,27 +28,23 @@ import sys
 import threading
 from pathlib import Path
 
+from gateway.wal.layout import (
+    OPEN_SUFFIX,
+    SEALED_SUFFIX,
+    SPARE,
+    SPARE_PARTIAL,
+    fsync_dir,
+    segment_path,
+)
+
 COMMAND = struct.Struct("<BQQ")  # op, segment seq, log position
 # status (0 ok, 1 failed), log position, and `named`: one past the newest segment whose name
-# the syncer has made durable (the gateway may then fdatasync writes to it itself: gateway.wal)
+# the syncer has made durable (the gateway may then fdatasync writes to it itself: see
+# gateway.wal.scheduling)
 ANSWER = struct.Struct("<BQQ")
 SYNC, SEAL, OPEN = 1, 2, 3
-OPEN_SUFFIX, SEALED_SUFFIX = ".open", ".wal"
-SPARE, SPARE_PARTIAL = "spare.zeros", "spare.filling"
 MIN_SPARE_BYTES, MAX_SPARE_BYTES = 256 * 1024, 8 * 2**20
 _ZEROS = memoryview(bytes(1 << 20))
-
-
-def _segment(directory: Path, seq: int, suffix: str) -> Path:
-    return directory / f"{seq:020d}{suffix}"
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_commands(channel: socket.socket, buffer: bytes) -> tuple[list[tuple], bytes] | None:
@@ -111,8 +107,8 @@ def serve(directory: Path, channel: socket.socket) -> None:
     def opened(seq: int) -> int:
         nonlocal named
         if seq not in files:
-            files[seq] = os.open(_segment(directory, seq, OPEN_SUFFIX), os.O_RDONLY)
-            _fsync_dir(directory)  # the new segment's name survives a power loss
+            files[seq] = os.open(segment_path(directory, seq, OPEN_SUFFIX), os.O_RDONLY)
+            fsync_dir(directory)  # the new segment's name survives a power loss
             named = max(named, seq + 1)
         return files[seq]
 
@@ -159,14 +155,16 @@ def _hand_over(directory: Path, files: dict[int, int], sealed: list[int]) -> Non
     try:
         for seq in sealed:
             os.close(files.pop(seq))
-            _segment(directory, seq, OPEN_SUFFIX).rename(_segment(directory, seq, SEALED_SUFFIX))
-        _fsync_dir(directory)
+            segment_path(directory, seq, OPEN_SUFFIX).rename(
+                segment_path(directory, seq, SEALED_SUFFIX)
+            )
+        fsync_dir(directory)
     except OSError as exc:
         print(f"WAL syncer: cannot hand sealed segments over: {exc}", file=sys.stderr)
 
 
 def main() -> int:
-    """Entry point: `python -m gateway.syncer DIRECTORY` with the socket as stdin."""
+    """Entry point: `python -m gateway.wal.syncer DIRECTORY` with the socket as stdin."""
     channel = socket.socket(fileno=os.dup(sys.stdin.fileno()))
     serve(Path(sys.argv[1]), channel)
     return 0
