@@ -6,53 +6,87 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import claw_pipelines
 from claw_pipelines.lake import Lake
 from claw_pipelines.settings import ClawSettings
 from gateway.auth import KeyRing
+from gateway.dispatch import Dispatcher
 from gateway.errors import install_error_handlers
 from gateway.landing import Landing
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import GatewayMiddleware
-from gateway.openapi import install_openapi
+from gateway.openapi import document_routes, registered_routes
 from gateway.proxy import ProxyService, Upstream
-from gateway.routes import claw_r1, ingest, ops, proxy, proxy_claw_r1
+from gateway.routes import ROUTES
+from gateway.services import GatewayServices
 
 log = logging.getLogger(__name__)
+NOT_HERE = (
+    "the gateway serves its routes from gateway.routes' table through gateway.dispatch, "
+    "where FastAPI middlewares, dependencies and routes would not run: add cross-cutting "
+    "work to gateway.dispatch.Dispatcher and routes to the table"
+)
 
 
 class GatewayApp(FastAPI):
-    """FastAPI with the gateway layer outermost: limits, metrics and the write fast path see
-    each request before FastAPI's own middlewares (errors, telemetry, body limit), whose
-    per-request cost the fast path does not need."""
+    """FastAPI behind the gateway's dispatcher (gateway.dispatch), which serves every route
+    of the table and hands the rest (docs, 404, 405) to FastAPI. Middlewares, dependencies
+    and routes added to the app itself are refused: they would not run on the table's
+    routes."""
 
-    gateway_layer: GatewayMiddleware | None = None
+    dispatcher: Dispatcher | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.gateway_layer is None:
+        if self.dispatcher is None:
             return await super().__call__(scope, receive, send)
-        await self.gateway_layer(scope, receive, send)
+        await self.dispatcher(scope, receive, send)
+
+    def add_middleware(self, middleware_class: Any, *args: Any, **kwargs: Any) -> None:
+        """Refused: see NOT_HERE."""
+        raise TypeError(NOT_HERE)
+
+    def build_middleware_stack(self) -> ASGIApp:
+        """FastAPI's own stack, once the app is checked to hold only what the table made."""
+        check_only_table_routes(self)
+        return super().build_middleware_stack()
+
+
+def check_only_table_routes(app: FastAPI) -> None:
+    """Raise unless the app's routes are exactly the table's, with no dependencies and no
+    middleware of its own (which the dispatcher's requests would skip)."""
+    documented = registered_routes(app)
+    table = {(route.method, route.path) for route in ROUTES.routes}
+    extra, missing = sorted(documented - table), sorted(table - documented)
+    dependencies = app.router.dependencies or [
+        route.path for route in app.routes if getattr(route, "dependencies", None)
+    ]
+    if extra or missing or dependencies or app.user_middleware:
+        raise RuntimeError(
+            f"{NOT_HERE} (routes outside the table: {extra}; table routes not documented: "
+            f"{missing}; dependencies: {dependencies}; middlewares: {app.user_middleware})"
+        )
 
 
 def create_app(settings: ClawSettings | None = None) -> GatewayApp:
     """A gateway app for `settings` (default: from the environment)."""
     settings = settings or ClawSettings()
     metrics = GatewayMetrics()
+    keys = KeyRing.from_settings(settings)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
         landing = Landing(settings, Lake.from_settings(settings), metrics)
-        app.state.landing = landing
         upstream = None
         if settings.upstream_url:
             upstream = Upstream(settings.upstream_url, settings.upstream_timeout_s)
-        app.state.upstream = upstream
-        app.state.proxy = ProxyService(settings, landing, upstream, metrics.registry)
+        proxy = ProxyService(settings, landing, upstream, metrics.registry)
+        services = GatewayServices(settings, keys, metrics, landing, proxy, upstream)
         await landing.start()
+        app.dispatcher.services = services
         log.info("gateway %s ready; lake %s", settings.gateway_id, landing.lake.uri)
         try:
             yield
@@ -68,19 +102,9 @@ def create_app(settings: ClawSettings | None = None) -> GatewayApp:
         "OpenAI-compatible proxy. A 2xx means the record survives a crash.",
         lifespan=lifespan,
     )
-    app.state.settings = settings
-    app.state.metrics = metrics
-    app.state.keys = KeyRing.from_settings(settings)
     install_error_handlers(app)
-    install_openapi(app)
-    for module in (ingest, claw_r1, ops, proxy, proxy_claw_r1):
-        # Routes go straight onto the app: matching through included routers costs about
-        # 50 µs per request in FastAPI 0.16x, a third of the gateway's own work.
-        app.router.routes.extend(module.router.routes)
-    app.gateway_layer = GatewayMiddleware(
-        partial(FastAPI.__call__, app),
-        max_body_bytes=settings.max_body_bytes,
-        metrics=metrics,
-        state=app.state,
+    app.dispatcher = Dispatcher(
+        partial(FastAPI.__call__, app), ROUTES, metrics, settings.max_body_bytes
     )
+    document_routes(app, ROUTES, lambda: app.dispatcher.services)
     return app

@@ -1,21 +1,25 @@
-"""Bronze records: what an accepted request becomes, and a batch of them as Arrow (their WAL
-frames are in gateway.wal.frames)."""
+"""Bronze records: what an accepted request becomes (built from its validated wire models), and
+a batch of them as Arrow (their WAL frames are in gateway.wal.frames)."""
 
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
+from pydantic import BaseModel
 
+from claw_pipelines.contracts.ids import new_event_id
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS_SPEC,
     BRONZE_STEP_COLUMNS,
     SCHEMA_VERSION,
 )
+from claw_pipelines.contracts.wire import Step
 
 TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "response_mask")
 _ARRAY_DTYPES = (np.dtype("<i4"), np.dtype("<i4"), np.dtype("<f4"), np.dtype("i1"))
@@ -67,6 +71,68 @@ def typed_arrays(values: Sequence[Sequence[float] | None]) -> list[bytes | None]
         None if v is None else struct.pack(f"<{len(v)}{code}", *v)
         for v, code in zip(values, _STRUCT_CODES, strict=True)
     ]
+
+
+# -- from wire models ----------------------------------------------------------------------
+
+_TOKEN_FIELD_SET = set(TOKEN_FIELDS)
+
+
+def now_us() -> int:
+    """Current UTC time in microseconds."""
+    return time.time_ns() // 1000
+
+
+def event_ids(count: int, idempotency_key: str | None) -> list[str]:
+    """Event ids of a request's records: from the Idempotency-Key (`key:i` when several),
+    else new ones."""
+    if idempotency_key is None:
+        return [new_event_id() for _ in range(count)]
+    if count == 1:
+        return [idempotency_key]
+    return [f"{idempotency_key}:{i}" for i in range(count)]
+
+
+def event_ids_for(models: Sequence[BaseModel], idempotency_key: str | None) -> list[str]:
+    """Each record's event_id: from the body, else from `event_ids`."""
+    derived = event_ids(len(models), idempotency_key)
+    return [getattr(m, "event_id", None) or d for m, d in zip(models, derived, strict=True)]
+
+
+def step_records(
+    steps: Sequence[Step],
+    tenant: str,
+    idempotency_key: str | None = None,
+    *,
+    kind: str = "step",
+    token_source: str = "client",
+    policy_version: int | None = None,
+) -> list[BronzeRecord]:
+    """Bronze records of white-box steps: token arrays typed, the rest as JSON payload. A
+    step naming no policy version gets `policy_version` (the published one), and its
+    metadata says so."""
+    received = now_us()
+    records = []
+    for step, event_id in zip(steps, event_ids_for(steps, idempotency_key), strict=True):
+        step.event_id = event_id
+        if step.policy_version is None and policy_version is not None:
+            step.policy_version = policy_version
+            step.metadata = {**step.metadata, "policy_version_via": "published"}
+        payload = step.model_dump_json(exclude=_TOKEN_FIELD_SET).encode()
+        arrays = typed_arrays([getattr(step, name) for name in TOKEN_FIELDS])
+        records.append(
+            BronzeRecord(event_id, kind, tenant, received, payload, token_source, *arrays)
+        )
+    return records
+
+
+def fact_record(
+    model: BaseModel, kind: str, tenant: str, idempotency_key: str | None = None
+) -> BronzeRecord:
+    """The bronze record of a feedback, event or trajectory completion."""
+    (event_id,) = event_ids_for([model], idempotency_key)
+    model.event_id = event_id
+    return BronzeRecord(event_id, kind, tenant, now_us(), model.model_dump_json().encode())
 
 
 # -- Arrow ----------------------------------------------------------------------------------

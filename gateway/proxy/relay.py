@@ -16,21 +16,20 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import anyio
 import pydantic_core
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway.errors import envelope
+from gateway.proxy.call import CallRecorder, ProxyCall
 from gateway.proxy.capture import Added, stripped
 from gateway.proxy.http1 import Http1Response
 from gateway.proxy.stream import DONE, StreamAccumulator, sse_data
 from gateway.proxy.upstream import UpstreamFailure
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from gateway.proxy.service import ProxyCall, ProxyService
 
 _DONE_EVENT = b"data: [DONE]\n\n"
 DRAIN_TIMEOUT_S = 0.2
@@ -42,7 +41,7 @@ class StreamRelay:
 
     def __init__(
         self,
-        service: ProxyService,
+        service: CallRecorder,
         call: ProxyCall,
         response: Http1Response,
         added: Added,
@@ -121,3 +120,23 @@ async def _drain(events: AsyncIterator[bytes]) -> None:
                 pass
     except (TimeoutError, UpstreamFailure):
         pass
+
+
+class RelayResponse(StreamingResponse):
+    """Streams a relay to the client, and always ends it (recording what was received)."""
+
+    def __init__(self, relay: StreamRelay) -> None:
+        super().__init__(
+            relay.body,
+            status_code=relay.status,
+            media_type=relay.content_type,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.relay.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NoReturn
 
@@ -21,22 +20,21 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from claw_pipelines.contracts.ids import new_event_id, step_key
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.tokenization import load_tokenizer
+from gateway.asgi import JSON, Answer
 from gateway.errors import ApiError
-from gateway.intake import event_ids
 from gateway.landing import Landing, Overloaded
 from gateway.metrics import LATENCY_BUCKETS, labelled
+from gateway.proxy.call import ProxyCall
 from gateway.proxy.capture import (
-    COMPLETION_KIND,
     Added,
     CapturedChoice,
-    Endpoint,
     augment,
     captured_choices,
     step_tokens,
     stripped,
 )
 from gateway.proxy.relay import StreamRelay
-from gateway.proxy.scope import Scope, TrajectoryBook
+from gateway.proxy.scope import TrajectoryBook
 from gateway.proxy.steps import StepPlace, step_record, upstream_error_record
 from gateway.proxy.upstream import (
     Upstream,
@@ -44,77 +42,11 @@ from gateway.proxy.upstream import (
     UpstreamReply,
     failure_of_status,
 )
-from gateway.records import BronzeRecord
+from gateway.records import BronzeRecord, event_ids
 
 log = logging.getLogger(__name__)
-JSON = "application/json"
 _COMPACT = {"ensure_ascii": False, "separators": (",", ":")}
 _PASSED_HEADERS = ("retry-after", "x-request-id")  # of an upstream refusal
-
-
-@dataclass(slots=True)
-class ProxyAnswer:
-    """A complete answer for the client."""
-
-    status: int
-    body: bytes
-    media_type: str = JSON
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class ProxyCall:
-    """One proxied request: the client's body, its scope and who sent it."""
-
-    endpoint: Endpoint
-    body: dict[str, Any]
-    request_json: bytes  # the client's body as stored for audit
-    scope: Scope
-    tenant: str
-    idempotency_key: str | None
-    received: float  # perf_counter when the gateway got the call
-
-    @property
-    def stream(self) -> bool:
-        """Whether the client asked for server-sent events."""
-        return self.body.get("stream") is True
-
-    @property
-    def n(self) -> int:
-        """Choices per prompt."""
-        n = self.body.get("n")
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-
-    @property
-    def prompts(self) -> int:
-        """Prompts in the call (a legacy completion may batch several)."""
-        prompt = self.body.get("prompt")
-        if self.endpoint.kind == COMPLETION_KIND and isinstance(prompt, list) and prompt:
-            return 1 if isinstance(prompt[0], int) else len(prompt)
-        return 1
-
-    def event_details(self) -> dict[str, Any]:
-        """What an upstream_error event says about the call."""
-        return {
-            "endpoint": self.endpoint.path,
-            "model": self.body.get("model"),
-            "stream": self.stream,
-            "prompt_uid": self.scope.prompt_uid,
-        }
-
-
-def parse_request(raw: bytes) -> tuple[dict[str, Any], bytes]:
-    """The client's JSON object (400 otherwise), and its bytes as stored for audit."""
-    try:
-        body = pydantic_core.from_json(raw)
-    except ValueError as exc:
-        raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "body must be a JSON object", code="invalid_json")
-    compact = raw.strip()
-    if not compact.startswith(b"{"):  # e.g. a BOM or UTF-16: store it re-encoded as UTF-8
-        compact = pydantic_core.to_json(body)
-    return body, compact
 
 
 class ProxyService:
@@ -206,7 +138,7 @@ class ProxyService:
         return True
 
     # -- calls ------------------------------------------------------------------------------
-    async def models(self, tenant: str) -> ProxyAnswer:
+    async def models(self, tenant: str) -> Answer:
         """The upstream's model list, passed through."""
         upstream = self.admit(recording=False)
         try:
@@ -215,9 +147,9 @@ class ProxyService:
             await self.fail(failure, tenant, None)
         if reply.status >= 500:
             await self.fail(failure_of_status(reply.status, reply.body), tenant, None)
-        return ProxyAnswer(reply.status, reply.body, reply.content_type or JSON)
+        return Answer(reply.status, reply.body, reply.content_type or JSON)
 
-    async def complete(self, call: ProxyCall) -> ProxyAnswer | StreamRelay:
+    async def complete(self, call: ProxyCall) -> Answer | StreamRelay:
         """Forward a (chat) completion; record its choices; answer as the upstream did."""
         upstream = self.admit()
         path, kind = call.endpoint.path, call.endpoint.kind
@@ -247,7 +179,7 @@ class ProxyService:
 
     async def _answer(
         self, call: ProxyCall, reply: UpstreamReply, added: Added, upstream_s: float
-    ) -> ProxyAnswer:
+    ) -> Answer:
         """Record the choices of a whole answer, then pass it on minus what we added (with
         a Server-Timing header: the upstream's time and the gateway's own)."""
         try:
@@ -264,15 +196,15 @@ class ProxyService:
         if not await self.land(records):
             headers["X-Claw-Recorded"] = "false"
         headers["Server-Timing"] = server_timing(call.received, upstream_ms)
-        return ProxyAnswer(reply.status, body, reply.content_type or JSON, headers)
+        return Answer(reply.status, body, reply.content_type or JSON, headers)
 
-    async def _refused(self, reply: UpstreamReply, call: ProxyCall) -> ProxyAnswer:
+    async def _refused(self, reply: UpstreamReply, call: ProxyCall) -> Answer:
         """An upstream 4xx goes back unchanged (with its Retry-After); a 5xx becomes a
         recorded 502."""
         if reply.status >= 500:
             await self.fail(failure_of_status(reply.status, reply.body), call.tenant, call)
         headers = {k: v for k, v in reply.headers.items() if k in _PASSED_HEADERS}
-        return ProxyAnswer(reply.status, reply.body, reply.content_type or JSON, headers)
+        return Answer(reply.status, reply.body, reply.content_type or JSON, headers)
 
     def _token_ids_unsupported(self, upstream: Upstream) -> None:
         if upstream.token_ids_supported:

@@ -14,10 +14,9 @@ from typing import Any
 import pydantic_core
 
 from claw_pipelines.contracts.wire import Event
-from gateway.intake import fact_record, now_us
 from gateway.proxy.capture import CapturedChoice, StepTokens
 from gateway.proxy.upstream import UpstreamFailure
-from gateway.records import BronzeRecord
+from gateway.records import BronzeRecord, fact_record, now_us
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
+import json
 
-router = APIRouter(tags=["operations"])
+from gateway.asgi import Answer
+from gateway.incoming import Incoming
+from gateway.routes.table import Route
+
+TAG = "operations"
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
-@router.get("/healthz")
-async def healthz() -> dict[str, str]:
+async def healthz(incoming: Incoming) -> Answer:
     """Liveness: the process answers."""
-    return {"status": "ok"}
+    return Answer(200, b'{"status":"ok"}')
 
 
-@router.get("/readyz", responses={503: {"description": "Not ready: starting, stopping or stuck"}})
-async def readyz(request: Request) -> JSONResponse:
+async def readyz(incoming: Incoming) -> Answer:
     """Readiness: the WAL is open, the flusher runs and the backlog is under its bound."""
-    landing = request.app.state.landing
+    landing = incoming.services.landing
     backlog = landing.backlog()
     flusher = landing.flusher_status()
     ready = (
@@ -32,15 +34,25 @@ async def readyz(request: Request) -> JSONResponse:
         "flusher": flusher,
         "policy_version": landing.policy_version,  # stamped on steps that name none
     }
-    return JSONResponse(body, status_code=200 if ready else 503)
+    return Answer(200 if ready else 503, json.dumps(body).encode())
 
 
-@router.get("/metrics", response_class=Response)
-async def metrics(request: Request) -> Response:
+async def metrics(incoming: Incoming) -> Answer:
     """Prometheus text: requests, records, WAL backlog, fsync and flush latency, batch sizes."""
-    landing = request.app.state.landing
+    landing = incoming.services.landing
     landing.backlog()  # refresh gauges
     landing.flusher_status()
-    return Response(
-        request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
-    )
+    return Answer(200, incoming.services.metrics.render(), PROMETHEUS)
+
+
+ROUTES = [
+    Route("GET", "/healthz", healthz, TAG),
+    Route(
+        "GET",
+        "/readyz",
+        readyz,
+        TAG,
+        responses={503: {"description": "Not ready: starting, stopping or stuck"}},
+    ),
+    Route("GET", "/metrics", metrics, TAG, responses={200: {"content": {PROMETHEUS: {}}}}),
+]

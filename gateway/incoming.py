@@ -1,4 +1,4 @@
-"""Request dependencies: app-state accessors, the tenant from the API key, JSON bodies."""
+"""One request as every handler sees it (`Incoming`): who sends it, its options, its body."""
 
 from __future__ import annotations
 
@@ -7,25 +7,52 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive
 
 from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN, is_uid
 from gateway.auth import DEFAULT_TENANT, KeyRing, presented_key
 from gateway.errors import ApiError, from_pydantic
-from gateway.landing import Landing
+from gateway.services import GatewayServices
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
+IDEMPOTENCY_HEADER_DOC = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "description": "event_id of the record (`key:i` for the i-th record of a batch)",
+    "schema": {"type": "string", "maxLength": MAX_UID_CHARS - 8, "pattern": UID_PATTERN},
+}
 
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who is writing and how: the tenant (from the API key) and the Idempotency-Key."""
 
-    tenant: str
-    idempotency_key: str | None
-    landing: Landing
+@dataclass(slots=True)
+class Incoming:
+    """A request matched in the route table: its services, lower-case headers (the first of
+    repeated ones), path parameters (validated), and its body still to be received."""
+
+    services: GatewayServices
+    headers: Mapping[str, str]
+    params: Mapping[str, str]
+    receive: Receive
+    base_url: str
+
+    def tenant(self) -> str:
+        """The tenant of the presented API key (401 when missing or unknown)."""
+        return tenant_of(self.services.keys, self.headers)
+
+    def idempotency_key(self) -> str | None:
+        """The `Idempotency-Key` header, validated like an event_id (422 otherwise)."""
+        return idempotency_key_of(self.headers)
+
+    async def body(self) -> bytes:
+        """The body, bounded by `CLAW_MAX_BODY_BYTES` (413) and in time (408)."""
+        settings = self.services.settings
+        return await read_body(self.receive, settings.max_body_bytes, settings.body_read_timeout_s)
+
+    async def json(self, model: type[ModelT], *, optional: bool = False) -> ModelT:
+        """The body validated against `model` (400 for bad JSON, 422 naming the field)."""
+        return parse_json(model, await self.body(), optional=optional)
 
 
 def tenant_of(keys: KeyRing, headers: Mapping[str, str]) -> str:
@@ -61,24 +88,7 @@ def idempotency_key_of(headers: Mapping[str, str]) -> str | None:
     return value
 
 
-def caller_of(request: Request) -> Caller:
-    """Authenticate a write and read its options (a plain call: FastAPI's dependency
-    resolution costs more than the work on this hot path)."""
-    state = request.app.state
-    headers = request.headers
-    return Caller(tenant_of(state.keys, headers), idempotency_key_of(headers), state.landing)
-
-
-IDEMPOTENCY_HEADER_DOC = {
-    "name": "Idempotency-Key",
-    "in": "header",
-    "required": False,
-    "description": "event_id of the record (`key:i` for the i-th record of a batch)",
-    "schema": {"type": "string", "maxLength": MAX_UID_CHARS - 8, "pattern": UID_PATTERN},
-}
-
-
-async def read_asgi_body(receive: Receive, limit: int, timeout_s: float) -> bytes:
+async def read_body(receive: Receive, limit: int, timeout_s: float) -> bytes:
     """An ASGI request body, bounded in size (413) and in time (408)."""
     chunks, size = [], 0
     try:
@@ -100,14 +110,6 @@ async def read_asgi_body(receive: Receive, limit: int, timeout_s: float) -> byte
         raise ApiError(408, "body not received in time", code="body_timeout") from None
 
 
-async def read_body(request: Request) -> bytes:
-    """The request's body, bounded by `CLAW_MAX_BODY_BYTES` and in time."""
-    settings = request.app.state.settings
-    return await read_asgi_body(
-        request.receive, settings.max_body_bytes, settings.body_read_timeout_s
-    )
-
-
 def parse_json(model: type[ModelT], body: bytes, *, optional: bool = False) -> ModelT:
     """Validate a JSON body against `model` (400 for bad JSON, 422 naming the field)."""
     if optional and not body.strip():
@@ -116,8 +118,3 @@ def parse_json(model: type[ModelT], body: bytes, *, optional: bool = False) -> M
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_pydantic(exc) from None
-
-
-async def parse_body(request: Request, model: type[ModelT], *, optional: bool = False) -> ModelT:
-    """Read and validate the request's JSON body against `model`."""
-    return parse_json(model, await read_body(request), optional=optional)

@@ -1,0 +1,137 @@
+"""The gateway's outer layer: limits, metrics, and routing through the one route table.
+
+Every request passes here first. Bodies are refused early (a declared Content-Length over the
+limit: 413; a body that is not JSON: 415); a request whose method and path are in the route
+table (gateway.routes) is answered straight from ASGI by its handler; anything else (the
+OpenAPI docs, a 404 or 405) goes on to FastAPI. FastAPI's per-request machinery costs more
+than a durable write itself (benchmarks/gateway_ingest.py), so no table route runs through it,
+and the app refuses middlewares and dependencies (gateway.main.GatewayApp), which would not
+run on the table's routes: cross-cutting work belongs in this layer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.asgi import send_answer, send_body
+from gateway.errors import ApiError, envelope
+from gateway.incoming import Incoming
+from gateway.metrics import GatewayMetrics, labelled
+from gateway.routes.table import RouteTable
+from gateway.services import GatewayServices
+
+log = logging.getLogger(__name__)
+BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+async def _answer_error(send: Send, error: ApiError) -> None:
+    """Send an ApiError in the OpenAI envelope."""
+    body = json.dumps(envelope(error.status, error.message, error.param, error.code)).encode()
+    await send_body(send, error.status, body, headers=error.headers)
+
+
+def _base_url(scope: Scope, headers: dict[str, str]) -> str:
+    host = headers.get("host")
+    if host is None:
+        server = scope.get("server") or ("localhost", None)
+        host = server[0] if server[1] in (None, 80, 443) else f"{server[0]}:{server[1]}"
+    return f"{scope.get('scheme', 'http')}://{host}{scope.get('root_path', '')}"
+
+
+class Dispatcher:
+    """Serves the route table's requests; passes everything else to `fallback` (FastAPI)."""
+
+    def __init__(
+        self, fallback: ASGIApp, routes: RouteTable, metrics: GatewayMetrics, max_body_bytes: int
+    ) -> None:
+        self.fallback = fallback
+        self.routes = routes
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.services: GatewayServices | None = None  # set by the app's lifespan
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.fallback(scope, receive, send)
+        started = time.perf_counter()
+        status = 500
+        label = None
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            headers, refusal = self._inspect(scope)
+            if refusal is not None:
+                return await _answer_error(send_with_status, refusal)
+            try:
+                matched = self.routes.match(scope["method"], scope["path"])
+            except ApiError as invalid_path:  # a path parameter that is no uid
+                return await _answer_error(send_with_status, invalid_path)
+            if matched is None or self.services is None:
+                return await self.fallback(scope, receive, send_with_status)
+            route, params = matched
+            label = route.path
+            incoming = Incoming(self.services, headers, params, receive, _base_url(scope, headers))
+            try:
+                answer = await route.handle(incoming)
+            except ApiError as exc:
+                return await _answer_error(send_with_status, exc)
+            except Exception:
+                log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+                error = ApiError(500, "internal error; the request was not stored")
+                return await _answer_error(send_with_status, error)
+            await send_answer(answer, scope, receive, send_with_status)
+        finally:
+            label = label or getattr(scope.get("route"), "path", None) or "unmatched"
+            labelled(self.metrics.requests, label, str(status)).inc()
+            labelled(self.metrics.request_seconds, label).observe(time.perf_counter() - started)
+
+    def _inspect(self, scope: Scope) -> tuple[dict[str, str], ApiError | None]:
+        """One pass over the headers: all of them by lower-case name (the first of repeated
+        ones), and a refusal of the body if any."""
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            key = name.decode("latin-1")
+            if key not in headers:
+                headers[key] = value.decode("latin-1")
+        if scope["method"] not in BODY_METHODS:
+            return headers, None
+        return headers, self._refusal(headers)
+
+    def _refusal(self, headers: dict[str, str]) -> ApiError | None:
+        limit = self.max_body_bytes
+        length = headers.get("content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return ApiError(400, "invalid Content-Length", code="invalid_header")
+            if declared > limit:
+                return ApiError(
+                    413,
+                    f"body of {declared} bytes exceeds the limit of {limit} bytes",
+                    code="body_too_large",
+                )
+        has_body = "transfer-encoding" in headers or length not in (None, "0")
+        content_type = headers.get("content-type")
+        if has_body and not _is_json(content_type or ""):
+            return ApiError(
+                415,
+                f"Content-Type must be application/json, got {content_type!r}",
+                param="Content-Type",
+                code="unsupported_media_type",
+            )
+        return None

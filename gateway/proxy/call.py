@@ -1,0 +1,91 @@
+"""One proxied call as the proxy sees it (`ProxyCall`), its parsing, and what a stream relay
+needs of whoever records it (`CallRecorder`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pydantic_core
+
+from gateway.errors import ApiError
+from gateway.proxy.capture import COMPLETION_KIND, CapturedChoice, Endpoint
+from gateway.proxy.failures import UpstreamFailure
+from gateway.proxy.scope import Scope
+from gateway.records import BronzeRecord
+
+
+@dataclass(slots=True)
+class ProxyCall:
+    """One proxied request: the client's body, its scope and who sent it."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    request_json: bytes  # the client's body as stored for audit
+    scope: Scope
+    tenant: str
+    idempotency_key: str | None
+    received: float  # perf_counter when the gateway got the call
+
+    @property
+    def stream(self) -> bool:
+        """Whether the client asked for server-sent events."""
+        return self.body.get("stream") is True
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt."""
+        n = self.body.get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+    @property
+    def prompts(self) -> int:
+        """Prompts in the call (a legacy completion may batch several)."""
+        prompt = self.body.get("prompt")
+        if self.endpoint.kind == COMPLETION_KIND and isinstance(prompt, list) and prompt:
+            return 1 if isinstance(prompt[0], int) else len(prompt)
+        return 1
+
+    def event_details(self) -> dict[str, Any]:
+        """What an upstream_error event says about the call."""
+        return {
+            "endpoint": self.endpoint.path,
+            "model": self.body.get("model"),
+            "stream": self.stream,
+            "prompt_uid": self.scope.prompt_uid,
+        }
+
+
+def parse_request(raw: bytes) -> tuple[dict[str, Any], bytes]:
+    """The client's JSON object (400 otherwise), and its bytes as stored for audit."""
+    try:
+        body = pydantic_core.from_json(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "body must be a JSON object", code="invalid_json")
+    compact = raw.strip()
+    if not compact.startswith(b"{"):  # e.g. a BOM or UTF-16: store it re-encoded as UTF-8
+        compact = pydantic_core.to_json(body)
+    return body, compact
+
+
+class CallRecorder(Protocol):
+    """What records a call's steps (gateway.proxy.service.ProxyService)."""
+
+    def records(
+        self,
+        call: ProxyCall,
+        captured: list[CapturedChoice],
+        model: str | None,
+        upstream_ms: float | None,
+    ) -> tuple[list[BronzeRecord], list[str]]:
+        """One step record per choice, and their step keys."""
+
+    def failure_record(
+        self, failure: UpstreamFailure, tenant: str, call: ProxyCall | None
+    ) -> BronzeRecord:
+        """The `upstream_error` event of a failed call."""
+
+    async def land(self, records: list[BronzeRecord]) -> bool:
+        """Make records durable; False when the gateway could not."""

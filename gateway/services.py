@@ -1,0 +1,23 @@
+"""What the gateway's handlers work with, typed: settings, keys, metrics, landing, proxy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from claw_pipelines.settings import ClawSettings
+from gateway.auth import KeyRing
+from gateway.landing import Landing
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import ProxyService, Upstream
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayServices:
+    """The long-lived parts of a running gateway, built by the app's lifespan."""
+
+    settings: ClawSettings
+    keys: KeyRing
+    metrics: GatewayMetrics
+    landing: Landing
+    proxy: ProxyService
+    upstream: Upstream | None = None
