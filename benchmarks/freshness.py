@@ -44,6 +44,8 @@ import polars as pl
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from claw_pipelines.app.processes import ServiceProcess, free_port  # noqa: E402
+from claw_pipelines.app.up import DAGSTER_YAML  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
 from claw_pipelines.contracts.tables import (  # noqa: E402
     BRONZE_EVENTS,
@@ -52,9 +54,7 @@ from claw_pipelines.contracts.tables import (  # noqa: E402
 )
 from claw_pipelines.lake import COMMIT_METADATA_KEY, Lake  # noqa: E402
 from claw_pipelines.live import materializer_running  # noqa: E402
-from claw_pipelines.processes import ServiceProcess, free_port  # noqa: E402
-from claw_pipelines.specs import save_spec  # noqa: E402
-from claw_pipelines.up import DAGSTER_YAML  # noqa: E402
+from claw_pipelines.spec_store import save_spec  # noqa: E402
 
 TARGET_P50_S = 2.0
 TARGET_P99_S = 5.0
@@ -363,7 +363,7 @@ def gateway_service(lake: str, workdir: Path, flush_ms: int) -> ServiceProcess:
 
 def materializer_service(lake: str, workdir: Path, poll_s: float) -> ServiceProcess:
     """`claw materialize --follow`, ready once its heartbeat is in the lake (no Dagster)."""
-    command = [sys.executable, "-m", "claw_pipelines.cli", "materialize", "--follow"]
+    command = [sys.executable, "-m", "claw_pipelines.app.cli", "materialize", "--follow"]
     return ServiceProcess(
         "materialize",
         workdir / "materializer.log",

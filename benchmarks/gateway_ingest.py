@@ -91,7 +91,7 @@ def main() -> None:
         "gateway": [
             sys.executable,
             "-m",
-            "claw_pipelines.cli",
+            "claw_pipelines.app.cli",
             "gateway",
             "--host",
             "127.0.0.1",

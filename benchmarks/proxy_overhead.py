@@ -129,7 +129,7 @@ def main() -> None:
         "CLAW_GATEWAY_ID": "gw-proxy-bench",
         "CLAW_UPSTREAM_URL": f"http://127.0.0.1:{sim_port}/v1",
     }
-    cli = [sys.executable, "-m", "claw_pipelines.cli"]
+    cli = [sys.executable, "-m", "claw_pipelines.app.cli"]
     sim = start(
         [*cli, "sim-llm", "--port", str(sim_port), "--latency-ms", str(args.latency_ms)],
         f"http://127.0.0.1:{sim_port}/health",

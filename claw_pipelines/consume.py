@@ -58,7 +58,7 @@ from claw_pipelines.lake import Lake, until_landed
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.packing import Layout, Packed, pack
 
-STEP_COLUMNS = [
+BATCH_STEP_COLUMNS = [
     "step_key",
     "tree_id",
     "prompt_len",
@@ -247,7 +247,7 @@ class Dataset:
         if layout not in ("tree", "flat"):
             raise ValueError(f"layout must be 'tree' or 'flat', not {layout!r}")
         in_partition = self._scan().filter(pl.col("policy_version") == policy_version)
-        frame = in_partition.select(STEP_COLUMNS).collect()
+        frame = in_partition.select(BATCH_STEP_COLUMNS).collect()
         if skip_consumed_by is not None:
             taken = self.consumed(skip_consumed_by)
             if taken.height:
@@ -404,7 +404,7 @@ class Dataset:
             frame = (
                 self.lake.scan(self.table, row["dataset_version"])
                 .filter(pl.col("step_key").is_in(row["step_keys"]))
-                .select(*STEP_COLUMNS, "policy_version")
+                .select(*BATCH_STEP_COLUMNS, "policy_version")
                 .collect()
             )
             batch = self._pack(frame, row["dataset_version"], layout)
@@ -425,7 +425,7 @@ class Dataset:
         book = self._ledger(consumer, rank)
         version = self.lake.version(self.table)
         if self._newest is None or self._newest[0] != version:
-            columns = list(dict.fromkeys([*STEP_COLUMNS, *UNIT_COLUMNS]))
+            columns = list(dict.fromkeys([*BATCH_STEP_COLUMNS, *UNIT_COLUMNS]))
             self._newest = version, self.lake.read(self.table, version, columns=columns)
         steps = self._newest[1]
         floor = self.staleness_floor() if min_policy_version is None else min_policy_version
@@ -434,7 +434,7 @@ class Dataset:
         if chosen is None:
             return None
         frame = steps.filter(unit_keys(steps).is_in(chosen))
-        batch = self._pack(frame.select(*STEP_COLUMNS, "policy_version"), version, layout)
+        batch = self._pack(frame.select(*BATCH_STEP_COLUMNS, "policy_version"), version, layout)
         newest = int(frame["policy_version"].max())
         written = record_delivery(
             self.lake,
@@ -488,7 +488,7 @@ class Dataset:
         return published - spec.max_policy_staleness
 
     def _pack(self, frame: pl.DataFrame, version: int, layout: Layout) -> Batch:
-        """One batch of `frame`'s steps (STEP_COLUMNS and policy_version, at dataset version
+        """One batch of `frame`'s steps (BATCH_STEP_COLUMNS and policy_version, at dataset version
         `version`; whole trees, possibly of several partitions), trees in id order."""
         segments = None
         if layout == "tree":

@@ -41,11 +41,11 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.lake import Guard, Lake, until_landed
 from claw_pipelines.quality import (
     Finding,
-    group_completeness,
-    one_partition_per_step,
+    groups_are_complete,
+    partition_within_staleness,
+    steps_in_one_partition,
     trees_are_minimal,
     trees_rebuild_steps,
-    within_staleness,
 )
 from claw_pipelines.silver import silver_state
 from claw_pipelines.transforms.curation import (
@@ -56,7 +56,7 @@ from claw_pipelines.transforms.curation import (
 )
 from claw_pipelines.transforms.prefix_tree import PrefixForest, build_forest
 
-STEP_COLUMNS = [*CANDIDATE_STEP_COLUMNS, "model", "created_at", "event_id"]
+SILVER_COLUMNS_FOR_GOLD = [*CANDIDATE_STEP_COLUMNS, "model", "created_at", "event_id"]
 TOKEN_COLUMNS = ["step_key", "prompt_ids", "response_ids", "rollout_log_probs", "response_mask"]
 
 
@@ -134,7 +134,7 @@ def newest_policy(lake: Lake, versions: dict[str, int | None], steps: pl.DataFra
 def candidate_steps(lake: Lake, versions: dict[str, int | None]) -> pl.DataFrame:
     """Every silver step (small columns) beside its reward and trajectory, at `versions`:
     what any spec curates from."""
-    steps = lake.read(SILVER_STEPS, versions[SILVER_STEPS], columns=STEP_COLUMNS)
+    steps = lake.read(SILVER_STEPS, versions[SILVER_STEPS], columns=SILVER_COLUMNS_FOR_GOLD)
     rewards = lake.read(SILVER_STEP_REWARDS, versions[SILVER_STEP_REWARDS])
     trajectories = lake.read(SILVER_TRAJECTORIES, versions[SILVER_TRAJECTORIES])
     return candidates(steps, rewards, trajectories)
@@ -363,14 +363,14 @@ def partition_findings(lake: Lake, part: GoldPartition) -> dict[str, Finding]:
     forest = part.forest or build_forest(np.zeros(0, np.int64), pa.array([], pa.list_(pa.int32())))
     return {
         "steps_rebuild_from_trees": trees_rebuild_steps(forest, part.steps),
-        "tree_tokens_optimal": trees_are_minimal(forest),
-        "one_partition_per_step": one_partition_per_step(
+        "trees_are_minimal": trees_are_minimal(forest),
+        "steps_in_one_partition": steps_in_one_partition(
             lake.read(gold_dataset_spec(part.dataset).name, columns=["step_key"])["step_key"]
             if lake.exists(gold_dataset_spec(part.dataset).name)
             else pl.Series("step_key", [], dtype=pl.String)
         ),
-        "group_completeness": group_completeness(part.spec, part.steps),
-        "within_staleness": within_staleness(
+        "groups_are_complete": groups_are_complete(part.spec, part.steps),
+        "partition_within_staleness": partition_within_staleness(
             part.spec, part.policy_version, part.newest_version, part.steps.height
         ),
     }

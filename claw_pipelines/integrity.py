@@ -17,8 +17,7 @@ from typing import Literal
 
 import polars as pl
 
-from claw_pipelines.consume import STEP_COLUMNS as BATCH_COLUMNS
-from claw_pipelines.consume import Dataset
+from claw_pipelines.consume import BATCH_STEP_COLUMNS, Dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -33,7 +32,12 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.gold import build_partition, policy_versions
 from claw_pipelines.lake import Lake
-from claw_pipelines.quality import Finding, finite_rewards, inconsistent_lengths, unique_step_keys
+from claw_pipelines.quality import (
+    Finding,
+    inconsistent_lengths,
+    rewards_are_finite,
+    step_keys_are_unique,
+)
 from claw_pipelines.silver import (
     SILVER_TABLES,
     SilverOptions,
@@ -41,7 +45,7 @@ from claw_pipelines.silver import (
     dedupe_silver,
     silver_state,
 )
-from claw_pipelines.specs import SpecError, load_spec
+from claw_pipelines.spec_store import SpecError, load_spec
 
 Kind = Literal["duplicates", "watermark", "trees", "bad_rows"]
 SILVER_KEYS = {
@@ -100,10 +104,10 @@ def _silver_problems(lake: Lake) -> list[Problem]:
     for table, key in SILVER_KEYS.items():
         if lake.exists(table):
             keys = lake.read(table, columns=[key])[key]
-            problems += _from(unique_step_keys(keys), table, "duplicates", f"{key} held twice")
+            problems += _from(step_keys_are_unique(keys), table, "duplicates", f"{key} held twice")
     events = lake.read(SILVER_STEPS, columns=["event_id"])["event_id"]
     problems += _from(
-        unique_step_keys(events.drop_nulls()), SILVER_STEPS, "duplicates", "event_id held twice"
+        step_keys_are_unique(events.drop_nulls()), SILVER_STEPS, "duplicates", "event_id held twice"
     )
     state, bronze = silver_state(lake), lake.version(BRONZE_EVENTS)
     if state.bronze_version is not None and (bronze is None or state.bronze_version > bronze):
@@ -122,7 +126,7 @@ def _silver_problems(lake: Lake) -> list[Problem]:
         "log-probs or masks of another length than the response (not repairable: fix the writer)",
     )
     problems += _from(
-        finite_rewards(lake.read(SILVER_FEEDBACK)),
+        rewards_are_finite(lake.read(SILVER_FEEDBACK)),
         SILVER_FEEDBACK,
         "bad_rows",
         "rewards that are not finite numbers (not repairable: fix the writer)",
@@ -142,9 +146,9 @@ def _gold_problems(lake: Lake) -> list[Problem]:
     problems = []
     for name in gold_datasets(lake):
         dataset = Dataset(lake, name)
-        steps = lake.read(gold_dataset_table(name), columns=[*BATCH_COLUMNS, "policy_version"])
+        steps = lake.read(gold_dataset_table(name), columns=[*BATCH_STEP_COLUMNS, "policy_version"])
         problems += _from(
-            unique_step_keys(steps["step_key"]),
+            step_keys_are_unique(steps["step_key"]),
             gold_dataset_table(name),
             "duplicates",
             "step_key held twice",

@@ -28,7 +28,7 @@ from claw_pipelines.gold import TOKEN_COLUMNS
 from claw_pipelines.gold_increments import AtHand, GoldIncrement, update_dataset
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import SilverOptions, SilverRun, build_silver, silver_state
-from claw_pipelines.specs import SpecError, read_specs
+from claw_pipelines.spec_store import SpecError, read_specs
 
 HEARTBEAT = "_live/materializer.json"
 HEARTBEAT_S = 5.0  # the heartbeat is rewritten at least this often

@@ -34,7 +34,7 @@ class Finding:
         return cls(offending.len() == 0, offending.len(), offending.head(SAMPLE).to_list(), checked)
 
 
-def unique_step_keys(step_keys: pl.Series) -> Finding:
+def step_keys_are_unique(step_keys: pl.Series) -> Finding:
     """Every step_key appears once."""
     counts = step_keys.value_counts()
     repeated = counts.filter(pl.col("count") > 1).get_column(step_keys.name)
@@ -51,7 +51,7 @@ def inconsistent_lengths() -> pl.Expr:
     )
 
 
-def consistent_lengths(steps: pl.DataFrame) -> Finding:
+def lengths_are_consistent(steps: pl.DataFrame) -> Finding:
     """Log-probs and masks, when present, have one entry per response token."""
     return Finding.of(steps.filter(inconsistent_lengths())["step_key"], steps.height)
 
@@ -79,7 +79,7 @@ def nesting(prompts: pl.Series, pairs: pl.DataFrame) -> Finding:
     return Finding.of(pairs.filter(~nests.fill_null(False))["step_key"], pairs.height)
 
 
-def finite_rewards(facts: pl.DataFrame) -> Finding:
+def rewards_are_finite(facts: pl.DataFrame) -> Finding:
     """Reward and rating values are finite numbers."""
     numeric = facts.filter(pl.col("kind").is_in(["reward", "rating"]))
     bad = numeric.filter(~pl.col("value_number").is_finite().fill_null(False))
@@ -94,7 +94,7 @@ def feedback_targets_exist(steps: pl.DataFrame, facts: pl.DataFrame) -> Finding:
     return Finding.of(unresolved_targets(steps, addressed)["feedback_id"], addressed.height)
 
 
-def no_conflicts(conflicts: pl.DataFrame) -> Finding:
+def steps_have_no_conflicts(conflicts: pl.DataFrame) -> Finding:
     """No step arrived under a taken step_key with different tokens."""
     return Finding.of(
         conflicts["step_key"] if conflicts.height else pl.Series([], dtype=pl.String),
@@ -156,19 +156,19 @@ def trees_are_minimal(forest: PrefixForest) -> Finding:
     return Finding.of(repeated["segment"].cast(pl.String), len(nonempty))
 
 
-def one_partition_per_step(step_keys: pl.Series) -> Finding:
+def steps_in_one_partition(step_keys: pl.Series) -> Finding:
     """No step appears in two partitions (or twice) of a dataset."""
-    return unique_step_keys(step_keys)
+    return step_keys_are_unique(step_keys)
 
 
-def group_completeness(spec: CurationSpec, steps: pl.DataFrame) -> Finding:
+def groups_are_complete(spec: CurationSpec, steps: pl.DataFrame) -> Finding:
     """With `complete_groups_only`, every kept step's prompt group is complete."""
     if not spec.complete_groups_only or steps.is_empty():
         return Finding(True, checked=steps.height)
     return Finding.of(steps.filter(~pl.col("group_complete"))["step_key"], steps.height)
 
 
-def within_staleness(spec: CurationSpec, version: int, newest: int, rows: int) -> Finding:
+def partition_within_staleness(spec: CurationSpec, version: int, newest: int, rows: int) -> Finding:
     """A partition outside `max_policy_staleness` of the newest version holds no steps."""
     stale = spec.max_policy_staleness is not None and version < newest - spec.max_policy_staleness
     return Finding(not (stale and rows > 0), failures=rows if stale else 0, checked=rows)

@@ -36,12 +36,12 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.lake import Guard, Lake, until_landed
 from claw_pipelines.quality import (
     Finding,
-    consistent_lengths,
     feedback_targets_exist,
-    finite_rewards,
+    lengths_are_consistent,
     nesting,
-    no_conflicts,
-    unique_step_keys,
+    rewards_are_finite,
+    step_keys_are_unique,
+    steps_have_no_conflicts,
 )
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.feedback import (
@@ -51,8 +51,8 @@ from claw_pipelines.transforms.feedback import (
     step_reward_facts,
 )
 from claw_pipelines.transforms.steps import (
+    BRONZE_COLUMNS_OF_STEPS,
     FACT_COLUMNS,
-    STEP_COLUMNS,
     first_arrivals,
     keep_rows,
     place_unscoped,
@@ -183,13 +183,13 @@ def _read_bronze(
     is_step = pl.col("kind").is_in(STEP_KINDS)
     is_fact = pl.col("kind").is_in(FACT_KINDS)
     if after is not None and after >= 0:
-        changed = lake.changes(BRONZE_EVENTS, after, until, columns=STEP_COLUMNS)
+        changed = lake.changes(BRONZE_EVENTS, after, until, columns=BRONZE_COLUMNS_OF_STEPS)
         if changed is not None:
             rows = pl.from_arrow(changed)
             facts = rows.filter(is_fact).select(FACT_COLUMNS)
             return rows.filter(is_step), facts, "changes"
     scan = lake.scan(BRONZE_EVENTS, version=until)
-    steps = scan.filter(is_step).select(STEP_COLUMNS).collect()
+    steps = scan.filter(is_step).select(BRONZE_COLUMNS_OF_STEPS).collect()
     facts = scan.filter(is_fact).select(FACT_COLUMNS).collect()
     return steps, facts, "full"
 
@@ -475,10 +475,10 @@ def silver_findings(lake: Lake, run: SilverRun) -> dict[str, Finding]:
     if facts.is_empty():
         facts = pl.from_arrow(TABLES[SILVER_FEEDBACK].schema.empty_table())
     return {
-        "unique_step_key": unique_step_keys(index["step_key"]),
-        "list_lengths": consistent_lengths(new),
-        "finite_rewards": finite_rewards(facts),
+        "step_keys_are_unique": step_keys_are_unique(index["step_key"]),
+        "lengths_are_consistent": lengths_are_consistent(new),
+        "rewards_are_finite": rewards_are_finite(facts),
         "turns_nest": nesting(new["prompt_ids"], _nesting_pairs(new, index)),
         "feedback_targets_exist": feedback_targets_exist(index, facts),
-        "no_conflicts": no_conflicts(run.conflicts),
+        "steps_have_no_conflicts": steps_have_no_conflicts(run.conflicts),
     }

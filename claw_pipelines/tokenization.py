@@ -99,7 +99,7 @@ def _compiled(template: str) -> Any:
 @lru_cache(maxsize=8)
 def _load(path: str | None) -> Tokenizer:
     if path is None:
-        shipped = resources.files("claw_pipelines").joinpath("assets", "tokenizer.json")
+        shipped = resources.files("claw_pipelines").joinpath("bundled_tokenizer", "tokenizer.json")
         return Tokenizer.from_str(shipped.read_text(encoding="utf-8"))
     return Tokenizer.from_file(path)
 

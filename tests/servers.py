@@ -6,7 +6,7 @@ from pathlib import Path
 
 import polars as pl
 
-from claw_pipelines.processes import ServiceProcess, free_port, wait_until
+from claw_pipelines.app.processes import ServiceProcess, free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 __all__ = ["REPO", "GatewayProcess", "bronze", "free_port", "wait_landed", "wait_until"]

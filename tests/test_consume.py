@@ -156,7 +156,7 @@ def test_to_torch_gives_tensors_and_the_mask(lake, monkeypatch):
 
 
 def test_claw_export_writes_verl_parquet_and_jsonl(lake, tmp_path):
-    base = [sys.executable, "-m", "claw_pipelines.cli", "export", "--lake", lake.uri]
+    base = [sys.executable, "-m", "claw_pipelines.app.cli", "export", "--lake", lake.uri]
     base += ["--dataset", "train", "--policy-version", "1"]
     out = tmp_path / "train-v1.parquet"
     done = subprocess.run([*base, "--out", str(out)], cwd=REPO, capture_output=True, text=True)

@@ -13,7 +13,7 @@ from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.gold import build_partition
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import build_silver
-from claw_pipelines.specs import load_specs
+from claw_pipelines.spec_store import load_specs
 from tests.lakes import feedback, group_of, land
 from tests.servers import REPO
 

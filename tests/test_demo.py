@@ -19,7 +19,7 @@ from tests.servers import REPO
 def test_claw_demo_fills_bronze_and_silver(tmp_path):
     lake_dir = tmp_path / "lake"
     done = subprocess.run(
-        [sys.executable, "-m", "claw_pipelines.cli", "demo", "--lake", str(lake_dir)],
+        [sys.executable, "-m", "claw_pipelines.app.cli", "demo", "--lake", str(lake_dir)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -240,7 +240,7 @@ def test_refuses_non_loopback_bind_without_keys(tmp_path):
         [
             sys.executable,
             "-m",
-            "claw_pipelines.cli",
+            "claw_pipelines.app.cli",
             "gateway",
             "--host",
             "0.0.0.0",
@@ -259,7 +259,7 @@ def test_refuses_non_loopback_bind_without_keys(tmp_path):
 
 def test_invalid_setting_is_one_line_naming_the_variable(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "claw_pipelines.cli", "gateway", "--lake", str(tmp_path)],
+        [sys.executable, "-m", "claw_pipelines.app.cli", "gateway", "--lake", str(tmp_path)],
         capture_output=True, text=True, cwd=REPO, timeout=60,
         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CLAW_FLUSH_INTERVAL_MS": "0"},
     )  # fmt: skip
@@ -271,7 +271,7 @@ def test_invalid_setting_is_one_line_naming_the_variable(tmp_path):
 def test_keys_created_by_the_cli_authenticate_their_tenant(tmp_path):
     keys_file = tmp_path / "keys"
     result = subprocess.run(
-        [sys.executable, "-m", "claw_pipelines.cli", "keys", "create", "--tenant", "team-x",
+        [sys.executable, "-m", "claw_pipelines.app.cli", "keys", "create", "--tenant", "team-x",
          "--file", str(keys_file)],
         capture_output=True, text=True, cwd=REPO, timeout=60, check=True,
     )  # fmt: skip

@@ -28,7 +28,7 @@ from claw_pipelines.gold import build_partition, partition_findings, source_vers
 from claw_pipelines.lake import Lake
 from claw_pipelines.quality import trees_are_minimal
 from claw_pipelines.silver import build_silver
-from claw_pipelines.specs import (
+from claw_pipelines.spec_store import (
     SpecError,
     load_spec,
     load_specs,
@@ -135,7 +135,7 @@ def test_policy_staleness_and_explicit_versions(lake):
     pinned = CurationSpec(name="pinned", policy_versions=[1])
     assert keys_kept(lake, pinned, 1) == ["v1:0"] and keys_kept(lake, pinned, 2) == []
     stale = build_partition(lake, spec, 0)
-    assert partition_findings(lake, stale)["within_staleness"].passed
+    assert partition_findings(lake, stale)["partition_within_staleness"].passed
 
 
 def test_group_filters_and_grpo_advantages_on_known_numbers(lake):
@@ -160,7 +160,9 @@ def test_group_filters_and_grpo_advantages_on_known_numbers(lake):
     assert advantage["g2-r0:0"] is None  # the group is not complete
     complete = CurationSpec(name="c", reward_status=["final", "pending"], complete_groups_only=True)
     assert not any(k.startswith("g2") for k in keys_kept(lake, complete))
-    assert partition_findings(lake, build_partition(lake, complete, 1))["group_completeness"].passed
+    assert partition_findings(lake, build_partition(lake, complete, 1))[
+        "groups_are_complete"
+    ].passed
     varied = CurationSpec(name="v", drop_zero_variance_groups=True, min_group_size=3)
     assert {k.split("-")[0] for k in keys_kept(lake, varied)} == {"g1"}
 

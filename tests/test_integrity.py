@@ -30,7 +30,7 @@ from claw_pipelines.gold import build_partition
 from claw_pipelines.integrity import check_lake, repair_lake
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import build_silver, watermark
-from claw_pipelines.specs import save_spec
+from claw_pipelines.spec_store import save_spec
 from tests.dagster_runs import materialize_gold_partition
 from tests.lakes import land, step
 from tests.servers import REPO
@@ -40,7 +40,7 @@ BATCH_FIELDS = ("input_ids", "parent", "position_ids", "loss_mask", "advantages"
 
 
 def claw(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "claw_pipelines.cli", *args]
+    command = [sys.executable, "-m", "claw_pipelines.app.cli", *args]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 

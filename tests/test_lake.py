@@ -21,7 +21,7 @@ from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
 from claw_pipelines.lake import Lake
 from claw_pipelines.live import LiveMaterializer
 from claw_pipelines.policy import publish_policy_version
-from claw_pipelines.specs import save_spec
+from claw_pipelines.spec_store import save_spec
 from tests.lakes import group_of, land
 from tests.servers import GatewayProcess, free_port, wait_until
 

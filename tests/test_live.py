@@ -17,6 +17,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from claw_pipelines.app.materialize import follow
 from claw_pipelines.consume import Dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import GOLD_LINEAGE, gold_dataset_table, gold_tree_table
@@ -24,11 +25,10 @@ from claw_pipelines.gold import build_partition
 from claw_pipelines.gold_increments import update_dataset
 from claw_pipelines.lake import Lake
 from claw_pipelines.live import LiveMaterializer, materializer_running
-from claw_pipelines.materialize import follow
 from claw_pipelines.policy import publish_policy_version
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.silver import build_silver
-from claw_pipelines.specs import save_spec
+from claw_pipelines.spec_store import save_spec
 from tests.lakes import completion, feedback, group_of, land, step
 from tests.servers import REPO, wait_until
 
@@ -234,7 +234,7 @@ def test_the_live_materializer_survives_sigkill_and_lands_each_group_once(tmp_pa
     save_spec(lake, LIVE)
     env = {**os.environ, "CLAW_LAKE_URI": lake.uri}
     env.pop("DAGSTER_HOME", None)
-    command = [sys.executable, "-m", "claw_pipelines.cli", "materialize", "--follow"]
+    command = [sys.executable, "-m", "claw_pipelines.app.cli", "materialize", "--follow"]
     command += ["--poll-s", "0.05"]
     landed = 0
     for _ in range(3):  # three lives

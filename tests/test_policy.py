@@ -30,7 +30,7 @@ def test_versions_only_go_up_and_the_cli_shows_them(tmp_path):
     publish_policy_version(lake, 3, by="trainer-a")
     with pytest.raises(ValueError, match="policy_version: 3 is not newer than the published 3"):
         publish_policy_version(lake, 3)
-    command = [sys.executable, "-m", "claw_pipelines.cli", "policy"]
+    command = [sys.executable, "-m", "claw_pipelines.app.cli", "policy"]
     done = subprocess.run(
         [*command, "publish", "5", "--lake", lake.uri, "--note", "after step 100"],
         cwd=REPO,

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from claw_pipelines.simulation.sim_protocol import ChatCompletionRequest
-from claw_pipelines.simulation.sim_serving import SimulatedModel
+from claw_pipelines.simulation.protocol import ChatCompletionRequest
+from claw_pipelines.simulation.serving import SimulatedModel
 from claw_pipelines.tokenization import load_tokenizer
 from gateway.errors import ApiError
 from gateway.proxy.capture import (

@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from claw_pipelines.cli import build_parser
+from claw_pipelines.app.cli import build_parser
 from claw_pipelines.lake import Lake
 from tests.conftest import TEST_KEY
 

@@ -97,7 +97,12 @@ def test_definitions_load_with_layered_asset_keys_descriptions_and_automation():
     for key in graph.get_all_asset_keys():
         assert graph.get(key).description, key
     checks_of = {c.name for c in graph.asset_check_keys}
-    assert {"unique_step_key", "list_lengths", "turns_nest", "finite_rewards"} <= checks_of
+    assert {
+        "step_keys_are_unique",
+        "lengths_are_consistent",
+        "turns_nest",
+        "rewards_are_finite",
+    } <= checks_of
     assert {j.name for j in defs.resolve_all_job_defs()} >= {"silver_job", "maintenance_job"}
     for name in ("bronze_version_sensor", "gold_partitions_sensor"):
         assert defs.resolve_sensor_def(name).default_status == dg.DefaultSensorStatus.RUNNING
@@ -199,9 +204,9 @@ def test_duplicates_dropped_conflicts_kept_out_and_reported(gw):
     conflicts = silver(gw.lake, "step_conflicts").filter(pl.col("step_key") == f"{trajectory}:0")
     assert conflicts["event_id"].to_list() == other
     assert conflicts["kept_event_id"].to_list() == first
-    found = checks(result)["no_conflicts"]
+    found = checks(result)["steps_have_no_conflicts"]
     assert not found.passed and f"{trajectory}:0" in found.metadata["sample"].value
-    assert checks(result)["unique_step_key"].passed
+    assert checks(result)["step_keys_are_unique"].passed
 
 
 def test_late_feedback_flips_reward_status(gw):
@@ -315,12 +320,19 @@ def test_sensor_requests_one_run_at_a_time_for_new_bronze_versions(gw):
 
 
 def test_claw_materialize_runs_in_process_and_fails_in_one_line(gw):
-    command = [sys.executable, "-m", "claw_pipelines.cli", "materialize", "--lake", str(gw.lake)]
+    command = [
+        sys.executable,
+        "-m",
+        "claw_pipelines.app.cli",
+        "materialize",
+        "--lake",
+        str(gw.lake),
+    ]
     done = subprocess.run([*command, "--select", "silver/steps"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "materialized silver/steps" in done.stdout
     assert "materialized silver/trajectories" in done.stdout  # one multi-asset: all of it
-    assert "check silver/steps:unique_step_key: passed" in done.stdout
+    assert "check silver/steps:step_keys_are_unique: passed" in done.stdout
     bad = subprocess.run([*command, "--select", "nope/none"], capture_output=True, text=True)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
@@ -354,7 +366,7 @@ def test_bad_lengths_fail_a_blocking_check(tmp_path):
         resources={"claw": ClawLake(lake_uri=lake.uri)},
         raise_on_error=False,
     )
-    found = checks(result)["list_lengths"]
+    found = checks(result)["lengths_are_consistent"]
     assert not found.passed and found.severity == dg.AssetCheckSeverity.ERROR
     assert found.metadata["sample"].value == ["bad:0"]
 

@@ -18,7 +18,7 @@ import uvicorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from claw_pipelines.simulation.sim_llm import create_sim_app
+from claw_pipelines.simulation.llm import create_sim_app
 from claw_pipelines.tokenization import (
     SPECIAL_TOKENS,
     decode,
@@ -107,7 +107,7 @@ def test_tokenizer_round_trips_unicode_and_special_strings() -> None:
 
 def test_bundled_tokenizer_is_small_with_its_special_tokens() -> None:
     tokenizer = load_tokenizer()
-    shipped = Path(__file__).parents[1] / "claw_pipelines" / "assets" / "tokenizer.json"
+    shipped = Path(__file__).parents[1] / "claw_pipelines" / "bundled_tokenizer" / "tokenizer.json"
     assert shipped.stat().st_size < 512 * 1024
     assert 3000 < tokenizer.get_vocab_size() <= 4096
     assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))

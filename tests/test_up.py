@@ -20,6 +20,7 @@ import numpy as np
 import polars as pl
 import pytest
 
+from claw_pipelines.app.up import daemons_healthy
 from claw_pipelines.consume import open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import GOLD_LINEAGE, SILVER_STEPS, gold_dataset_table
@@ -27,8 +28,7 @@ from claw_pipelines.gold import build_partition, policy_versions
 from claw_pipelines.integrity import check_lake, gold_datasets
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import build_silver
-from claw_pipelines.specs import load_specs, save_spec
-from claw_pipelines.up import daemons_healthy
+from claw_pipelines.spec_store import load_specs, save_spec
 from dashboards.dagster_graphql import launch_gold, run_status
 from tests.servers import REPO, free_port, wait_until
 
@@ -89,7 +89,7 @@ def test_claw_up_with_demo_traffic_keeps_every_step_once_and_ctrl_c_stops_it_all
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "claw_pipelines.cli", "up", "--demo-traffic",
+            [sys.executable, "-m", "claw_pipelines.app.cli", "up", "--demo-traffic",
              "--port", str(port), "--dashboard-port", str(dashboard),
              "--dagster-port", str(dagster), "--lake", str(lake_path)],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -39,7 +39,14 @@ class SimProcess:
 
     def start(self) -> SimProcess:
         """Start and wait until /health answers."""
-        command = [sys.executable, "-m", "claw_pipelines.cli", "sim-llm", "--port", str(self.port)]
+        command = [
+            sys.executable,
+            "-m",
+            "claw_pipelines.app.cli",
+            "sim-llm",
+            "--port",
+            str(self.port),
+        ]
         command += ["--latency-ms", str(self.latency_ms)]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

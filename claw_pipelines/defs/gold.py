@@ -23,7 +23,7 @@ from claw_pipelines.gold import build_partition, partition_findings, policy_vers
 from claw_pipelines.lake import Lake
 from claw_pipelines.live import materializer_running
 from claw_pipelines.silver import silver_state
-from claw_pipelines.specs import SpecError, load_spec, load_specs, read_specs
+from claw_pipelines.spec_store import SpecError, load_spec, load_specs, read_specs
 
 DATASETS = dg.DynamicPartitionsDefinition(name="gold_datasets")
 POLICY_VERSIONS = dg.DynamicPartitionsDefinition(name="policy_versions")
@@ -36,7 +36,8 @@ LINEAGE_KEY = table_key(GOLD_LINEAGE)
 SOURCES = [STEPS, STEP_REWARDS, TRAJECTORIES]
 MAX_GOLD_RUNS_IN_FLIGHT = 6  # more only as these finish (claw up runs 4 at a time)
 
-GOLD_SPECS = [
+# A tuple, not a list: dagster.load_defs takes module-level lists of specs for assets.
+GOLD_SPECS = (
     dg.AssetSpec(
         DATASETS_KEY,
         deps=SOURCES,
@@ -62,7 +63,7 @@ GOLD_SPECS = [
         description="gold/lineage: one row per dataset partition write: spec and hash, silver "
         "and bronze versions read, code version, counts, raw vs tree tokens.",
     ),
-]
+)
 
 GOLD_CHECKS = {
     spec.name: spec
@@ -74,17 +75,17 @@ GOLD_CHECKS = {
             True,
         ),
         check_spec(
-            "tree_tokens_optimal", TREES_KEY, "Trees hold exactly U tokens (no node twice).", True
+            "trees_are_minimal", TREES_KEY, "Trees hold exactly U tokens (no node twice).", True
         ),
-        check_spec("one_partition_per_step", DATASETS_KEY, "No step in two partitions.", True),
+        check_spec("steps_in_one_partition", DATASETS_KEY, "No step in two partitions.", True),
         check_spec(
-            "group_completeness",
+            "groups_are_complete",
             DATASETS_KEY,
             "When the spec requires it, every kept prompt group is complete.",
             True,
         ),
         check_spec(
-            "within_staleness",
+            "partition_within_staleness",
             DATASETS_KEY,
             "No steps in a partition older than the spec's max_policy_staleness.",
             True,

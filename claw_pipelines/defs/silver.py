@@ -21,7 +21,8 @@ def _spec(key: dg.AssetKey, deps: list[dg.AssetKey], notes: str = "") -> dg.Asse
     return dg.AssetSpec(key, deps=deps, description=description, group_name="silver")
 
 
-SILVER_SPECS = [
+# A tuple, not a list: dagster.load_defs takes module-level lists of specs for assets.
+SILVER_SPECS = (
     _spec(
         STEPS,
         [BRONZE],
@@ -32,14 +33,19 @@ SILVER_SPECS = [
     _spec(STEP_CONFLICTS, [BRONZE]),
     _spec(TRAJECTORIES, [STEPS, FEEDBACK]),
     _spec(STEP_REWARDS, [STEPS, FEEDBACK, TRAJECTORIES], "Latest reward fact wins."),
-]  # in dependency order: a multi-asset yields its results topologically
+)  # in dependency order: a multi-asset yields its results topologically
 
 
 # (check name, asset, blocking): blocking checks stop downstream assets on bad data.
 SILVER_CHECKS = {
-    "unique_step_key": check_spec("unique_step_key", STEPS, "Every step_key appears once.", True),
-    "list_lengths": check_spec(
-        "list_lengths", STEPS, "Log-probs and masks have one entry per response token.", True
+    "step_keys_are_unique": check_spec(
+        "step_keys_are_unique", STEPS, "Every step_key appears once.", True
+    ),
+    "lengths_are_consistent": check_spec(
+        "lengths_are_consistent",
+        STEPS,
+        "Log-probs and masks have one entry per response token.",
+        True,
     ),
     "turns_nest": check_spec(
         "turns_nest",
@@ -48,11 +54,14 @@ SILVER_CHECKS = {
         "retokenization drift and names the steps.",
         False,
     ),
-    "no_conflicts": check_spec(
-        "no_conflicts", STEPS, "No step arrived under a taken step_key with other tokens.", False
+    "steps_have_no_conflicts": check_spec(
+        "steps_have_no_conflicts",
+        STEPS,
+        "No step arrived under a taken step_key with other tokens.",
+        False,
     ),
-    "finite_rewards": check_spec(
-        "finite_rewards", FEEDBACK, "Rewards and ratings are finite.", True
+    "rewards_are_finite": check_spec(
+        "rewards_are_finite", FEEDBACK, "Rewards and ratings are finite.", True
     ),
     "feedback_targets_exist": check_spec(
         "feedback_targets_exist",

@@ -20,7 +20,7 @@ import polars as pl
 from claw_pipelines.transforms.hashing import content_hashes
 from claw_pipelines.transforms.stitching import StitchInput, stitch
 
-STEP_COLUMNS = [
+BRONZE_COLUMNS_OF_STEPS = [
     "event_id",
     "kind",
     "tenant",

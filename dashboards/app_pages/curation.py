@@ -7,7 +7,7 @@ import polars as pl
 import streamlit as st
 
 from claw_pipelines.contracts.tables import SILVER_STEP_REWARDS, SILVER_STEPS, SILVER_TRAJECTORIES
-from claw_pipelines.specs import SpecError, read_specs, save_spec, to_yaml, validate_spec
+from claw_pipelines.spec_store import SpecError, read_specs, save_spec, to_yaml, validate_spec
 from claw_pipelines.transforms.curation import CANDIDATE_STEP_COLUMNS, candidates, curate
 from dashboards import dagster_graphql, data
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tokenizers import Tokenizer
 
-from claw_pipelines.simulation.sim_sampling import Generation
+from claw_pipelines.simulation.sampling import Generation
 from claw_pipelines.tokenization import decode, token_bytes
 
 MAX_CHOICES = 64

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from claw_pipelines.simulation.sim_protocol import (
+from claw_pipelines.simulation.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Piece,
@@ -19,7 +19,7 @@ from claw_pipelines.simulation.sim_protocol import (
     stream_pieces,
     usage,
 )
-from claw_pipelines.simulation.sim_sampling import (
+from claw_pipelines.simulation.sampling import (
     Generation,
     choice_key,
     generate_chat,

@@ -27,7 +27,7 @@ def _cmd_gateway(args: argparse.Namespace) -> None:
 
 
 def _cmd_sim_llm(args: argparse.Namespace) -> None:
-    from claw_pipelines.simulation.sim_llm import serve
+    from claw_pipelines.simulation.llm import serve
 
     serve(host=args.host, port=args.port, seed=args.seed, latency_ms=args.latency_ms)
 
@@ -46,7 +46,7 @@ def _cmd_keys_create(args: argparse.Namespace) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> None:
-    from claw_pipelines.up import run_up
+    from claw_pipelines.app.up import run_up
 
     run_up(
         _settings(args),
@@ -59,13 +59,13 @@ def _cmd_up(args: argparse.Namespace) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> None:
-    from claw_pipelines.demo import run_demo
+    from claw_pipelines.app.demo import run_demo
 
     run_demo(_settings(args), workdir=args.workdir)
 
 
 def _cmd_materialize(args: argparse.Namespace) -> None:
-    from claw_pipelines.materialize import follow, materialize
+    from claw_pipelines.app.materialize import follow, materialize
 
     if args.follow:
         import signal

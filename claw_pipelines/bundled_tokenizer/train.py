@@ -2,7 +2,7 @@
 
 Regenerate (deterministic: a fixed seed and a generated corpus, no downloads):
 
-    .venv/bin/python claw_pipelines/assets/train_tokenizer.py
+    .venv/bin/python claw_pipelines/bundled_tokenizer/train_tokenizer.py
 
 The corpus is synthetic English, Python, arithmetic Q&A and JSON tool calls, so the vocabulary
 fits what the simulated model and the demo agents say. Byte-level pre-tokenization and decoding

@@ -105,7 +105,7 @@ def materialize(
             defs,
         )
         from claw_pipelines.lake import Lake
-        from claw_pipelines.specs import read_specs
+        from claw_pipelines.spec_store import read_specs
 
         graph = defs.resolve_asset_graph()
         chosen = _selection(select).resolve(graph)

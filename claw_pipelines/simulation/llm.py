@@ -18,8 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from claw_pipelines.simulation.sim_protocol import ChatCompletionRequest, CompletionRequest
-from claw_pipelines.simulation.sim_serving import SimRequestError, SimulatedModel
+from claw_pipelines.simulation.protocol import ChatCompletionRequest, CompletionRequest
+from claw_pipelines.simulation.serving import SimRequestError, SimulatedModel
 from claw_pipelines.tokenization import load_tokenizer
 
 __all__ = ["create_sim_app", "serve"]

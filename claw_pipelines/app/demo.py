@@ -12,6 +12,7 @@ import httpx
 import polars as pl
 from tqdm import tqdm
 
+from claw_pipelines.app.processes import ServiceProcess
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     GOLD_LINEAGE,
@@ -21,7 +22,6 @@ from claw_pipelines.contracts.tables import (
     STEP_KINDS,
 )
 from claw_pipelines.lake import Lake
-from claw_pipelines.processes import ServiceProcess
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.simulation.agents import (
     Tally,
@@ -117,8 +117,8 @@ def drive_agents(sim_url: str, gateway_url: str, rng: random.Random) -> Tally:
 def online_loop(
     lake: Lake, sim_url: str, gateway_url: str, rng: random.Random, tally: Tally
 ) -> list[str]:
-    """Three rounds of the asynchronous RL loop (claw_pipelines.demo_loop); a line each."""
-    from claw_pipelines.demo_loop import run_loop
+    """Three rounds of the asynchronous RL loop (claw_pipelines.app.demo_loop); a line each."""
+    from claw_pipelines.app.demo_loop import run_loop
 
     auth = {"Authorization": f"Bearer {DEMO_KEY}"}
     with (
@@ -161,7 +161,7 @@ def summarize(lake: Lake, tally: Tally) -> dict:
 
 def materialize_all(settings: ClawSettings, lake: Lake) -> dict:
     """Run every Dagster asset on the lake; what silver holds afterwards."""
-    from claw_pipelines.materialize import materialize
+    from claw_pipelines.app.materialize import materialize
 
     report = materialize(settings)
     if not report.success:

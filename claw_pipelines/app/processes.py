@@ -41,7 +41,7 @@ def wait_until(
 
 
 class ServiceProcess:
-    """`python -m claw_pipelines.cli VERB ...` (or any `command`, where "{port}" is replaced)
+    """`python -m claw_pipelines.app.cli VERB ...` (or any `command`, where "{port}" is replaced)
     on a loopback port, logging to a file; started when `health` answers 200 (or `ready`
     says so)."""
 
@@ -74,7 +74,7 @@ class ServiceProcess:
         if self.command is not None:
             command = [part.replace("{port}", str(self.port)) for part in self.command]
         else:
-            command = [sys.executable, "-m", "claw_pipelines.cli", self.verb]
+            command = [sys.executable, "-m", "claw_pipelines.app.cli", self.verb]
             command += ["--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(
             command, env=self.env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT

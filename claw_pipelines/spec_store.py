@@ -1,4 +1,5 @@
-"""Curation specs in the lake: `specs/<name>.yaml`, plus the built-in `default`."""
+"""Where curation specs are kept: `specs/<name>.yaml` in the lake, plus the built-in `default`
+(the spec model itself is claw_pipelines.contracts.specs)."""
 
 from __future__ import annotations
 

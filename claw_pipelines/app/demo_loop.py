@@ -25,7 +25,7 @@ from claw_pipelines.live import LiveMaterializer
 from claw_pipelines.policy import publish_policy_version, published_version
 from claw_pipelines.silver import SilverOptions
 from claw_pipelines.simulation.agents import Tally, Task, white_box_group
-from claw_pipelines.specs import save_spec
+from claw_pipelines.spec_store import save_spec
 
 TRAINER = "claw-demo-trainer"
 VOCAB = 4096  # the bundled tokenizer's ids lie below this (larger ids are folded in)

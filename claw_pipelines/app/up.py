@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
+from claw_pipelines.app.processes import ServiceProcess, free_port
 from claw_pipelines.lake import Lake
 from claw_pipelines.live import materializer_running
-from claw_pipelines.processes import ServiceProcess, free_port
 from claw_pipelines.settings import ClawSettings
 
 DAGSTER_YAML = """\
@@ -147,7 +147,7 @@ class Stack:
                 "materialize",
                 self.logs / "materializer.log",
                 env=dagster_env,
-                command=[sys.executable, "-m", "claw_pipelines.cli", "materialize", "--follow"],
+                command=[sys.executable, "-m", "claw_pipelines.app.cli", "materialize", "--follow"],
                 ready=lambda: materializer_running(Lake.from_settings(self.settings)),
             ),
             "materializer",
@@ -191,7 +191,7 @@ class Stack:
 
 def _traffic(stack: Stack, stopping: threading.Event) -> None:
     """Simulated agents, round after round, until `claw up` stops."""
-    from claw_pipelines.demo import drive_agents
+    from claw_pipelines.app.demo import drive_agents
 
     rng = random.Random(11)
     sim = stack.urls.get("simulated model")

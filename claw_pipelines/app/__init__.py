@@ -1,0 +1,2 @@
+"""The launcher: the `claw` CLI and what it starts (gateway, dashboard, Dagster, the live
+materializer, the demo). The only part of claw_pipelines that imports gateway and dashboards."""
