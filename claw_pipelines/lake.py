@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -23,10 +25,15 @@ from deltalake import (
     WriterProperties,
     write_deltalake,
 )
-from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from claw_pipelines.contracts.tables import TABLES, TableSpec
 from claw_pipelines.settings import REMOTE_SCHEMES, ClawSettings
+
+log = logging.getLogger(__name__)
+# What delta-rs says when the change feed cannot cover a range: the log of those versions was
+# cleaned up, or a file it names was vacuumed. Anything else (a network error) is raised.
+_FEED_GONE = re.compile(r"invalid table version|not found|no such file", re.IGNORECASE)
 
 T = TypeVar("T")
 COMMIT_METADATA_KEY = "claw"
@@ -491,7 +498,17 @@ class Lake:
                 starting_version=after + 1, ending_version=until, columns=wanted
             )
             changed = pa.table(reader.read_all())
-        except Exception:  # the feed does not cover the range: the caller reads the table
+        except DeltaError as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if not _FEED_GONE.search(reason):
+                raise
+            log.info(
+                "%s: the change feed does not cover versions %d..%d (%s): reading the table",
+                name,
+                after + 1,
+                until,
+                reason,
+            )
             return None
         kinds = changed.column("_change_type").unique().to_pylist() if changed.num_rows else []
         if set(kinds) - {"insert"}:

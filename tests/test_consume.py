@@ -4,6 +4,7 @@ reproducible order, the consumption log and resuming, time travel, exports."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -205,3 +206,20 @@ def test_tree_batches_from_the_stored_trees_equal_rebuilt_ones(lake):
         assert np.array_equal(getattr(stored, field), getattr(rebuilt, field)), field
     assert stored.step_keys == rebuilt.step_keys
     assert all(np.array_equal(a, b) for a, b in zip(stored.token_of, rebuilt.token_of, strict=True))
+
+
+def test_an_unexpected_cli_error_is_one_line_and_its_traceback_is_logged(lake, tmp_path):
+    log = tmp_path / "errors.log"
+    command = [sys.executable, "-m", "claw_pipelines.app.cli", "export", "--lake", lake.uri]
+    command += ["--dataset", "train", "--policy-version", "1", "--out", str(tmp_path / "x")]
+    done = subprocess.run(
+        [*command, "--version", "9999"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CLAW_ERROR_LOG": str(log)},
+    )
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("claw: error: ")
+    assert f"(traceback: {log})" in done.stderr
+    logged = log.read_text()
+    assert "Traceback (most recent call last)" in logged and "export" in logged

@@ -194,3 +194,29 @@ def test_the_online_loop_runs_on_an_s3_lake(s3_server):
     assert sorted([*first.groups, *second.groups]) == ["2:a", "2:b"]
     assert dataset.next_batch(consumer="s3-trainer", timeout=0.2) is None
     assert [b.groups for b in dataset.replay("s3-trainer")] == [first.groups, second.groups]
+
+
+def test_the_change_feed_falls_back_only_when_its_versions_are_gone(tmp_path, caplog):
+    """A range whose log was cleaned up reads the table instead (logged, with the reason);
+    any other failure (here a data file that is not Parquet) is raised, not hidden."""
+    lake = Lake(str(tmp_path / "lake"))
+    lake.ensure(BRONZE_EVENTS_SPEC)
+    for batch in range(3):
+        lake.append(BRONZE_EVENTS, events([f"e{batch}"]))
+    newest = lake.version(BRONZE_EVENTS)
+    log_dir = tmp_path / "lake" / BRONZE_EVENTS / "_delta_log"
+    lake.open(BRONZE_EVENTS).create_checkpoint()
+    (log_dir / f"{1:020d}.json").unlink()
+    with caplog.at_level("INFO", logger="claw_pipelines.lake"):
+        assert Lake(lake.uri).changes(BRONZE_EVENTS, 0, newest) is None
+    assert "the change feed does not cover versions 1.." in caplog.text
+    assert "Invalid table version" in caplog.text
+
+    newest_file = max((tmp_path / "lake" / BRONZE_EVENTS).rglob("*.parquet"), key=_mtime)
+    newest_file.write_bytes(b"not parquet")
+    with pytest.raises(Exception, match=r"(?i)parquet|magic|invalid"):
+        Lake(lake.uri).changes(BRONZE_EVENTS, newest - 1, newest)
+
+
+def _mtime(path: Path) -> float:
+    return path.stat().st_mtime

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -294,6 +297,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def log_traceback(exc: BaseException) -> Path:
+    """Append `exc`'s traceback to the CLI's error log (`CLAW_ERROR_LOG`, default
+    ~/.claw/errors.log); the path it went to."""
+    path = Path(os.environ.get("CLAW_ERROR_LOG") or Path.home() / ".claw" / "errors.log")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as out:
+            stamp = datetime.now(UTC).isoformat(timespec="seconds")
+            out.write(f"--- {stamp} claw {' '.join(sys.argv[1:])}\n")
+            out.write("".join(traceback.format_exception(exc)))
+    except OSError:
+        path = Path("<unwritable: " + str(path) + ">")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `claw` console script."""
     args = build_parser().parse_args(argv)
@@ -310,8 +328,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = f"CLAW_{where.upper()}" if exc.title == "ClawSettings" else where
         print(f"claw: error: {name}: {first['msg']}", file=sys.stderr)
         return 1
-    except Exception as exc:  # one clear line for users; tracebacks stay in logs
-        print(f"claw: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except Exception as exc:  # one clear line for users; the traceback goes to a log file
+        where = log_traceback(exc)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"claw: error: {type(exc).__name__}: {first} (traceback: {where})", file=sys.stderr)
         return 1
     return 0
 
