@@ -160,11 +160,17 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
     table = gold_dataset_table(spec.name)
     now = with_units(curated(lake, spec, versions, at_hand.candidates(lake, versions)))
     stored = with_units(lake.read(table, pins[table], columns=FINGERPRINTED.names))
+    segments = _stored_segments(lake, spec, pins)
     judged = unit_fingerprints(now).join(
-        unit_fingerprints(stored), on=UNIT, how="full", coalesce=True, suffix="_stored"
+        _torn(unit_fingerprints(stored), segments),
+        on=UNIT,
+        how="full",
+        coalesce=True,
+        suffix="_stored",
     )
     changed = judged.filter(
         pl.col("fingerprint").ne_missing(pl.col("fingerprint_stored"))
+        | pl.col("torn").fill_null(False)
     ).with_columns(key=pl.col("policy_version").cast(pl.String) + ":" + pl.col("unit"))
     if changed.is_empty():
         return increment
@@ -180,7 +186,7 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
         "policy_version",
         trees=pl.concat_list(pl.col("trees").fill_null([]), pl.col("trees_stored").fill_null([])),
     )
-    stats = _stored_tree_stats(lake, spec, pins, stored)
+    stats = _stored_tree_stats(segments, stored)
     landed_at = datetime.now(UTC)
     clauses, dataset_parts, tree_parts, lineages = [], [], [], []
     for (version,), gone in doomed.group_by("policy_version"):
@@ -239,17 +245,36 @@ def _stack(parts: list[pa.Table], schema: pa.Schema) -> pa.Table:
     return pa.concat_tables([conform(part, schema) for part in parts])
 
 
-def _stored_tree_stats(
-    lake: Lake, spec: CurationSpec, pins: dict[str, int], stored: pl.DataFrame
-) -> pl.DataFrame:
-    """Per stored tree (policy_version, tree_id): steps, raw and tree tokens (`stored`: the
-    dataset's rows at its pin)."""
+def _stored_segments(lake: Lake, spec: CurationSpec, pins: dict[str, int]) -> pl.DataFrame:
+    """The depth range of every stored tree segment (the trees table at its pin)."""
     trees_table = gold_tree_table(spec.name)
-    segments = lake.read(
+    return lake.read(
         trees_table,
         pins[trees_table],
         columns=["policy_version", "tree_id", "start_depth", "end_depth"],
     )
+
+
+def _torn(stored_units: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:
+    """Stored units, `torn` where a tree of theirs is missing from the trees table: a writer
+    killed between its dataset commit and its trees commit left them so; they are written
+    again (their rows replaced), so a killed follower converges."""
+    present = segments.select("policy_version", "tree_id").unique()
+    torn = (
+        stored_units.select(*UNIT, "trees")
+        .explode("trees")
+        .rename({"trees": "tree_id"})
+        .join(present, on=["policy_version", "tree_id"], how="anti")
+        .select(UNIT)
+        .unique()
+        .with_columns(torn=pl.lit(True))
+    )
+    return stored_units.join(torn, on=UNIT, how="left")
+
+
+def _stored_tree_stats(segments: pl.DataFrame, stored: pl.DataFrame) -> pl.DataFrame:
+    """Per stored tree (policy_version, tree_id): steps, raw and tree tokens (`stored`: the
+    dataset's rows at its pin, `segments`: the trees table's)."""
     per_tree = stored.group_by("policy_version", "tree_id").agg(
         steps=pl.len().cast(pl.Int64),
         raw_tokens=(pl.col("prompt_len") + pl.col("response_len")).sum(),
