@@ -16,8 +16,8 @@ import polars as pl
 import pytest
 
 from claw_pipelines.tokenization import encode_chat
+from tests.proxy.test_sim_llm import CALCULATOR
 from tests.servers import GatewayProcess, bronze, wait_landed, wait_until
-from tests.test_sim_llm import CALCULATOR
 from tests.upstreams import SimProcess, proxy_env
 
 KEY = "proxy-test-key"

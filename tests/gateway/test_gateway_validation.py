@@ -10,8 +10,8 @@ import polars as pl
 import pytest
 
 from tests.conftest import OTHER_KEY, TEST_KEY
+from tests.gateway.test_gateway_ingest import post, step
 from tests.servers import REPO, GatewayProcess, bronze, wait_landed
-from tests.test_gateway_ingest import post, step
 
 
 def assert_error(response, status, param=None, words=()):

@@ -2,7 +2,7 @@
 
 A change to the graph is a change to what users see in the Dagster UI and what sensors, jobs
 and the live materializer select: it has to be made on purpose. Regenerate with
-`CLAW_UPDATE_SNAPSHOTS=1 pytest tests/test_asset_graph.py` and review the diff.
+`CLAW_UPDATE_SNAPSHOTS=1 pytest tests/pipelines/test_asset_graph.py` and review the diff.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dagster as dg
 
 from claw_pipelines.definitions import defs
 
-SNAPSHOT = Path(__file__).parent / "snapshots" / "asset_graph.json"
+SNAPSHOT = Path(__file__).parents[1] / "snapshots" / "asset_graph.json"
 
 
 def graph_snapshot() -> dict:

@@ -107,7 +107,7 @@ def test_tokenizer_round_trips_unicode_and_special_strings() -> None:
 
 def test_bundled_tokenizer_is_small_with_its_special_tokens() -> None:
     tokenizer = load_tokenizer()
-    shipped = Path(__file__).parents[1] / "claw_pipelines" / "bundled_tokenizer" / "tokenizer.json"
+    shipped = Path(__file__).parents[2] / "claw_pipelines" / "bundled_tokenizer" / "tokenizer.json"
     assert shipped.stat().st_size < 512 * 1024
     assert 3000 < tokenizer.get_vocab_size() <= 4096
     assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))

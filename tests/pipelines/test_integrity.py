@@ -33,8 +33,8 @@ from claw_pipelines.silver import build_silver, watermark
 from claw_pipelines.spec_store import save_spec
 from tests.dagster_runs import materialize_gold_partition
 from tests.lakes import land, step
+from tests.pipelines.test_exactly_once import assert_each_once, fill_bronze
 from tests.servers import REPO
-from tests.test_exactly_once import assert_each_once, fill_bronze
 
 BATCH_FIELDS = ("input_ids", "parent", "position_ids", "loss_mask", "advantages", "token_rewards")
 

@@ -1,0 +1,1 @@
+"""The gateway: ingestion, validation, the WAL, crash safety, security, the route table."""

@@ -1,0 +1,1 @@
+"""Silver, gold, the lake, live materialization, consumption, integrity."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible proxy and the simulated model it is tested against."""

@@ -1,0 +1,1 @@
+"""The whole stack: claw up, the demo, soaks, and the layering rules."""
