@@ -71,29 +71,31 @@ def check_only_table_routes(app: FastAPI) -> None:
         )
 
 
-def create_app(settings: ClawSettings | None = None) -> GatewayApp:
-    """A gateway app for `settings` (default: from the environment)."""
+def create_app(settings: ClawSettings | None = None, landing: Landing | None = None) -> GatewayApp:
+    """A gateway app for `settings` (default: from the environment). `landing` replaces the
+    durable landing (WAL, syncer and flusher processes), e.g. to serve in-process in tests
+    of validation and routing: it is started and stopped with the app."""
     settings = settings or ClawSettings()
     metrics = GatewayMetrics()
     keys = KeyRing.from_settings(settings)
 
     @asynccontextmanager
     async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
-        landing = Landing(settings, Lake.from_settings(settings), metrics)
+        landed = landing or Landing(settings, Lake.from_settings(settings), metrics)
         upstream = None
         if settings.upstream_url:
             upstream = Upstream(settings.upstream_url, settings.upstream_timeout_s)
-        proxy = ProxyService(settings, landing, upstream, metrics.registry)
-        services = GatewayServices(settings, keys, metrics, landing, proxy, upstream)
-        await landing.start()
+        proxy = ProxyService(settings, landed, upstream, metrics.registry)
+        services = GatewayServices(settings, keys, metrics, landed, proxy, upstream)
+        await landed.start()
         app.dispatcher.services = services
-        log.info("gateway %s ready; lake %s", settings.gateway_id, landing.lake.uri)
+        log.info("gateway %s ready; lake %s", settings.gateway_id, landed.lake.uri)
         try:
             yield
         finally:
             if upstream is not None:
                 await upstream.aclose()
-            await landing.stop()
+            await landed.stop()
 
     app = GatewayApp(
         title="Claw gateway",

@@ -89,3 +89,36 @@ def test_matching_exact_templates_and_invalid_uids():
         table.match("POST", "/p/bad uid/v1/x")
     with pytest.raises(ValueError, match="declared twice"):
         RouteTable([Route("GET", "/a", handle, "t"), Route("GET", "/a", handle, "t")])
+
+
+def test_in_process_requests_are_served_from_the_table_and_validated(tmp_path):
+    from tests.gateway.inprocess import served
+    from tests.gateway.test_gateway_ingest import step
+
+    async def scenario():
+        async with served(ClawSettings(lake_uri=str(tmp_path / "lake"))) as (client, landing):
+            ok = await client.post("/v1/steps", json={"steps": [step(), step(step_index=1)]})
+            assert ok.status_code == 200 and ok.json()["accepted"] == 2
+            assert [r.kind for r in landing.records] == ["step", "step"]
+
+            bad = await client.post("/v1/steps", json={"steps": [step(prompt_ids=[])]})
+            assert bad.status_code == 422
+            assert bad.json()["error"]["param"].startswith("steps[0].prompt_ids")
+            invalid_uid = await client.post("/v1/trajectories/bad uid/complete", json={})
+            assert invalid_uid.status_code == 422
+            assert invalid_uid.json()["error"]["param"] == "trajectory_uid"
+            assert len(landing.records) == 2  # nothing more landed
+
+            done = await client.post("/v1/trajectories/t-9/complete", json={"reward": 1.0})
+            assert done.status_code == 200 and landing.records[-1].kind == "trajectory_complete"
+            wrong_method = await client.get("/v1/steps")
+            assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+            unknown = await client.get("/v2/nothing")
+            assert unknown.status_code == 404 and "no route GET /v2/nothing" in unknown.text
+
+            metrics = (await client.get("/metrics")).text
+            template = 'route="/v1/trajectories/{trajectory_uid}/complete",status="200"'
+            assert template in metrics
+            assert (await client.get("/openapi.json")).json()["paths"]["/v1/steps"]["post"]
+
+    asyncio.run(scenario())
