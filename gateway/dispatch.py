@@ -39,14 +39,6 @@ async def _answer_error(send: Send, error: ApiError) -> None:
     await send_body(send, error.status, body, headers=error.headers)
 
 
-def _base_url(scope: Scope, headers: dict[str, str]) -> str:
-    host = headers.get("host")
-    if host is None:
-        server = scope.get("server") or ("localhost", None)
-        host = server[0] if server[1] in (None, 80, 443) else f"{server[0]}:{server[1]}"
-    return f"{scope.get('scheme', 'http')}://{host}{scope.get('root_path', '')}"
-
-
 class Dispatcher:
     """Serves the route table's requests; passes everything else to `fallback` (FastAPI)."""
 
@@ -84,7 +76,7 @@ class Dispatcher:
                 return await self.fallback(scope, receive, send_with_status)
             route, params = matched
             label = route.path
-            incoming = Incoming(self.services, headers, params, receive, _base_url(scope, headers))
+            incoming = Incoming(self.services, headers, params, receive, scope)
             try:
                 answer = await route.handle(incoming)
             except ApiError as exc:

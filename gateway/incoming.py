@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
 from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN, is_uid
 from gateway.auth import DEFAULT_TENANT, KeyRing, presented_key
@@ -35,7 +35,16 @@ class Incoming:
     headers: Mapping[str, str]
     params: Mapping[str, str]
     receive: Receive
-    base_url: str
+    scope: Scope
+
+    @property
+    def base_url(self) -> str:
+        """The URL the client reached the gateway at (scheme, host, root path)."""
+        host = self.headers.get("host")
+        if host is None:
+            server = self.scope.get("server") or ("localhost", None)
+            host = server[0] if server[1] in (None, 80, 443) else f"{server[0]}:{server[1]}"
+        return f"{self.scope.get('scheme', 'http')}://{host}{self.scope.get('root_path', '')}"
 
     def tenant(self) -> str:
         """The tenant of the presented API key (401 when missing or unknown)."""

@@ -52,8 +52,7 @@ def _endpoint(route: Route, services: Any):
     async def endpoint(request: Request) -> Response:
         params = dict(request.path_params)
         check_uids(params)
-        base_url = str(request.base_url).rstrip("/")
-        incoming = Incoming(services(), request.headers, params, request.receive, base_url)
+        incoming = Incoming(services(), request.headers, params, request.receive, request.scope)
         answer = await route.handle(incoming)
         if isinstance(answer, Answer):
             return Response(answer.body, answer.status, answer.headers, answer.media_type)
