@@ -117,15 +117,19 @@ def main() -> None:
     )
     parser.add_argument("--latency-ms", type=float, default=250.0)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument(
+        "--no-compare-clients",
+        dest="compare_clients",
+        action="store_false",
+        help="skip the arm with httpx as the gateway's upstream client",
+    )
     args = parser.parse_args()
 
     body, prompt_tokens = chat_body(args.prompt_tokens)
     workdir = Path(tempfile.mkdtemp(prefix="claw-proxy-bench-"))
-    lake = workdir / "lake"
     sim_port, gw_port = free_port(), free_port()
     env = {
         **os.environ,
-        "CLAW_LAKE_URI": str(lake),
         "CLAW_GATEWAY_ID": "gw-proxy-bench",
         "CLAW_UPSTREAM_URL": f"http://127.0.0.1:{sim_port}/v1",
     }
@@ -136,19 +140,34 @@ def main() -> None:
         env,
         workdir / "sim.log",
     )
-    gateway = start(
-        [*cli, "gateway", "--port", str(gw_port)],
-        f"http://127.0.0.1:{gw_port}/readyz",
-        env,
-        workdir / "gateway.log",
-    )
-    targets = {"direct": sim_port, "gateway": gw_port}
+    # The gateway arm, and the same gateway with httpx as its upstream client: measured in the
+    # same run, the hand-written HTTP/1.1 client's advantage is not the machine's mood.
+    arms = [("gateway", "http1", gw_port)]
+    if args.compare_clients:
+        arms.append(("gateway_httpx", "httpx", free_port()))
+    gateways = {}
+    for name, client, port in arms:
+        gateways[name] = (
+            port,
+            start(
+                [*cli, "gateway", "--port", str(port)],
+                f"http://127.0.0.1:{port}/readyz",
+                env
+                | {
+                    "CLAW_LAKE_URI": str(workdir / name),
+                    "CLAW_GATEWAY_ID": f"gw-proxy-bench-{client}",
+                    "CLAW_UPSTREAM_CLIENT": client,
+                },
+                workdir / f"{name}.log",
+            ),
+        )
+    targets = {"direct": sim_port, **{name: port for name, (port, _) in gateways.items()}}
     # Independent agents do not start in lockstep: spread the clients' first calls over one
     # model latency (unmeasured), as a steady stream of 32 agents would arrive.
     stagger = args.latency_ms / 1000
     results = {name: LoadResult() for name in targets}
     sim_busy = {name: 0.0 for name in targets}
-    gateway_busy = 0.0
+    gateway_busy = {name: 0.0 for name in gateways}
     by_round: list[float] = []  # added p50 of each round alone: how noisy this machine is
     try:
         for port in targets.values():  # connections, caches, the first WAL segment: not measured
@@ -170,7 +189,8 @@ def main() -> None:
             this_round = {}
             for name, port in order:
                 request = encode_post("127.0.0.1", port, "/v1/chat/completions", body)
-                cpu_before, gw_before = cpu_seconds(sim.pid), cpu_seconds(gateway.pid)
+                cpu_before = cpu_seconds(sim.pid)
+                gw_before = {g: cpu_seconds(proc.pid) for g, (_, proc) in gateways.items()}
                 started = time.perf_counter()
                 run = asyncio.run(
                     run_load(
@@ -184,24 +204,44 @@ def main() -> None:
                 )
                 wall = time.perf_counter() - started
                 sim_busy[name] += (cpu_seconds(sim.pid) - cpu_before) / wall / args.rounds
-                if name == "gateway":
-                    gateway_busy += (cpu_seconds(gateway.pid) - gw_before) / wall / args.rounds
+                if name in gateways:
+                    used = cpu_seconds(gateways[name][1].pid) - gw_before[name]
+                    gateway_busy[name] += used / wall / args.rounds
                 results[name].merge(run)
                 this_round[name] = run.summary()["p50_ms"]
             by_round.append(round(this_round["gateway"] - this_round["direct"], 3))
         syncs = wal_syncs(f"http://127.0.0.1:{gw_port}/metrics")
     finally:
-        for proc in (gateway, sim):
+        procs = [proc for _, proc in gateways.values()] + [sim]
+        for proc in procs:
             proc.terminate()
-        for proc in (gateway, sim):
+        for proc in procs:
             proc.wait(60)
-    landed = pl.scan_delta(str(lake / "bronze" / "events")).select(pl.len()).collect().item()
+    landed = (
+        pl.scan_delta(str(workdir / "gateway" / "bronze" / "events"))
+        .select(pl.len())
+        .collect()
+        .item()
+    )
     shutil.rmtree(workdir, ignore_errors=True)  # kept (with the logs) only when a run fails
     direct, through = results["direct"].summary(), results["gateway"].summary()
     own_ms = results["gateway"].server_ms.get("gateway", [])  # its Server-Timing
     added_p50 = round(through["p50_ms"] - direct["p50_ms"], 3)
     ratio = round(through["rps"] / direct["rps"], 3) if direct["rps"] else 0.0
     acked = results["gateway"].statuses.get(200, 0)
+    httpx_arm = None
+    if "gateway_httpx" in results:  # the same gateway, httpx as its client: for comparison
+        other = results["gateway_httpx"].summary()
+        httpx_arm = {
+            "through_gateway": other,
+            "added_p50_ms": round(other["p50_ms"] - direct["p50_ms"], 3),
+            "gateway_cpu_ms_per_call": cpu_per_call(gateway_busy["gateway_httpx"], other),
+            "http1_saves_cpu_ms_per_call": round(
+                cpu_per_call(gateway_busy["gateway_httpx"], other)
+                - cpu_per_call(gateway_busy["gateway"], through),
+                3,
+            ),
+        }
     print(
         json.dumps(
             {
@@ -227,10 +267,8 @@ def main() -> None:
                 "sim_cpu_ms_per_call_direct": round(
                     sim_busy["direct"] * 1000 / direct["rps"] if direct["rps"] else 0.0, 3
                 ),
-                "gateway_cpu_utilization": round(gateway_busy, 2),
-                "gateway_cpu_ms_per_call": round(
-                    gateway_busy * 1000 / through["rps"] if through["rps"] else 0.0, 3
-                ),
+                "gateway_cpu_utilization": round(gateway_busy["gateway"], 2),
+                "gateway_cpu_ms_per_call": cpu_per_call(gateway_busy["gateway"], through),
                 # The gateway's own share, from its Server-Timing header: receiving the call,
                 # recording it durably, building the answer. The rest of the added latency is
                 # the extra loopback hop and the machine's contention (see the docstring).
@@ -240,10 +278,16 @@ def main() -> None:
                 "target_met": added_p50 <= TARGET_ADDED_P50_MS and ratio >= TARGET_RATIO,
                 "bronze_steps_landed": landed,
                 "every_answer_recorded": landed >= acked,
+                "httpx_client": httpx_arm,
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
         )
     )
+
+
+def cpu_per_call(busy: float, summary: dict) -> float:
+    """Gateway CPU ms per answered call."""
+    return round(busy * 1000 / summary["rps"], 3) if summary["rps"] else 0.0
 
 
 if __name__ == "__main__":

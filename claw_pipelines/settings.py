@@ -34,6 +34,9 @@ class ClawSettings(BaseSettings):
     upstream_timeout_s: float = Field(
         600.0, gt=0, description="longest wait for the upstream (connect, or between two reads)"
     )
+    upstream_client: Literal["http1", "httpx"] = Field(
+        "http1", description="the proxy's client: the lean HTTP/1.1 one, or httpx"
+    )
     tokenizer: str | None = Field(None, description="path to a Hugging Face tokenizer.json")
     api_keys: str | None = Field(
         None, description="'key=tenant,key2=tenant2'; keys may be given as sha256:<hex> hashes"

@@ -84,7 +84,9 @@ def create_app(settings: ClawSettings | None = None, landing: Landing | None = N
         landed = landing or Landing(settings, Lake.from_settings(settings), metrics)
         upstream = None
         if settings.upstream_url:
-            upstream = Upstream(settings.upstream_url, settings.upstream_timeout_s)
+            upstream = Upstream(
+                settings.upstream_url, settings.upstream_timeout_s, settings.upstream_client
+            )
         proxy = ProxyService(settings, landed, upstream, metrics.registry)
         services = GatewayServices(settings, keys, metrics, landed, proxy, upstream)
         await landed.start()

@@ -45,8 +45,14 @@ class Upstream:
     Only the body and JSON content headers go upstream: never the caller's API key.
     """
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
-        self.pool = Http1Pool(base_url, timeout_s, min(timeout_s, CONNECT_TIMEOUT_S))
+    def __init__(self, base_url: str, timeout_s: float = 600.0, client: str = "http1") -> None:
+        connect_s = min(timeout_s, CONNECT_TIMEOUT_S)
+        if client == "httpx":
+            from gateway.proxy.httpx_pool import HttpxPool
+
+            self.pool = HttpxPool(base_url, timeout_s, connect_s)
+        else:
+            self.pool = Http1Pool(base_url, timeout_s, connect_s)
         self.base_url = self.pool.origin.url
         # False once the upstream refused vLLM's `return_token_ids`: ids are then tokenized here.
         self.token_ids_supported = True

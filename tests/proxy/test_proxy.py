@@ -422,3 +422,25 @@ def test_upstream_killed_mid_run_gives_clean_502s_and_loses_no_answered_call(gw,
     sim.start()  # the same port: the gateway recovers on its own
     recovered = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=auth, timeout=30)
     assert recovered.status_code == 200
+
+
+def test_the_httpx_upstream_client_answers_and_records_the_same(sim, tmp_path):
+    """CLAW_UPSTREAM_CLIENT=httpx (the benchmark's comparison arm) proxies like the default."""
+    env = proxy_env(sim.url, KEY, TENANT) | {"CLAW_UPSTREAM_CLIENT": "httpx"}
+    with (
+        GatewayProcess(tmp_path / "lake", **env) as gateway,
+        openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0) as c,
+    ):
+        answer = c.chat.completions.with_raw_response.create(
+            model="claw-sim-llm", messages=QUESTION, max_tokens=8, seed=3
+        )
+        keys = answer.headers["x-claw-step-keys"].split(",")
+        streamed = c.chat.completions.create(
+            model="claw-sim-llm", messages=QUESTION, max_tokens=8, seed=3, stream=True
+        )
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+        assert text == answer.parse().choices[0].message.content
+        rows = wait_until(
+            lambda: (found := bronze(gateway.lake)).height >= 2 and found, 20, what="2 steps"
+        )
+        assert len(keys) == 1 and rows.filter(pl.col("token_source") == "upstream").height == 2
