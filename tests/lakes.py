@@ -103,3 +103,22 @@ def group_of(
             history = [*history, *response, 3000 + turn]
         rows.append(completion(trajectory, value))
     return rows
+
+
+def rebuilt_sequences(rows: list[dict]) -> list[list[int]]:
+    """Each gold/trees row's token sequence, rebuilt from the stored rows alone (of one
+    policy version): the segments along its path, each cut where the next one starts."""
+    by_segment = {(r["tree_id"], r["segment"]): r for r in rows}
+    rebuilt = []
+    for row in rows:
+        sequence: list[int] = []
+        for here, below in zip(row["path"], [*row["path"][1:], None], strict=True):
+            seg = by_segment[row["tree_id"], here]
+            cut = (
+                None
+                if below is None
+                else by_segment[row["tree_id"], below]["start_depth"] - seg["start_depth"]
+            )
+            sequence += seg["tokens"][:cut]
+        rebuilt.append(sequence)
+    return rebuilt

@@ -38,7 +38,7 @@ from claw_pipelines.spec_store import (
 )
 from claw_pipelines.transforms.prefix_tree import build_forest
 from tests.dagster_runs import materialize_gold_partition
-from tests.lakes import completion, feedback, group_of, land, step
+from tests.lakes import completion, feedback, group_of, land, rebuilt_sequences, step
 
 
 @pytest.fixture
@@ -243,18 +243,9 @@ def test_trees_follow_the_merge_scope_and_rebuild_from_the_table(lake):
     # turns nest: a trajectory tree holds its last turn; a group also shares the prompt
     assert tokens["none"] > tokens["trajectory"] > tokens["prompt_group"]
     rows = lake.read(gold_tree_table("prompt-group")).sort("segment")
-    by_segment = {(r["tree_id"], r["segment"]): r for r in rows.to_dicts()}
-    for row in rows.to_dicts():  # rebuild each step from the stored rows alone
-        sequence: list[int] = []
-        for here, below in zip(row["path"], [*row["path"][1:], None], strict=True):
-            seg = by_segment[row["tree_id"], here]
-            cut = (
-                None
-                if below is None
-                else by_segment[row["tree_id"], below]["start_depth"] - seg["start_depth"]
-            )
-            sequence += seg["tokens"][:cut]
-        assert len(sequence) == row["end_depth"]
+    stored = rows.to_dicts()
+    for row, sequence in zip(stored, rebuilt_sequences(stored), strict=True):
+        assert len(sequence) == row["end_depth"]  # rebuilt from the stored rows alone
     dataset = lake.read(gold_dataset_table("prompt-group"))
     rebuilt_lengths = dict(zip(rows["step_key"], rows["end_depth"], strict=True))
     for key, prompt, response in dataset.select(

@@ -12,6 +12,7 @@ import pytest
 from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import SILVER_TABLES
+from tests.lakes import rebuilt_sequences
 from tests.servers import REPO
 
 
@@ -64,15 +65,6 @@ def test_claw_demo_fills_bronze_and_silver(tmp_path):
     }
     for version in trees["policy_version"].unique().to_list():
         rows = trees.filter(pl.col("policy_version") == version)
-        by_segment = {(r["tree_id"], r["segment"]): r for r in rows.to_dicts()}
-        for row in rows.to_dicts():
-            rebuilt: list[int] = []
-            for here, below in zip(row["path"], [*row["path"][1:], None], strict=True):
-                seg = by_segment[row["tree_id"], here]
-                cut = (
-                    None
-                    if below is None
-                    else by_segment[row["tree_id"], below]["start_depth"] - seg["start_depth"]
-                )
-                rebuilt += seg["tokens"][:cut]
+        stored = rows.to_dicts()
+        for row, rebuilt in zip(stored, rebuilt_sequences(stored), strict=True):
             assert rebuilt == sequences[row["step_key"]]
