@@ -7,6 +7,7 @@ called directly, it would run the same handler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -17,6 +18,7 @@ from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN
 from gateway.asgi import Answer
 from gateway.incoming import Incoming
 from gateway.routes.table import Route, RouteTable, check_uids
+from gateway.services import GatewayServices
 
 REF = "#/components/schemas/{model}"
 
@@ -46,7 +48,7 @@ def _openapi_extra(route: Route) -> dict[str, Any]:
     return extra
 
 
-def _endpoint(route: Route, services: Any):
+def _endpoint(route: Route, services: Callable[[], GatewayServices]):
     """A FastAPI endpoint that runs the route's handler."""
 
     async def endpoint(request: Request) -> Response:
@@ -63,7 +65,9 @@ def _endpoint(route: Route, services: Any):
     return endpoint
 
 
-def document_routes(app: FastAPI, routes: RouteTable, services) -> None:
+def document_routes(
+    app: FastAPI, routes: RouteTable, services: Callable[[], GatewayServices]
+) -> None:
     """Add a FastAPI route for every route of the table (`services()` gives the services)."""
     for route in routes.routes:
         app.router.add_api_route(

@@ -75,7 +75,7 @@ class RouteTable:
         for template, routes in by_template.items():
             pattern = re.escape(template)
             for name in routes[0].params:
-                pattern = pattern.replace(re.escape("{" + name + "}"), "([^/]+)")
+                pattern = pattern.replace(re.escape("{" + name + "}"), f"(?P<{name}>[^/]+)")
             self._templates.append((re.compile(pattern), routes))
 
     def match(self, method: str, path: str) -> tuple[Route, dict[str, str]] | None:
@@ -91,7 +91,7 @@ class RouteTable:
                 continue
             for route in routes:
                 if route.method == method:
-                    params = dict(zip(route.params, found.groups(), strict=True))
+                    params = found.groupdict()
                     check_uids(params)
                     return route, params
             return None
