@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench up lint format clean
+.PHONY: demo test test-fast soak bench up lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,14 +24,17 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 test: lint
-	$(BIN)/python -m pytest -m "slow or not slow" -q
+	$(BIN)/python -m pytest -m "not soak" -q
+
+soak: $(STAMP)
+	$(BIN)/python -m pytest -m soak -q
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	for script in benchmarks/[a-z]*.py; do \
-	  case $$script in */loadgen.py|*/baseline_app.py) continue;; esac; \
+	  case $$script in */loadgen.py|*/baseline_app.py|*/relay_floor.py) continue;; esac; \
 	  $(BIN)/python $$script || exit 1; \
 	done
 

@@ -48,6 +48,7 @@ def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8
         port=port,
         log_level="warning",
         access_log=False,  # /metrics counts requests; a log line per call costs on the hot path
+        proxy_headers=False,  # nothing reads the client address: no X-Forwarded-* pass per call
         timeout_graceful_shutdown=30,
         limit_concurrency=4096,
         timeout_keep_alive=30,

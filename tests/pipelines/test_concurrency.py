@@ -29,7 +29,7 @@ def _loop(work, stop: threading.Event, errors: list[BaseException], pause: float
         stop.wait(pause)
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_appends_silver_runs_and_maintenance_together_lose_and_double_nothing(tmp_path):
     lake_path = tmp_path / "lake"
     lake = Lake(str(lake_path))

@@ -79,7 +79,7 @@ def tree_batches(lake: Lake, name: str, version: int) -> list:
     return list(open_dataset(name, lake.uri).batches(version, 16, layout="tree", seed=1))
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(SOAK_S + 600)
 def test_claw_up_with_demo_traffic_keeps_every_step_once_and_ctrl_c_stops_it_all(tmp_path):
     port, dashboard, dagster = free_port(), free_port(), free_port()
