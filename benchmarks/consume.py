@@ -98,7 +98,7 @@ def compute(lake: Lake, rounds: int, vocab: int) -> dict:
     ds = open_dataset("bench", lake.uri)
     trees = list(ds.batches(1, batch_size=1, layout="tree"))  # one prompt group per batch
     flats = list(ds.batches(1, batch_size=1, layout="flat"))
-    tree_inputs = [(b.to_torch(), [int(s) for s in b.step_starts]) for b in trees]
+    tree_inputs = [(b.to_torch(dense_mask=True), [int(s) for s in b.step_starts]) for b in trees]
     flat_inputs = [
         (b.to_torch()["input_ids"][i], torch.arange(len(i)))
         for b in flats

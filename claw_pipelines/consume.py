@@ -19,6 +19,11 @@ its path, -1 at a root), `position_ids` (its position in its original sequence),
 losses is then the same on the tree as on the flat sequences). Per step: `step_keys` and
 `step_token_index` (indices into `input_ids` of its whole sequence, in order). The log-prob
 of token t is read from the logits at row `parent[t]`.
+
+The attention mask is described in O(T): tokens are in depth-first order, so token k is an
+ancestor-or-self of q exactly when `k <= q < subtree_end[k]` (`subtree_end`: one past the last
+token of k's subtree; a subtree never leaves its tree block, `tree_offsets`). Dense masks are
+built only when asked (`attention_mask()`, `block_attention_mask(b)`, `to_torch(dense_mask=True)`).
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class Batch:
     step_keys: list[str]
     step_token_index: list[np.ndarray]
     tree_offsets: np.ndarray  # attention blocks: a tree (or, flat, a step) per block
+    subtree_end: np.ndarray  # per token: one past the last token of its subtree (see module)
     step_starts: np.ndarray  # per step: the depth where its own tokens start (0 when flat)
     step_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     groups: list[str] = field(default_factory=list)  # next_batch: the units it delivers
@@ -94,11 +100,14 @@ class Batch:
         """Tokens in the batch (the tree tokens, or the flat ones)."""
         return len(self.input_ids)
 
-    def attention_mask(self) -> np.ndarray:
-        """Bool [T, T]: q may attend to k iff k is an ancestor-or-self of q (same tree).
+    @property
+    def subtree_size(self) -> np.ndarray:
+        """Per token: the tokens of its subtree, itself included (`subtree_end - index`)."""
+        return self.subtree_end - np.arange(self.num_tokens, dtype=self.subtree_end.dtype)
 
-        Built one tree block at a time from ancestor chains by pointer doubling: no Python
-        loop per token."""
+    def attention_mask(self) -> np.ndarray:
+        """Bool [T, T] (dense: T² bytes, for small batches): q may attend to k iff k is an
+        ancestor-or-self of q (same tree). Built one tree block at a time."""
         total = self.num_tokens
         mask = np.zeros((total, total), dtype=bool)
         for block, (begin, end) in enumerate(pairwise(self.tree_offsets.tolist())):
@@ -106,47 +115,51 @@ class Batch:
         return mask
 
     def block_attention_mask(self, block: int) -> np.ndarray:
-        """The ancestor-or-self mask of one attention block (a tree; a step when flat)."""
+        """The dense ancestor-or-self mask of one attention block (a tree; a step when flat),
+        from the intervals: [q, k] is set iff k <= q < subtree_end[k]."""
         begin, end = int(self.tree_offsets[block]), int(self.tree_offsets[block + 1])
-        return _ancestors(self.parent[begin:end].astype(np.int64) - begin)
+        q = np.arange(begin, end)[:, None]
+        return (q >= q.T) & (q < self.subtree_end[begin:end][None, :])
 
-    def to_torch(self) -> dict[str, Any]:
-        """Tensors (long ids, bool masks, float32 weights) and the ancestor attention mask."""
+    def to_torch(self, dense_mask: bool = False) -> dict[str, Any]:
+        """Tensors (long ids, bool masks, float32 weights) with the O(T) mask description
+        (`subtree_end`, `tree_offsets`); the dense [T, T] `attention_mask` only if asked."""
         try:
             import torch
         except ImportError:
             raise ImportError(
                 "batch.to_torch() needs torch: pip install 'claw-lakehouse[train]'"
             ) from None
-        return {
+        tensors = {
             "input_ids": torch.from_numpy(self.input_ids.astype(np.int64)),
             "parent": torch.from_numpy(self.parent.astype(np.int64)),
             "position_ids": torch.from_numpy(self.position_ids.astype(np.int64)),
             "loss_mask": torch.from_numpy(self.loss_mask.astype(bool)),
             "token_rewards": torch.from_numpy(self.token_rewards),
             "advantages": torch.from_numpy(self.advantages),
-            "attention_mask": torch.from_numpy(self.attention_mask()),
+            "subtree_end": torch.from_numpy(self.subtree_end.astype(np.int64)),
+            "tree_offsets": torch.from_numpy(self.tree_offsets.astype(np.int64)),
             "step_keys": list(self.step_keys),
             "step_token_index": [
                 torch.from_numpy(i.astype(np.int64)) for i in self.step_token_index
             ],
         }
+        if dense_mask:
+            tensors["attention_mask"] = torch.from_numpy(self.attention_mask())
+        return tensors
 
 
-def _ancestors(parent: np.ndarray) -> np.ndarray:
-    """Ancestor-or-self matrix of a forest given parent links (parents precede children)."""
+def subtree_ends(parent: np.ndarray) -> np.ndarray:
+    """Per token of a forest in depth-first order (parent links, -1 at roots): one past the
+    last token of its subtree. Pointer doubling, O(T log depth): after round j, each token
+    holds the end over its descendants less than 2**(j+1) levels below it."""
     n = len(parent)
-    reach = np.zeros((n, n), dtype=bool)
-    reach[np.arange(n), np.arange(n)] = True
-    has = parent >= 0
-    reach[np.flatnonzero(has), parent[has]] = True
-    jump = np.where(has, parent, np.arange(n))
-    while True:  # doubling: after j rounds, every ancestor within 2**j steps is marked
-        widened = reach | reach[jump]
-        jump_next = jump[jump]
-        if np.array_equal(widened, reach) and np.array_equal(jump_next, jump):
-            return reach
-        reach, jump = widened, jump_next
+    end = np.arange(1, n + 1, dtype=np.int64)
+    jump = parent.astype(np.int64)  # each token's 2**j-th ancestor (-1: none)
+    while (has := jump >= 0).any():
+        np.maximum.at(end, jump[has], end[has])
+        jump = np.where(has, jump[np.maximum(jump, 0)], -1)
+    return end
 
 
 def _step_indices(packed: Packed, first: int, stop: int, lo: int) -> list[np.ndarray]:
@@ -175,6 +188,7 @@ def _batch(packed: Packed, first: int, stop: int, policy_version: int) -> Batch:
         step_keys=packed.step_keys[first:stop],
         step_token_index=_step_indices(packed, first, stop, lo),
         tree_offsets=blocks.astype(np.int64),
+        subtree_end=subtree_ends(parent).astype(np.int32),
         step_starts=packed.step_starts[first:stop],
     )
 

@@ -7,13 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from claw_pipelines.consume import open_dataset
+from claw_pipelines.consume import open_dataset, subtree_ends
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION
 from claw_pipelines.gold import build_partition
@@ -142,15 +143,19 @@ def test_an_old_dataset_version_is_consumed_exactly(lake):
     assert sorted(k for b in pinned.batches(1, 100) for k in b.step_keys) == keys
 
 
-def test_to_torch_gives_tensors_and_the_mask(lake, monkeypatch):
+def test_to_torch_gives_tensors_and_the_dense_mask_only_when_asked(lake, monkeypatch):
     torch = pytest.importorskip("torch")
     batch = next(open_dataset("train", lake.uri).batches(1, 9))
     tensors = batch.to_torch()
     assert (
         tensors["input_ids"].dtype == torch.int64 and tensors["advantages"].dtype == torch.float32
     )
-    assert tensors["attention_mask"].dtype == torch.bool
-    assert tensors["attention_mask"].shape == (batch.num_tokens, batch.num_tokens)
+    assert "attention_mask" not in tensors  # O(T): the intervals describe it
+    assert tensors["subtree_end"].shape == (batch.num_tokens,)
+    assert tensors["tree_offsets"][-1] == batch.num_tokens
+    dense = batch.to_torch(dense_mask=True)["attention_mask"]
+    assert dense.dtype == torch.bool and dense.shape == (batch.num_tokens, batch.num_tokens)
+    assert (dense.numpy() == ancestors_brute_force(batch.parent)).all()
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(ImportError, match=r"pip install 'claw-lakehouse\[train\]'"):
         batch.to_torch()
@@ -223,3 +228,24 @@ def test_an_unexpected_cli_error_is_one_line_and_its_traceback_is_logged(lake, t
     assert f"(traceback: {log})" in done.stderr
     logged = log.read_text()
     assert "Traceback (most recent call last)" in logged and "export" in logged
+
+
+def test_subtree_ends_describe_the_ancestor_mask_in_linear_memory():
+    """k is an ancestor-or-self of q iff k <= q < subtree_end[k]: checked on random forests
+    in depth-first order, and a 200k-token chain (a long shared context) needs no T x T."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(1, 60))
+        parent = np.full(n, -1, np.int64)
+        for t in range(1, n):  # depth-first order: the parent is on the path to t-1
+            path = [t - 1]
+            while parent[path[-1]] >= 0:
+                path.append(int(parent[path[-1]]))
+            parent[t] = -1 if rng.random() < 0.1 else path[int(rng.integers(len(path)))]
+        end = subtree_ends(parent)
+        q, k = np.arange(n)[:, None], np.arange(n)[None, :]
+        assert ((k <= q) & (q < end[None, :]) == ancestors_brute_force(parent)).all()
+    chain = np.arange(-1, 200_000 - 1)
+    started = time.perf_counter()
+    assert (subtree_ends(chain) == 200_000).all()
+    assert time.perf_counter() - started < 10

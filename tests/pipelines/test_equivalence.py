@@ -76,7 +76,7 @@ def test_tree_batch_gives_the_flat_logprobs_and_gradients(dataset):
         )
     )
     assert (shared > 1).any()  # some response tokens belong to two steps
-    tree_t, flat_t = tree.to_torch(), flat.to_torch()
+    tree_t, flat_t = tree.to_torch(dense_mask=True), flat.to_torch(dense_mask=True)
 
     # log-probs: one forward over the tree vs each step alone
     tree_lp = token_logprobs(model, tree_t)
@@ -113,7 +113,7 @@ def test_path_sparse_attention_gives_the_dense_tree_logits(dataset):
     torch.manual_seed(1)
     model = TinyLM(VOCAB).float()
     tree = next(dataset.batches(1, batch_size=100, layout="tree"))
-    tensors = tree.to_torch()
+    tensors = tree.to_torch(dense_mask=True)
     starts = [int(s) for s in tree.step_starts]
     dense = model(tensors["input_ids"], tensors["position_ids"], tensors["attention_mask"])
     sparse = forward_by_path(model, tensors, starts)
