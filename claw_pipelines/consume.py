@@ -94,11 +94,28 @@ class Batch:
     step_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     groups: list[str] = field(default_factory=list)  # next_batch: the units it delivers
     batch_index: int | None = None  # next_batch: its index in the consumer rank's record
+    max_tokens: int | None = None  # the token budget it was packed to, if any
 
     @property
     def num_tokens(self) -> int:
         """Tokens in the batch (the tree tokens, or the flat ones)."""
         return len(self.input_ids)
+
+    def token_report(self) -> dict[str, Any]:
+        """Tokens against the budget: padding to `max_tokens` (what a fixed-size buffer
+        wastes), trees, the largest tree, and whether one tree alone exceeds the budget."""
+        sizes = np.diff(self.tree_offsets) if len(self.tree_offsets) > 1 else np.zeros(0)
+        budget = self.max_tokens
+        padding = None if budget is None else max(0, budget - self.num_tokens)
+        return {
+            "tokens": self.num_tokens,
+            "max_tokens": budget,
+            "padding_tokens": padding,
+            "padding_fraction": None if budget is None else round(padding / budget, 4),
+            "blocks": len(sizes),
+            "largest_block_tokens": int(sizes.max()) if len(sizes) else 0,
+            "over_budget": budget is not None and self.num_tokens > budget,
+        }
 
     @property
     def subtree_size(self) -> np.ndarray:
@@ -246,18 +263,25 @@ class Dataset:
     def batches(
         self,
         policy_version: int,
-        batch_size: int,
+        batch_size: int | None = None,
         layout: Layout = "tree",
         consumer: str | None = None,
         seed: int | None = None,
         skip_consumed_by: str | None = None,
+        max_tokens: int | None = None,
     ) -> Iterator[Batch]:
-        """Batches of whole trees, about `batch_size` steps each (a tree larger than that is a
-        batch of its own). Tree order: by tree id, or shuffled by `seed` (same seed, same
-        order). With `consumer`, each batch pulled is logged in `gold/consumption`; with
-        `skip_consumed_by`, steps that consumer already took are left out."""
-        if batch_size < 1:
+        """Batches of whole trees, of at most `batch_size` steps and at most `max_tokens`
+        tokens (tree tokens, or flat ones), whichever comes first; a tree larger than that
+        is a batch of its own (`token_report()` says so). Tree order: by tree id, or shuffled
+        by `seed` (same seed, same order). With `consumer`, each batch pulled is logged in
+        `gold/consumption`; with `skip_consumed_by`, steps that consumer already took are
+        left out."""
+        if batch_size is None and max_tokens is None:
+            raise ValueError("give batch_size (steps), max_tokens, or both")
+        if batch_size is not None and batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
         if layout not in ("tree", "flat"):
             raise ValueError(f"layout must be 'tree' or 'flat', not {layout!r}")
         in_partition = self._scan().filter(pl.col("policy_version") == policy_version)
@@ -278,9 +302,13 @@ class Dataset:
         rank = frame.select("tree_id").join(trees, on="tree_id", how="left", maintain_order="left")
         packed = pack(frame, rank["rank"].to_numpy().astype(np.int64), layout, segments)
         bounds = np.r_[0, np.cumsum(trees["n"].to_numpy())]
-        for index, (first_tree, stop_tree) in enumerate(_groups(trees["n"].to_numpy(), batch_size)):
+        ends = bounds[1:] - 1  # each tree's last step
+        tree_tokens = packed.block_hi[ends] - packed.block_lo[bounds[:-1]] if len(ends) else ends
+        cuts = _groups(trees["n"].to_numpy(), tree_tokens, batch_size, max_tokens)
+        for index, (first_tree, stop_tree) in enumerate(cuts):
             first, stop = int(bounds[first_tree]), int(bounds[stop_tree])
             batch = _batch(packed, first, stop, policy_version)
+            batch.max_tokens = max_tokens
             if consumer is not None:
                 self._log(consumer, policy_version, index, batch.step_keys)
             yield batch
@@ -554,17 +582,23 @@ def _check_delivery(
         raise ValueError(f"layout must be 'tree' or 'flat', not {layout!r}")
 
 
-def _groups(sizes: np.ndarray, batch_size: int) -> Iterator[tuple[int, int]]:
-    """Consecutive trees (by their step counts) cut into groups of at most `batch_size`
-    steps, never splitting a tree; yields (first tree, stop tree)."""
-    first, count = 0, 0
-    for i, n in enumerate(sizes.tolist()):
-        if i > first and count + n > batch_size:
+def _groups(
+    steps: np.ndarray, tokens: np.ndarray, max_steps: int | None, max_tokens: int | None
+) -> Iterator[tuple[int, int]]:
+    """Consecutive trees (their step and token counts) cut into groups of at most
+    `max_steps` steps and `max_tokens` tokens, never splitting a tree; yields
+    (first tree, stop tree)."""
+    step_cap = max_steps if max_steps is not None else np.inf
+    token_cap = max_tokens if max_tokens is not None else np.inf
+    first, count, held = 0, 0, 0
+    for i, (n, t) in enumerate(zip(steps.tolist(), tokens.tolist(), strict=True)):
+        if i > first and (count + n > step_cap or held + t > token_cap):
             yield first, i
-            first, count = i, 0
+            first, count, held = i, 0, 0
         count += n
-    if len(sizes):
-        yield first, len(sizes)
+        held += t
+    if len(steps):
+        yield first, len(steps)
 
 
 def open_dataset(name: str, lake_uri: str | None = None, version: int | None = None) -> Dataset:

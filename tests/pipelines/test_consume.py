@@ -3,6 +3,7 @@ reproducible order, the consumption log and resuming, time travel, exports."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -249,3 +250,45 @@ def test_subtree_ends_describe_the_ancestor_mask_in_linear_memory():
     started = time.perf_counter()
     assert (subtree_ends(chain) == 200_000).all()
     assert time.perf_counter() - started < 10
+
+
+@pytest.mark.parametrize("layout", ["tree", "flat"])
+def test_batches_packed_by_tokens_keep_trees_whole_and_report_padding(lake, layout):
+    ds = open_dataset("train", lake.uri)
+    everything = list(ds.batches(1, batch_size=10_000, layout=layout))
+    assert len(everything) == 1
+    whole = everything[0]
+    tree_of = dict(zip(ds.steps(1)["step_key"], ds.steps(1)["tree_id"], strict=True))
+
+    def tree_tokens(batch) -> dict[str, int]:
+        """Each tree's tokens in this layout: the distinct token indices of its steps."""
+        held: dict[str, set[int]] = {}
+        for key, index in zip(batch.step_keys, batch.step_token_index, strict=True):
+            held.setdefault(tree_of[key], set()).update(index.tolist())
+        return {tree: len(tokens) for tree, tokens in held.items()}
+
+    sizes = sorted(tree_tokens(whole).values())
+    budget = sizes[-1] + sizes[0]  # the largest tree plus a bit
+    batches = list(ds.batches(1, layout=layout, max_tokens=budget))
+    assert len(batches) > 1
+    keys = [k for b in batches for k in b.step_keys]
+    assert sorted(keys) == sorted(whole.step_keys)  # every step once
+    trees = [{tree_of[k] for k in b.step_keys} for b in batches]
+    assert sum(len(t) for t in trees) == len(set().union(*trees))  # no tree split
+    for batch in batches:
+        report = batch.token_report()
+        assert report["tokens"] == batch.num_tokens <= budget and not report["over_budget"]
+        assert report["padding_tokens"] == budget - batch.num_tokens
+        assert report["largest_block_tokens"] <= budget
+
+    # the greedy cut: no batch could have taken the next batch's first tree
+    for this, after in itertools.pairwise(batches):
+        assert this.num_tokens + tree_tokens(after)[tree_of[after.step_keys[0]]] > budget
+    # a budget below one tree: that tree alone, flagged
+    tiny = next(ds.batches(1, layout=layout, max_tokens=1))
+    assert tiny.token_report()["over_budget"] and len({tree_of[k] for k in tiny.step_keys}) == 1
+    # steps and tokens together: whichever limit comes first
+    both = list(ds.batches(1, batch_size=2, layout=layout, max_tokens=budget))
+    assert all(len(b.step_keys) <= 2 or len({tree_of[k] for k in b.step_keys}) == 1 for b in both)
+    with pytest.raises(ValueError, match="batch_size"):
+        next(ds.batches(1))
