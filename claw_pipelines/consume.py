@@ -228,6 +228,10 @@ class Dataset:
     def __repr__(self) -> str:
         return f"Dataset({self.name!r}, version={self.version})"
 
+    def __reduce__(self):
+        """Pickles as lake, name and pinned version (e.g. into spawned DataLoader workers)."""
+        return Dataset, (self.lake, self.name, self.version)
+
     def _scan(self) -> pl.LazyFrame:
         return self.lake.scan(self.table, self.version)
 

@@ -167,6 +167,10 @@ class Lake:
     def __repr__(self) -> str:
         return f"Lake({self.uri!r})"
 
+    def __reduce__(self):
+        """Pickles as its URI and storage options (open tables are reopened where it lands)."""
+        return Lake, (self.uri, self.storage_options)
+
     # -- naming -----------------------------------------------------------------------------
     def table_uri(self, name: str) -> str:
         """URI of table `name` (e.g. "bronze/events")."""

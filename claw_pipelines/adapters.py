@@ -1,0 +1,166 @@
+"""Gold steps in the shapes trainers consume: verl's `DataProto` fields, TRL-style per-step
+records, and `BatchDataset`, a torch `IterableDataset` over a dataset's batches (torch: the
+`train` extra).
+
+verl (`verl_batch`; `DataProto.from_dict(**verl_batch(steps))` builds the real object), one
+row per step, B steps, P = longest prompt, R = longest response:
+
+| field | shape | from gold |
+|---|---|---|
+| `prompts` | [B, P] int64, left-padded with `pad_id` | `prompt_ids` |
+| `responses` | [B, R] int64, right-padded | `response_ids` |
+| `input_ids` | [B, P+R] | prompts then responses |
+| `attention_mask` | [B, P+R] int64, 1 on real tokens | |
+| `position_ids` | [B, P+R] int64, 0 at the first real token | |
+| `response_mask` | [B, R] int64, the step's `response_mask` (1 = trained), 0 on padding | |
+| `old_log_probs` | [B, R] float32, 0 where not captured | `rollout_log_probs` |
+| `token_level_rewards` | [B, R] float32, the reward on the last response token | `reward` |
+| `uid` (non-tensor) | [B] object: the GRPO group | `prompt_uid`, else `trajectory_uid` |
+| `step_key` (non-tensor) | [B] object: provenance back to the lake | `step_key` |
+
+TRL (`trl_records`): dicts with `prompt_ids`, `completion_ids`, `completion_mask`, `reward`,
+`advantage`, `old_per_token_logps` and the step's provenance, as GRPO-style trainers take a
+generation's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from claw_pipelines.consume import Dataset, Layout
+from claw_pipelines.export import verl_frame
+
+try:
+    from torch.utils.data import IterableDataset as _IterableDataset
+except ImportError:  # torch is the `train` extra; the records adapters work without it
+    _IterableDataset = object
+
+
+def _padded(lists: pl.Series, width: int, left: bool, fill: float, dtype) -> np.ndarray:
+    """A list column as a [rows, width] array, left- or right-aligned (no per-token loop)."""
+    lengths = lists.list.len().fill_null(0).to_numpy().astype(np.int64)
+    flat = lists.explode().fill_null(fill).to_numpy().astype(dtype)
+    flat = flat[np.repeat(lengths > 0, np.maximum(lengths, 1))]  # drop empty lists' nulls
+    out = np.full((len(lengths), width), fill, dtype=dtype)
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    within = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    cols = within + (width - lengths[rows] if left else 0)
+    out[rows, cols] = flat
+    return out
+
+
+def verl_batch(steps: pl.DataFrame, pad_id: int = 0) -> dict[str, Any]:
+    """`tensors`, `non_tensors` and `meta_info` for verl's `DataProto.from_dict` (module doc)."""
+    import torch
+
+    frame = verl_frame(steps)
+    prompt_len = frame["prompts"].list.len().fill_null(0).to_numpy()
+    response_len = frame["responses"].list.len().fill_null(0).to_numpy()
+    width_p, width_r = int(prompt_len.max(initial=0)), int(response_len.max(initial=0))
+    prompts = _padded(frame["prompts"], width_p, True, pad_id, np.int64)
+    responses = _padded(frame["responses"], width_r, False, pad_id, np.int64)
+    real_p = np.arange(width_p)[None, :] >= (width_p - prompt_len)[:, None]
+    real_r = np.arange(width_r)[None, :] < response_len[:, None]
+    attention = np.concatenate([real_p, real_r], axis=1).astype(np.int64)
+    positions = np.maximum(np.cumsum(attention, axis=1) - 1, 0)
+    response_mask = _padded(frame["response_mask"], width_r, False, 0, np.int64) * real_r
+    old = frame["old_log_probs"]
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": np.concatenate([prompts, responses], axis=1),
+        "attention_mask": attention,
+        "position_ids": positions,
+        "response_mask": response_mask,
+        "old_log_probs": _padded(old, width_r, False, 0.0, np.float32),
+        "token_level_rewards": _padded(frame["token_level_rewards"], width_r, False, 0, np.float32),
+    }
+    return {
+        "tensors": {k: torch.from_numpy(v) for k, v in tensors.items()},
+        "non_tensors": {
+            "uid": np.array(frame["uid"].to_list(), dtype=object),
+            "step_key": np.array(frame["step_key"].to_list(), dtype=object),
+        },
+        "meta_info": {"policy_versions": sorted(set(frame["policy_version"].drop_nulls()))},
+    }
+
+
+def trl_records(steps: pl.DataFrame) -> list[dict[str, Any]]:
+    """One TRL-style record per step (module doc)."""
+    frame = verl_frame(steps)
+    return frame.select(
+        prompt_ids="prompts",
+        completion_ids="responses",
+        completion_mask="response_mask",
+        old_per_token_logps="old_log_probs",
+        reward="reward",
+        advantage="advantage",
+        group="uid",
+        step_key="step_key",
+        policy_version="policy_version",
+    ).to_dicts()
+
+
+def _distributed_rank() -> tuple[int, int]:
+    """(rank, world size) of torch.distributed when initialized, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class BatchDataset(_IterableDataset):
+    """A torch IterableDataset of `to_torch()` dicts of one partition's batches (each with its
+    `batch_index`). Rank r of world size w (default: torch.distributed's, else 0 of 1) takes
+    batches r, r+w, r+2w..., and each DataLoader worker of a rank a disjoint share of those:
+    every batch once across all of them. Use `DataLoader(ds, batch_size=None)`, and with
+    workers `multiprocessing_context="spawn"`: polars is not fork-safe."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        policy_version: int,
+        batch_size: int | None = None,
+        max_tokens: int | None = None,
+        layout: Layout = "tree",
+        seed: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        if _IterableDataset is object:
+            raise ImportError("BatchDataset needs torch: pip install 'claw-lakehouse[train]'")
+        self.dataset, self.policy_version, self.layout, self.seed = (
+            dataset,
+            policy_version,
+            layout,
+            seed,
+        )
+        self.batch_size, self.max_tokens = batch_size, max_tokens
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from torch.utils.data import get_worker_info
+
+        if self.rank is None:
+            rank, world = _distributed_rank()
+        else:
+            rank, world = self.rank, self.world_size or 1
+        worker = get_worker_info()
+        workers, me = (1, 0) if worker is None else (worker.num_workers, worker.id)
+        batches = self.dataset.batches(
+            self.policy_version,
+            self.batch_size,
+            layout=self.layout,
+            seed=self.seed,
+            max_tokens=self.max_tokens,
+        )
+        for index, batch in enumerate(batches):
+            if index % world == rank and (index // world) % workers == me:
+                tensors = batch.to_torch()
+                tensors["batch_index"] = index
+                yield tensors

@@ -1,0 +1,73 @@
+"""Adapters: verl's DataProto fields, TRL-style records and a DDP-aware IterableDataset,
+checked against the gold steps they come from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from claw_pipelines.adapters import BatchDataset, trl_records, verl_batch  # noqa: E402
+from claw_pipelines.consume import open_dataset  # noqa: E402
+from tests.pipelines.test_consume import lake  # noqa: E402, F401 (the fixture)
+
+
+def test_verl_batch_holds_each_step_exactly_padded_as_verl_expects(lake):  # noqa: F811
+    steps = open_dataset("train", lake.uri).steps(1)
+    out = verl_batch(steps, pad_id=0)
+    t, uid = out["tensors"], out["non_tensors"]["uid"]
+    rows = steps.to_dicts()
+    width_p = max(len(r["prompt_ids"]) for r in rows)
+    assert t["prompts"].shape == (len(rows), width_p)
+    assert t["input_ids"].shape[1] == width_p + t["responses"].shape[1]
+    for i, row in enumerate(rows):
+        real = t["attention_mask"][i].bool()
+        assert t["input_ids"][i][real].tolist() == row["prompt_ids"] + row["response_ids"]
+        assert t["prompts"][i, width_p - len(row["prompt_ids"]) :].tolist() == row["prompt_ids"]
+        assert t["position_ids"][i][real].tolist() == list(range(int(real.sum())))
+        n = len(row["response_ids"])
+        mask = row["response_mask"] or [1] * n
+        assert t["response_mask"][i, :n].tolist() == mask and t["response_mask"][i, n:].sum() == 0
+        rewards = t["token_level_rewards"][i]
+        if n:
+            assert rewards[n - 1].item() == pytest.approx(row["reward"] or 0.0)
+            assert rewards.abs().sum().item() == pytest.approx(abs(row["reward"] or 0.0))
+        if row["rollout_log_probs"] is not None:
+            expected = np.array(row["rollout_log_probs"], np.float32)
+            assert np.allclose(t["old_log_probs"][i, :n].numpy(), expected)
+        assert uid[i] == (row["prompt_uid"] or row["trajectory_uid"])
+    assert out["non_tensors"]["step_key"].tolist() == steps["step_key"].to_list()
+    assert out["meta_info"]["policy_versions"] == [1]
+
+
+def test_trl_records_are_the_steps(lake):  # noqa: F811
+    steps = open_dataset("train", lake.uri).steps(1)
+    records = trl_records(steps)
+    assert [r["step_key"] for r in records] == steps["step_key"].to_list()
+    assert [r["completion_ids"] for r in records] == steps["response_ids"].to_list()
+    assert [r["prompt_ids"] for r in records] == steps["prompt_ids"].to_list()
+
+
+def test_the_iterable_dataset_gives_every_batch_once_across_ranks_and_workers(lake):  # noqa: F811
+    ds = open_dataset("train", lake.uri)
+    everything = [b.step_keys for b in ds.batches(1, batch_size=1)]
+    assert len(everything) >= 3
+
+    def taken(rank: int, world: int, workers: int = 0) -> dict[int, list[str]]:
+        source = BatchDataset(ds, 1, batch_size=1, rank=rank, world_size=world)
+        loader = torch.utils.data.DataLoader(
+            source,
+            batch_size=None,
+            num_workers=workers,
+            multiprocessing_context="spawn" if workers else None,
+        )
+        return {t["batch_index"]: t["step_keys"] for t in loader}
+
+    ranks = [taken(0, 2), taken(1, 2)]
+    assert not ranks[0].keys() & ranks[1].keys()
+    merged = ranks[0] | ranks[1]
+    assert [merged[i] for i in range(len(everything))] == everything
+    assert taken(0, 2, workers=2) == ranks[0]  # workers split a rank's share, not repeat it
+    single = taken(0, 1)
+    assert [single[i] for i in range(len(everything))] == everything
