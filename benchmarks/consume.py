@@ -35,13 +35,23 @@ PRODUCTION_TARGET = 0.5
 COMPUTE_SLACK = 1.25
 
 
-def grpo_lake(root: Path, groups: int, rollouts: int, turns: int, scale: int, vocab: int) -> Lake:
-    """Multi-turn GRPO groups landed in bronze, built into silver and one gold partition."""
+def grpo_lake(
+    root: Path,
+    groups: int,
+    rollouts: int,
+    turns: int,
+    scale: int,
+    vocab: int,
+    prompt_tokens: int | None = None,
+) -> Lake:
+    """Multi-turn GRPO groups landed in bronze, built into silver and one gold partition:
+    a shared prompt (`prompt_tokens`, default 5 × scale), `scale` response tokens a turn and
+    scale/2 observation tokens between turns."""
     rng = np.random.default_rng(11)
     lake = Lake(str(root))
     rows: list[dict] = []
     for g in range(groups):
-        prompt = rng.integers(1, vocab, 5 * scale).tolist()
+        prompt = rng.integers(1, vocab, prompt_tokens or 5 * scale).tolist()
         for r in range(rollouts):
             trajectory, history = f"g{g}-r{r}", prompt
             for turn in range(turns):

@@ -1,8 +1,8 @@
 """Tree batches on a real Hugging Face architecture (a small randomly initialised Qwen2:
 RoPE, RMSNorm, grouped-query attention; the bundled tokenizer's vocabulary): per-token
 log-probs and gradients of one tree forward equal those of the flat steps, through SDPA with
-the dense tree mask, and the log-probs through FlexAttention with the tree BlockMask (CPU
-flex has no backward)."""
+the dense tree mask and through the block-sparse tree attention (no T×T mask), and the
+log-probs through FlexAttention with the tree BlockMask (CPU flex has no backward)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from claw_pipelines.attention import tree_block_mask  # noqa: E402
+from claw_pipelines.block_attention import register_hf_tree_attention, tree_plan  # noqa: E402
 from claw_pipelines.tokenization import load_tokenizer  # noqa: E402
 from tests.pipelines.test_equivalence import dataset  # noqa: E402, F401 (the fixture)
 
@@ -95,3 +96,13 @@ def test_a_qwen2_tree_forward_and_backward_equal_the_flat_steps(dataset):  # noq
     flat_grads = grads(flat_loss)
     for a, b in zip(tree_grads, flat_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+    # the CPU training path: block-sparse tree attention, no T×T mask, same log-probs and grads
+    block = qwen2(register_hf_tree_attention())
+    plan = {"tree_plan": tree_plan(t["subtree_end"], block=16)}
+    block_lp = tree_logprobs(block, t, plan)
+    torch.testing.assert_close(block_lp[trained], lp[trained].detach(), rtol=0, atol=1e-4)
+    block.zero_grad()
+    (-(t["advantages"] * block_lp).sum()).backward()
+    for p, b in zip(block.parameters(), flat_grads, strict=True):
+        torch.testing.assert_close(p.grad, b, rtol=1e-4, atol=1e-6)
