@@ -4,6 +4,7 @@ checked against the gold steps they come from."""
 from __future__ import annotations
 
 import numpy as np
+import polars as pl
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -71,3 +72,24 @@ def test_the_iterable_dataset_gives_every_batch_once_across_ranks_and_workers(la
     assert taken(0, 2, workers=2) == ranks[0]  # workers split a rank's share, not repeat it
     single = taken(0, 1)
     assert [single[i] for i in range(len(everything))] == everything
+
+
+def test_verl_takes_the_batch_as_its_own_dataproto_and_agrees_on_grpo_advantages(lake):  # noqa: F811
+    """Against verl itself where it is installed (it imports on CPU): DataProto.from_dict
+    accepts the fields, and verl's GRPO outcome advantage over them equals the gold
+    dataset's, one step per trajectory (the last turns, which carry the outcome reward)."""
+    verl = pytest.importorskip("verl")
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    steps = open_dataset("train", lake.uri).steps(1)
+    steps = steps.filter(pl.col("step_index") == pl.col("step_index").max().over("trajectory_uid"))
+    batch = verl.DataProto.from_dict(**verl_batch(steps))
+    assert len(batch) == steps.height
+    assert batch.batch["input_ids"].shape[1] == batch.batch["attention_mask"].shape[1]
+    advantages, _ = compute_grpo_outcome_advantage(
+        batch.batch["token_level_rewards"],
+        batch.batch["response_mask"],
+        batch.non_tensor_batch["uid"],
+    )
+    first_token = advantages[:, 0].numpy()
+    assert np.allclose(first_token, steps["advantage"].to_numpy(), atol=1e-5)
