@@ -37,6 +37,7 @@ import polars as pl  # noqa: E402
 
 from benchmarks.consume import grpo_lake  # noqa: E402
 from claw_pipelines.consume import open_dataset  # noqa: E402
+from tests.small_qwen2 import small_qwen2  # noqa: E402
 
 TIME_SLACK = 1.25
 MEMORY_LIMIT = 1.5
@@ -57,24 +58,8 @@ def reset_peak_rss() -> None:
 
 
 def qwen2(attention: str):
-    """A 2-layer Qwen2, 4 query heads over 2 key-value heads, seeded."""
-    import torch
-    import transformers
-
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16384,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM._from_config(
-        config, attn_implementation=attention, dtype=torch.float32
-    ).train()
+    """The benchmark's model: hidden 128, MLP 384, 2 layers (see `small_qwen2`), training."""
+    return small_qwen2(attention, VOCAB, hidden=128, intermediate=384, positions=16384).train()
 
 
 def flex_has_backward() -> bool:

@@ -15,6 +15,7 @@ from claw_pipelines.attention import tree_block_mask  # noqa: E402
 from claw_pipelines.block_attention import register_hf_tree_attention, tree_plan  # noqa: E402
 from claw_pipelines.tokenization import load_tokenizer  # noqa: E402
 from tests.pipelines.test_equivalence import dataset  # noqa: E402, F401 (the fixture)
+from tests.small_qwen2 import small_qwen2  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
@@ -23,23 +24,9 @@ pytestmark = [
 
 
 def qwen2(attention: str) -> torch.nn.Module:
-    """A 2-layer Qwen2 (4 query heads over 2 key-value heads), seeded: the same weights for
-    every attention implementation."""
-    config = transformers.Qwen2Config(
-        vocab_size=load_tokenizer().get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM._from_config(
-        config, attn_implementation=attention, dtype=torch.float32
-    )
-    return model.eval()
+    """Hidden 64, MLP 128, the bundled tokenizer's vocabulary, evaluation mode."""
+    vocab = load_tokenizer().get_vocab_size()
+    return small_qwen2(attention, vocab, hidden=64, intermediate=128, positions=512).eval()
 
 
 def picked(logits: torch.Tensor, ids: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
