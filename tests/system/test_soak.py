@@ -56,7 +56,7 @@ async def proxy_client(url: str, seed: int, acked: list[str], stop: asyncio.Even
     return retries
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # in `make soak` (CI runs it): kill loops, ~10 s each
 def test_five_sigkills_under_mixed_load_then_silver_holds_each_acknowledged_record_once(tmp_path):
     lake_path = tmp_path / "lake"
     with SimProcess(tmp_path) as sim:
@@ -114,7 +114,7 @@ def _silver_frames(lake: Lake) -> dict[str, pl.DataFrame]:
     return frames
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # in `make soak` (CI runs it): kill loops, ~10 s each
 def test_a_silver_run_killed_midway_converges_to_the_uninterrupted_result(tmp_path):
     source = Lake(str(tmp_path / "source"))
     for batch in range(6):  # a bronze of many commits: the run takes a moment
