@@ -26,6 +26,10 @@ class ProxyCall:
     tenant: str
     idempotency_key: str | None
     received: float  # perf_counter when the gateway got the call
+    # the policy versions in force when the call went upstream (set at dispatch): its steps
+    # carry these, however long the answer or stream takes and whatever is published meanwhile
+    published_at_dispatch: int | None = None
+    registered_at_dispatch: tuple[int | None, dict[str, Any]] = (None, {})
 
     @property
     def stream(self) -> bool:

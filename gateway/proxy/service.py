@@ -154,6 +154,7 @@ class ProxyService:
         upstream = self.admit()
         path, kind = call.endpoint.path, call.endpoint.kind
         ask_token_ids = upstream.token_ids_supported
+        self.stamp_dispatch(call)
         try:
             while True:
                 body, added = augment(call.request_json, call.body, kind, ask_token_ids)
@@ -205,6 +206,14 @@ class ProxyService:
             await self.fail(failure_of_status(reply.status, reply.body), call.tenant, call)
         headers = {k: v for k, v in reply.headers.items() if k in _PASSED_HEADERS}
         return Answer(reply.status, reply.body, reply.content_type or JSON, headers)
+
+    def stamp_dispatch(self, call: ProxyCall) -> None:
+        """Fix the policy versions in force now, as the call goes upstream: the published one
+        and the trajectory's registered one (a step is attributed at dispatch, not answer)."""
+        call.published_at_dispatch = self.landing.policy_version
+        if call.scope.trajectory_uid is not None:
+            version, metadata = self.book.registered(call.scope.trajectory_uid)
+            call.registered_at_dispatch = (version, dict(metadata))
 
     def _token_ids_unsupported(self, upstream: Upstream) -> None:
         if upstream.token_ids_supported:
@@ -265,10 +274,10 @@ class ProxyService:
         metadata says which). Unscoped: each choice starts its own trajectory at index 0, and
         the choices of one prompt share a prompt group (GRPO-style)."""
         scope = call.scope
-        published = self.landing.policy_version  # when neither the agent nor its scope says
+        published = call.published_at_dispatch  # when neither the agent nor its scope says
         if scope.trajectory_uid is not None:
             first = self.book.claim_steps(scope.trajectory_uid, len(captured))
-            version, registered = self.book.registered(scope.trajectory_uid)
+            version, registered = call.registered_at_dispatch
             if scope.policy_version is not None:
                 version = scope.policy_version
             if version is None and published is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import openai
@@ -114,3 +116,49 @@ def test_the_gateway_stamps_the_published_version_unless_the_agent_names_one(sta
         "chat-1": 7,
         "chat-2": 6,
     }
+
+
+def test_a_proxied_step_carries_the_version_in_force_when_it_was_sent(tmp_path):
+    """A version published while a call (plain, streamed, scoped or not) is upstream does not
+    reach that call's steps: they carry the version of their dispatch; later calls the new."""
+    lake = Lake(str(tmp_path / "lake"))
+    publish_policy_version(lake, 7)
+    with (
+        SimProcess(tmp_path, latency_ms=6000) as sim,
+        GatewayProcess(tmp_path / "lake", **proxy_env(sim.url, KEY, TENANT)) as gateway,
+    ):
+
+        def ready_version():
+            return httpx.get(gateway.url + "/readyz", timeout=5).json()["policy_version"]
+
+        wait_until(lambda: ready_version() == 7, 20, interval=0.2, what="the gateway to see v7")
+
+        def call(trajectory: str, stream: bool) -> None:
+            client = openai.OpenAI(base_url=f"{gateway.url}/t/{trajectory}/g/grp/v1", api_key=KEY)
+            messages = [{"role": "user", "content": "hi"}]
+            answer = client.chat.completions.create(model="m", messages=messages, stream=stream)
+            if stream:
+                assert any(chunk.choices for chunk in answer)
+
+        in_flight = [
+            threading.Thread(target=call, args=(name, stream))
+            for name, stream in (("sent-plain", False), ("sent-stream", True))
+        ]
+        for thread in in_flight:
+            thread.start()
+        time.sleep(0.5)  # both are upstream now
+        publish_policy_version(lake, 8)
+        wait_until(lambda: ready_version() == 8, 20, interval=0.1, what="the gateway to see v8")
+        assert all(thread.is_alive() for thread in in_flight)  # the version moved mid-call
+        for thread in in_flight:
+            thread.join(30)
+        call("after", stream=False)
+
+        def proxied():
+            frame = pl.read_delta(str(tmp_path / "lake" / "bronze" / "events"))
+            frame = frame.filter(pl.col("kind") != "policy_version")
+            return frame if frame.height >= 3 else None
+
+        rows = wait_until(proxied, 20, interval=0.2, what="three proxied steps in bronze")
+    by_trajectory = dict(zip(rows["trajectory_uid"], rows["policy_version"], strict=True))
+    assert by_trajectory == {"sent-plain": 7, "sent-stream": 7, "after": 8}
