@@ -150,9 +150,10 @@ def test_a_proxied_step_carries_the_version_in_force_when_it_was_sent(tmp_path):
         publish_policy_version(lake, 8)
         wait_until(lambda: ready_version() == 8, 20, interval=0.1, what="the gateway to see v8")
         assert all(thread.is_alive() for thread in in_flight)  # the version moved mid-call
-        for thread in in_flight:
+        after = threading.Thread(target=call, args=("after", False))
+        after.start()
+        for thread in [*in_flight, after]:
             thread.join(30)
-        call("after", stream=False)
 
         def proxied():
             frame = pl.read_delta(str(tmp_path / "lake" / "bronze" / "events"))
