@@ -186,10 +186,8 @@ class SimulatedModel:
             if request.return_token_ids:
                 choice["prompt_token_ids"] = run.prompt_ids[index // run.n]
             choices.append(choice)
-        response = self._envelope(run, "text_completion", choices) | {"usage": run.usage}
-        if request.return_token_ids and len(run.prompt_ids) == 1:
-            response["prompt_token_ids"] = run.prompt_ids[0]
-        return response
+        # prompt ids on each choice only, as vLLM answers (no top-level copy)
+        return self._envelope(run, "text_completion", choices) | {"usage": run.usage}
 
     def _envelope(self, run: Run, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
