@@ -54,6 +54,11 @@ class CurationSpec(BaseModel):
     min_group_size: Annotated[int, Field(ge=1)] | None = Field(
         None, description="keep prompt groups with at least this many trajectories"
     )
+    keep_superseded: bool = Field(
+        False,
+        description="keep retry orphans: the steps of a call the client sent again before "
+        "anything continued it (marked superseded_by the retry; dropped by default)",
+    )
     drop_zero_variance_groups: bool = Field(
         False, description="drop prompt groups whose trajectory returns are all equal"
     )

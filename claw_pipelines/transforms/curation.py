@@ -14,6 +14,9 @@ kept. Rules:
   trajectory's resolved return, mean and std (sample std; 0 for one trajectory) over the
   group's trajectories; null unless every trajectory of the group is complete with a return.
 Steps without a policy version belong to version 0.
+- retries: when a client sends the same call again (the same prompt, right after the
+  call it repeats, which nothing continued), the earlier call's steps are retry orphans:
+  `superseded_by` names the retry's first step, and specs drop them unless `keep_superseded`.
 """
 
 from __future__ import annotations
@@ -36,13 +39,50 @@ CANDIDATE_STEP_COLUMNS = [
     "source_kind",
     "prompt_len",
     "response_len",
+    "prompt_id",
+    "metadata",
 ]
+
+
+def superseded_by(steps: pl.DataFrame) -> pl.Series:
+    """Per step (in `steps` order): the step_key of the retry that supersedes it, or null.
+
+    A trajectory's steps, in index order, form calls: a call starts at each step whose
+    `metadata.choice_index` is 0 or absent (the choices of one call with `n` > 1 follow
+    it). A call whose next call in the trajectory has the same prompt (`prompt_id`) was
+    retried before anything continued it: each of its steps is superseded by that next
+    call's first step. (Unscoped calls never share a trajectory with their retry.)"""
+    choice = steps["metadata"].str.json_path_match("$.choice_index").cast(pl.Int64, strict=False)
+    frame = steps.select("step_key", "trajectory_uid", "step_index", "prompt_id").with_columns(
+        row=pl.int_range(pl.len()), starts=choice.fill_null(0) == 0
+    )
+    frame = frame.sort("trajectory_uid", "step_index").with_columns(
+        call=pl.col("starts").cum_sum().over("trajectory_uid")
+    )
+    calls = (
+        frame.group_by("trajectory_uid", "call")
+        .agg(pl.col("prompt_id").first(), first_key=pl.col("step_key").first())
+        .sort("trajectory_uid", "call")
+        .with_columns(
+            next_prompt=pl.col("prompt_id").shift(-1).over("trajectory_uid"),
+            next_key=pl.col("first_key").shift(-1).over("trajectory_uid"),
+        )
+        .select(
+            "trajectory_uid",
+            "call",
+            superseded_by=pl.when(pl.col("next_prompt") == pl.col("prompt_id")).then("next_key"),
+        )
+    )
+    marked = frame.join(calls, on=["trajectory_uid", "call"], how="left").sort("row")
+    return marked["superseded_by"].alias("superseded_by")
 
 
 def candidates(
     steps: pl.DataFrame, rewards: pl.DataFrame, trajectories: pl.DataFrame
 ) -> pl.DataFrame:
-    """Silver's small step columns beside each step's resolved reward and trajectory."""
+    """Silver's small step columns beside each step's resolved reward and trajectory, and
+    the retry that supersedes it (`superseded_by`)."""
+    steps = steps.with_columns(superseded_by(steps)).drop("metadata")
     return (
         steps.join(
             rewards.select("step_key", "reward", "reward_status", "rating", "labels"),
@@ -98,6 +138,7 @@ def step_filter(spec: CurationSpec, newest_version: int) -> pl.Expr:
         _in("source_kind", spec.sources),
         _in("tenant", spec.tenants),
         _in("policy_version", spec.policy_versions),
+        pl.lit(True) if spec.keep_superseded else pl.col("superseded_by").is_null(),
         _at_least(
             "policy_version",
             None

@@ -1,0 +1,63 @@
+"""Retry orphans: an agent whose call is retried (the same messages sent again) keeps one
+unbroken trajectory; the first attempt is marked `superseded_by` the retry and left out of
+gold by default (and kept by a spec that asks for it)."""
+
+from __future__ import annotations
+
+import openai
+import polars as pl
+
+from claw_pipelines.consume import open_dataset
+from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.gold import build_partition, candidate_steps, source_versions
+from claw_pipelines.lake import Lake
+from claw_pipelines.silver import build_silver
+from tests.servers import GatewayProcess, bronze, wait_until
+from tests.upstreams import SimProcess, proxy_env
+
+KEY, TENANT = "retry-key", "tenant-retry"
+
+
+def test_a_retried_call_supersedes_the_first_attempt_and_the_trajectory_stays_whole(tmp_path):
+    with (
+        SimProcess(tmp_path) as sim,
+        GatewayProcess(tmp_path / "lake", **proxy_env(sim.url, KEY, TENANT)) as gateway,
+    ):
+        agent = openai.OpenAI(base_url=f"{gateway.url}/t/agent-1/g/task-1/v1", api_key=KEY)
+        messages = [{"role": "user", "content": "What is 2 + 3?"}]
+        keys = []
+
+        def turn() -> str:
+            answer = agent.chat.completions.with_raw_response.create(model="m", messages=messages)
+            keys.append(answer.headers["X-Claw-Step-Keys"])
+            return answer.parse().choices[0].message.content
+
+        first = turn()
+        messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And 4?"}]
+        turn()  # the client times out on this answer...
+        retried = turn()  # ...and sends the same messages again
+        messages += [{"role": "assistant", "content": retried}, {"role": "user", "content": "5?"}]
+        turn()
+        wait_until(
+            lambda: bronze(gateway.lake).filter(pl.col("kind") == "chat_completion").height == 4,
+            20,
+            interval=0.1,
+            what="four calls in bronze",
+        )
+    lake = Lake(str(tmp_path / "lake"))
+    assert keys == [f"agent-1:{i}" for i in range(4)]
+    build_silver(lake)
+    frame = candidate_steps(lake, source_versions(lake)).sort("step_index")
+    assert frame["superseded_by"].to_list() == [None, "agent-1:2", None, None]
+
+    spec = CurationSpec(name="retries", reward_status=["pending", "missing", "final"])
+    build_partition(lake, spec, 0)
+    kept = open_dataset("retries", lake.uri).steps()["step_key"].sort().to_list()
+    assert kept == ["agent-1:0", "agent-1:2", "agent-1:3"]  # one unbroken conversation
+    everything = CurationSpec(name="all", reward_status=spec.reward_status, keep_superseded=True)
+    build_partition(lake, everything, 0)
+    assert open_dataset("all", lake.uri).steps().height == 4
+    steps = lake.read("silver/steps").sort("step_index")
+    prompts, responses = steps["prompt_ids"].to_list(), steps["response_ids"].to_list()
+    assert prompts[1] == prompts[2]  # the retry repeats the orphan's input
+    assert prompts[3][: len(prompts[2]) + len(responses[2])] == prompts[2] + responses[2]
