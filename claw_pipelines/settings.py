@@ -37,7 +37,11 @@ class ClawSettings(BaseSettings):
     upstream_client: Literal["http1", "httpx"] = Field(
         "http1", description="the proxy's client: the lean HTTP/1.1 one, or httpx"
     )
-    tokenizer: str | None = Field(None, description="path to a Hugging Face tokenizer.json")
+    tokenizer: str | None = Field(
+        None,
+        description="the model's Hugging Face tokenizer directory (tokenizer.json and "
+        "tokenizer_config.json with its chat_template), or a bare tokenizer.json (ChatML)",
+    )
     api_keys: str | None = Field(
         None, description="'key=tenant,key2=tenant2'; keys may be given as sha256:<hex> hashes"
     )

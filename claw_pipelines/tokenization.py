@@ -1,4 +1,5 @@
-"""The bundled byte-level BPE tokenizer and the ChatML chat template (pure: no servers).
+"""The bundled byte-level BPE tokenizer and the ChatML chat template (pure: no servers),
+and a model's own tokenizer and chat template from its Hugging Face tokenizer directory.
 
 Any text round-trips: `decode(encode(text)) == text`. The chat template renders an assistant
 tool call exactly as the simulated model emits it, so a response's token ids reappear verbatim
@@ -7,10 +8,13 @@ inside the next turn's prompt.
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
@@ -25,9 +29,11 @@ __all__ = [
     "SPECIAL_TOKENS",
     "TOOL_CALL_END",
     "TOOL_CALL_START",
+    "ChatTokenizer",
     "decode",
     "encode",
     "encode_chat",
+    "load_chat_tokenizer",
     "load_tokenizer",
     "render_chat",
     "render_tool_call",
@@ -93,6 +99,7 @@ def _compiled(template: str) -> Any:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(template)
 
 
@@ -105,7 +112,10 @@ def _load(path: str | None) -> Tokenizer:
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
-    """The tokenizer at `path` (a Hugging Face tokenizer.json), default the bundled one; cached."""
+    """The tokenizer at `path` (a Hugging Face tokenizer.json, or a directory holding one),
+    default the bundled one; cached."""
+    if path is not None and Path(path).is_dir():
+        path = str(Path(path) / "tokenizer.json")
     return _load(path)
 
 
@@ -195,3 +205,78 @@ def _token_bytes(tokenizer: Tokenizer) -> tuple[bytes, ...]:
 def token_bytes(tokenizer: Tokenizer | None = None) -> tuple[bytes, ...]:
     """The raw bytes of every token id of a byte-level tokenizer (index = id); cached."""
     return _token_bytes(tokenizer or load_tokenizer())
+
+
+def _token_text(value: Any) -> str:
+    """A special token of tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+@dataclass(frozen=True)
+class ChatTokenizer:
+    """A tokenizer and the chat template its model was trained with: what turning a
+    conversation into prompt ids needs."""
+
+    tokenizer: Tokenizer
+    template: str = ""  # empty: the default ChatML template
+    bos_token: str = ""
+    eos_token: str = IM_END
+
+    def render(
+        self, messages: list[dict], tools: list[dict] | None = None, generation: bool = True
+    ) -> str:
+        """The conversation as the model's template renders it."""
+        if not self.template:
+            return render_chat(messages, tools, generation)
+        normalized = [
+            {**message, "content": _content_text(message.get("content"))} for message in messages
+        ]
+        return _compiled(self.template).render(
+            messages=normalized,
+            tools=tools or None,
+            add_generation_prompt=generation,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text (special-token strings become their ids)."""
+        return encode(text, self.tokenizer)
+
+
+def _template_of(config: Mapping[str, Any]) -> str | None:
+    """tokenizer_config.json's chat template: a string, or the `default` of a named list."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template.strip() else None
+
+
+@lru_cache(maxsize=8)
+def load_chat_tokenizer(path: str | None = None) -> ChatTokenizer:
+    """The tokenizer and chat template at `path`: a Hugging Face tokenizer directory
+    (tokenizer.json, and tokenizer_config.json with its Jinja `chat_template` and special
+    tokens), or a bare tokenizer.json; default the bundled tokenizer. ChatML is the template
+    of the bundled tokenizer and of a bare file; a directory must bring its own (ValueError
+    naming the file otherwise)."""
+    tokenizer = load_tokenizer(path)
+    if path is None or not Path(path).is_dir():
+        return ChatTokenizer(tokenizer)
+    config_path = Path(path) / "tokenizer_config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config_path}: cannot be read as JSON ({exc})") from None
+    template = _template_of(config)
+    if template is None:
+        raise ValueError(f"{config_path}: has no chat_template")
+    _compiled(template)  # a template that does not parse fails here, not on the first call
+    return ChatTokenizer(
+        tokenizer,
+        template,
+        _token_text(config.get("bos_token")),
+        _token_text(config.get("eos_token")) or IM_END,
+    )

@@ -9,6 +9,7 @@ import logging
 import uvicorn
 
 from claw_pipelines.settings import ClawSettings
+from claw_pipelines.tokenization import load_chat_tokenizer
 from gateway.auth import KeyRing
 
 
@@ -26,6 +27,10 @@ class InsecureBind(Exception):
     """A non-loopback bind was asked for with no API keys configured."""
 
 
+class UnusableTokenizer(Exception):
+    """`CLAW_TOKENIZER` names no loadable tokenizer and chat template."""
+
+
 def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8080) -> None:
     """Serve the gateway until SIGINT/SIGTERM, then flush everything to bronze."""
     if not KeyRing.from_settings(settings).enabled and not is_loopback(host):
@@ -33,6 +38,11 @@ def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8
             f"refusing to bind {host}: no API keys configured (set CLAW_API_KEYS or "
             "CLAW_API_KEYS_FILE, or bind 127.0.0.1)"
         )
+    if settings.tokenizer is not None:  # refused at start, not on the first local tokenization
+        try:
+            load_chat_tokenizer(settings.tokenizer)
+        except Exception as exc:
+            raise UnusableTokenizer(f"CLAW_TOKENIZER: {exc}") from None
     from gateway.main import create_app
 
     # A server's heap is mostly long-lived (modules, schemas): move it out of the collector's

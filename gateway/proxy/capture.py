@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pydantic_core
-from tokenizers import Tokenizer
 
-from claw_pipelines.tokenization import IM_END, encode, render_chat
+from claw_pipelines.tokenization import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -203,10 +202,10 @@ def step_tokens(
     request: dict[str, Any],
     kind: str,
     prompt_index: int,
-    tokenizer: Callable[[], Tokenizer],
+    tokenizer: Callable[[], ChatTokenizer],
 ) -> StepTokens:
-    """The choice's ids as the upstream sampled them, else tokenized locally (`local`;
-    `tokenizer` is called only then)."""
+    """The choice's ids as the upstream sampled them, else tokenized locally with the
+    model's tokenizer and chat template (`local`; `tokenizer` is called only then)."""
     prompt = _pack_ids(choice.prompt_ids)
     response = _pack_ids(choice.response_ids)
     source = "upstream"
@@ -222,16 +221,16 @@ def step_tokens(
 
 
 def local_prompt_ids(
-    request: dict[str, Any], kind: str, prompt_index: int, tokenizer: Tokenizer
+    request: dict[str, Any], kind: str, prompt_index: int, tokenizer: ChatTokenizer
 ) -> list[int]:
     """The prompt's ids rendered (chat template) and tokenized here; [] if it cannot be."""
     try:
         if kind == CHAT_KIND:
-            return encode(render_chat(request["messages"], request.get("tools")), tokenizer)
+            return tokenizer.encode(tokenizer.render(request["messages"], request.get("tools")))
         prompt = request["prompt"]
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[min(prompt_index, len(prompt) - 1)]
-        return list(prompt) if isinstance(prompt, list) else encode(prompt, tokenizer)
+        return list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
     except Exception as exc:  # a request the upstream took but our template cannot render
         log.warning("cannot tokenize the prompt locally: %s", exc)
         return []
@@ -242,23 +241,24 @@ def local_response_ids(
     kind: str,
     output: dict[str, Any],
     finish_reason: str | None,
-    tokenizer: Tokenizer,
+    tokenizer: ChatTokenizer,
 ) -> list[int]:
     """The reply's ids as the chat template renders it (stop token included when it ended)."""
     if kind != CHAT_KIND:
-        return encode(output.get("text") or "", tokenizer)
+        return tokenizer.encode(output.get("text") or "")
+    stop = tokenizer.eos_token
     try:
         messages, tools = request["messages"], request.get("tools")
         message = {"role": "assistant", **output}
-        prompt = render_chat(messages, tools)
-        full = render_chat([*messages, message], tools, add_generation_prompt=False)
+        prompt = tokenizer.render(messages, tools)
+        full = tokenizer.render([*messages, message], tools, generation=False)
         reply = full[len(prompt) :] if full.startswith(prompt) else None
     except Exception as exc:
         log.warning("cannot render the reply locally: %s", exc)
         reply = None
     if reply is None:
-        reply = (output.get("content") or "") + IM_END
+        reply = (output.get("content") or "") + stop
     reply = reply.removesuffix("\n")  # the template's newline after the stop token
     if finish_reason not in TERMINAL_FINISHES:
-        reply = reply.removesuffix(IM_END)
-    return encode(reply, tokenizer)
+        reply = reply.removesuffix(stop)
+    return tokenizer.encode(reply)

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from claw_pipelines.contracts.ids import new_event_id, step_key
 from claw_pipelines.settings import ClawSettings
-from claw_pipelines.tokenization import load_tokenizer
+from claw_pipelines.tokenization import load_chat_tokenizer
 from gateway.asgi import JSON, Answer
 from gateway.errors import ApiError
 from gateway.landing import Landing, Overloaded
@@ -237,7 +237,7 @@ class ProxyService:
             requested = call.body.get("model")
             model = requested if isinstance(requested, str) else None
         places, registered = self._places(call, captured)
-        tokenizer = partial(load_tokenizer, self.settings.tokenizer)
+        tokenizer = partial(load_chat_tokenizer, self.settings.tokenizer)
         ids = event_ids(len(captured), call.idempotency_key)
         records = []
         for choice, place, event_id in zip(captured, places, ids, strict=True):

@@ -9,7 +9,7 @@ import pytest
 
 from claw_pipelines.simulation.protocol import ChatCompletionRequest
 from claw_pipelines.simulation.serving import SimulatedModel
-from claw_pipelines.tokenization import load_tokenizer
+from claw_pipelines.tokenization import load_chat_tokenizer, load_tokenizer
 from gateway.errors import ApiError
 from gateway.proxy.capture import (
     CHAT_KIND,
@@ -56,7 +56,7 @@ def test_local_tokenization_reproduces_the_sampled_ids(sim, messages, tools, see
         body["tools"] = tools
     request = ChatCompletionRequest.model_validate(body)
     answer = sim.chat_response(sim.chat(request, body), request)
-    tokenizer = load_tokenizer()
+    tokenizer = load_chat_tokenizer()
     assert local_prompt_ids(body, CHAT_KIND, 0, tokenizer) == answer["prompt_token_ids"]
     for choice in answer["choices"]:
         if choice["finish_reason"] == "length":
