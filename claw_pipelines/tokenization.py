@@ -143,8 +143,11 @@ def render_chat(
     tools: list[dict] | None = None,
     add_generation_prompt: bool = True,
     template: str | None = None,
+    bos_token: str = "",
+    eos_token: str = IM_END,
 ) -> str:
-    """Render OpenAI-style chat messages (and tools) to a prompt string with a Jinja template."""
+    """Render OpenAI-style chat messages (and tools) to a prompt string with a Jinja template
+    (default ChatML) and its special tokens."""
     normalized = [
         {**message, "content": _content_text(message.get("content"))} for message in messages
     ]
@@ -153,8 +156,8 @@ def render_chat(
         tools=tools or None,
         add_generation_prompt=add_generation_prompt,
         default_system=DEFAULT_SYSTEM_WITH_TOOLS,
-        bos_token="",
-        eos_token=IM_END,
+        bos_token=bos_token,
+        eos_token=eos_token,
     )
 
 
@@ -228,17 +231,8 @@ class ChatTokenizer:
         self, messages: list[dict], tools: list[dict] | None = None, generation: bool = True
     ) -> str:
         """The conversation as the model's template renders it."""
-        if not self.template:
-            return render_chat(messages, tools, generation)
-        normalized = [
-            {**message, "content": _content_text(message.get("content"))} for message in messages
-        ]
-        return _compiled(self.template).render(
-            messages=normalized,
-            tools=tools or None,
-            add_generation_prompt=generation,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
+        return render_chat(
+            messages, tools, generation, self.template or None, self.bos_token, self.eos_token
         )
 
     def encode(self, text: str) -> list[int]:
