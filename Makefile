@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 test: lint
-	$(BIN)/python -m pytest -m "not soak" -q
+	$(BIN)/python -m pytest -m "not soak" -q -n 2
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -m soak -q
