@@ -168,15 +168,31 @@ class Batch:
 
 def subtree_ends(parent: np.ndarray) -> np.ndarray:
     """Per token of a forest in depth-first order (parent links, -1 at roots): one past the
-    last token of its subtree. Pointer doubling, O(T log depth): after round j, each token
-    holds the end over its descendants less than 2**(j+1) levels below it."""
+    last token of its subtree. O(T): runs of tokens each the only child of the one before
+    (a step's tokens after the shared prefix, a prompt) share their last token's end, so
+    ends are computed on the runs (pointer doubling over run parents, few rounds: as many as
+    branchings are nested) and broadcast back."""
     n = len(parent)
-    end = np.arange(1, n + 1, dtype=np.int64)
-    jump = parent.astype(np.int64)  # each token's 2**j-th ancestor (-1: none)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    parent = parent.astype(np.int64)
+    children = np.bincount(parent[parent >= 0], minlength=n)
+    # token k continues into k + 1 when k + 1 is its only child
+    links = np.zeros(n, dtype=bool)
+    links[:-1] = (children[:-1] == 1) & (parent[1:] == np.arange(n - 1))
+    heads = np.ones(n, dtype=bool)
+    heads[1:] = ~links[:-1]
+    run = np.cumsum(heads) - 1  # run of each token
+    starts = np.flatnonzero(heads)
+    tails = np.r_[starts[1:], n] - 1
+    head_parent = parent[starts]
+    run_parent = np.where(head_parent >= 0, run[np.maximum(head_parent, 0)], -1)
+    end = tails + 1
+    jump = run_parent  # each run's 2**j-th ancestor run (-1: none)
     while (has := jump >= 0).any():
         np.maximum.at(end, jump[has], end[has])
         jump = np.where(has, jump[np.maximum(jump, 0)], -1)
-    return end
+    return end[run]
 
 
 def _step_indices(packed: Packed, first: int, stop: int, lo: int) -> list[np.ndarray]:
