@@ -32,7 +32,7 @@ def _cmd_gateway(args: argparse.Namespace) -> None:
 def _cmd_sim_llm(args: argparse.Namespace) -> None:
     from claw_pipelines.simulation.llm import serve
 
-    serve(host=args.host, port=args.port, seed=args.seed, latency_ms=args.latency_ms)
+    serve(args.host, args.port, args.seed, args.latency_ms, args.drift)
 
 
 def _cmd_keys_create(args: argparse.Namespace) -> None:
@@ -217,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--port", type=int, default=8000)
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--latency-ms", type=float, default=0.0)
+    sim.add_argument(
+        "--drift",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="share of choices sampled with one token split in two (re-rendering drifts)",
+    )
 
     mat = verb("materialize", _cmd_materialize, "materialize the Dagster assets in-process")
     mat.add_argument(

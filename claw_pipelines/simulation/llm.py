@@ -94,14 +94,15 @@ def _sse(chunks: Iterator[dict[str, Any]], latency_s: float) -> StreamingRespons
 
 
 def create_sim_app(
-    seed: int = 0, latency_ms: float = 0.0, model_id: str = "claw-sim-llm"
+    seed: int = 0, latency_ms: float = 0.0, model_id: str = "claw-sim-llm", drift: float = 0.0
 ) -> FastAPI:
-    """The simulated model's FastAPI app (deterministic for a seed)."""
+    """The simulated model's FastAPI app (deterministic for a seed; `drift`: the share of
+    choices whose sampled ids re-encoding their text does not give back)."""
     app = FastAPI(
         title="claw simulated LLM",
         summary="A deterministic, simulated OpenAI-compatible model for demos and tests.",
     )
-    app.state.sim = SimulatedModel(load_tokenizer(), seed=seed, model_id=model_id)
+    app.state.sim = SimulatedModel(load_tokenizer(), seed=seed, model_id=model_id, drift=drift)
     latency_s = max(latency_ms, 0.0) / 1000.0
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(SimRequestError, _on_sim_error)
@@ -144,11 +145,18 @@ def create_sim_app(
 
 
 def serve(
-    host: str = "127.0.0.1", port: int = 8000, seed: int = 0, latency_ms: float = 0.0
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    seed: int = 0,
+    latency_ms: float = 0.0,
+    drift: float = 0.0,
 ) -> None:
     """Run the simulated model with uvicorn until interrupted."""
     import uvicorn
 
     uvicorn.run(
-        create_sim_app(seed=seed, latency_ms=latency_ms), host=host, port=port, log_level="info"
+        create_sim_app(seed=seed, latency_ms=latency_ms, drift=drift),
+        host=host,
+        port=port,
+        log_level="info",
     )

@@ -21,7 +21,9 @@ from tokenizers import Tokenizer
 from claw_pipelines.tokenization import (
     END_OF_TEXT,
     IM_END,
+    IM_START,
     SPECIAL_TOKENS,
+    TOOL_CALL_START,
     decode,
     encode,
     render_tool_call,
@@ -228,6 +230,23 @@ def sample_logprobs(
     return top_logprobs[:, 0].copy(), top_ids, top_logprobs
 
 
+def split_one_token(tokenizer: Tokenizer, ids: list[int], key: int) -> list[int]:
+    """The same text with one of its tokens spelled as two (picked by `key`): the ids a model
+    may sample but re-encoding the text never gives back; `ids` if no token can be split."""
+    rng = np.random.default_rng([key, 2])
+    specials = {tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    texts = [decode([i], tokenizer) for i in ids]  # a simulator, not a hot path
+    candidates = [p for p, (i, t) in enumerate(zip(ids, texts, strict=True)) if i not in specials]
+    for position in rng.permutation(candidates):
+        text = texts[position]
+        if len(text) < 2 or "\ufffd" in text:
+            continue
+        parts = [*encode(text[:1], tokenizer), *encode(text[1:], tokenizer)]
+        if len(parts) > 1 and decode(parts, tokenizer) == text:
+            return [*ids[:position], *parts, *ids[position + 1 :]]
+    return ids
+
+
 def _finish(
     tokenizer: Tokenizer,
     key: int,
@@ -235,9 +254,13 @@ def _finish(
     stop_token: str,
     tool_call: ToolCall | None,
     max_tokens: int | None,
+    drift: float = 0.0,
 ) -> Generation:
-    """Encode the full answer, score it, then cut it at `max_tokens`."""
+    """Encode the full answer (with probability `drift` one token split in two), score it,
+    then cut it at `max_tokens`."""
     ids = [*encode(text, tokenizer), tokenizer.token_to_id(stop_token)]
+    if drift > 0 and np.random.default_rng([key, 3]).random() < drift:
+        ids = split_one_token(tokenizer, ids, key)
     first_regular = 1 + max(tokenizer.token_to_id(t) for t in SPECIAL_TOKENS)
     logprobs, top_ids, top_logprobs = sample_logprobs(
         key, ids, tokenizer.get_vocab_size(), first_regular
@@ -287,6 +310,7 @@ def generate_chat(
     tools: Sequence[dict[str, Any]] | None = None,
     tool_choice: Any = "auto",
     max_tokens: int | None = None,
+    drift: float = 0.0,
 ) -> Generation:
     """One chat choice: a tool call (sometimes, when tools are offered) or a text answer."""
     rng = np.random.default_rng([key, 0])
@@ -298,17 +322,51 @@ def generate_chat(
         arguments = json.dumps(fill_arguments(function.get("parameters"), rng, hint))
         call = ToolCall("call_" + rng.bytes(12).hex(), str(function.get("name", "")), arguments)
         text = render_tool_call(call.name, call.arguments)
-        return _finish(tokenizer, key, text, IM_END, call, max_tokens)
+        return _finish(tokenizer, key, text, IM_END, call, max_tokens, drift)
     tool_result = _text_of(messages[-1]) if last_is_tool else None
     text = reply_text(rng, question, tool_result)
-    return _finish(tokenizer, key, text, IM_END, None, max_tokens)
+    return _finish(tokenizer, key, text, IM_END, None, max_tokens, drift)
 
 
 def generate_completion(
-    tokenizer: Tokenizer, key: int, prompt_text: str, max_tokens: int | None = None
+    tokenizer: Tokenizer,
+    key: int,
+    prompt_text: str,
+    max_tokens: int | None = None,
+    drift: float = 0.0,
 ) -> Generation:
-    """One legacy completion choice: a continuation of the prompt text."""
+    """One legacy completion choice: a continuation of the prompt text; a prompt that is a
+    ChatML conversation waiting for the assistant is answered as its chat would be."""
+    chat = parse_chat_prompt(prompt_text)
+    if chat is not None:
+        messages, tools = chat
+        return generate_chat(tokenizer, key, messages, tools, "auto", max_tokens, drift)
     rng = np.random.default_rng([key, 0])
     found = find_arithmetic(prompt_text)
     text = " " + (_arithmetic_answer(rng, *found) if found else _chatter(rng))
-    return _finish(tokenizer, key, text, END_OF_TEXT, None, max_tokens)
+    return _finish(tokenizer, key, text, END_OF_TEXT, None, max_tokens, drift)
+
+
+_GENERATION_PROMPT = IM_START + "assistant\n"
+_TOOLS = re.compile(r"\n\n# Tools\n.*?<tools>\n(.*?)\n</tools>", re.DOTALL)
+
+
+def parse_chat_prompt(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None] | None:
+    """The messages and tools of a ChatML-rendered conversation ending in the assistant's
+    generation prompt (what a token-in client sends as a completion); None otherwise."""
+    if not text.endswith(_GENERATION_PROMPT) or not text.startswith(IM_START):
+        return None
+    messages: list[dict[str, Any]] = []
+    tools = None
+    for turn in text[: -len(_GENERATION_PROMPT)].split(IM_START)[1:]:
+        role, _, content = turn.partition("\n")
+        content = content.removesuffix("\n").removesuffix(IM_END)
+        if role == "system" and not messages and (found := _TOOLS.search(content)):
+            tools = [json.loads(line) for line in found.group(1).split("\n") if line]
+            content = content[: found.start()]
+        if role == "assistant" and TOOL_CALL_START in content:
+            content = content.split(TOOL_CALL_START)[0].rstrip("\n")
+            messages.append({"role": role, "content": content, "tool_calls": [{}]})
+            continue
+        messages.append({"role": role, "content": content})
+    return messages, tools

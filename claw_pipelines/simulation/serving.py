@@ -58,9 +58,18 @@ class Run:
 class SimulatedModel:
     """A deterministic stand-in for an OpenAI-compatible inference server like vLLM."""
 
-    def __init__(self, tokenizer: Tokenizer, seed: int = 0, model_id: str = "claw-sim-llm") -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        seed: int = 0,
+        model_id: str = "claw-sim-llm",
+        drift: float = 0.0,
+    ) -> None:
         self.tokenizer = tokenizer
         self.seed = seed
+        # the share of choices sampled with one token spelled as two: re-rendering their text
+        # gives other ids, as it often does with real models
+        self.drift = drift
         self.model_id = model_id
         self.created = int(time.time())
 
@@ -111,6 +120,7 @@ class SimulatedModel:
                 tools,
                 tool_choice,
                 request.token_limit,
+                self.drift,
             )
             for index in range(request.n)
         ]
@@ -130,6 +140,7 @@ class SimulatedModel:
                     choice_key(self.seed, request.seed, ids, index),
                     text,
                     request.max_tokens,
+                    self.drift,
                 )
                 for index in range(request.n)
             ]
