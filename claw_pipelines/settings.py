@@ -42,6 +42,11 @@ class ClawSettings(BaseSettings):
         description="the model's Hugging Face tokenizer directory (tokenizer.json and "
         "tokenizer_config.json with its chat_template), or a bare tokenizer.json (ChatML)",
     )
+    token_in: Literal["off", "auto", "on"] = Field(
+        "off",
+        description="scoped chat calls go upstream as the trajectory's exact token ids: off, "
+        "auto (when the call and the upstream allow it) or on (refuse calls that cannot)",
+    )
     api_keys: str | None = Field(
         None, description="'key=tenant,key2=tenant2'; keys may be given as sha256:<hex> hashes"
     )

@@ -443,16 +443,25 @@ def _dedupe_once(lake: Lake, options: SilverOptions) -> dict[str, int]:
 
 def _nesting_pairs(new: pl.DataFrame, index: pl.DataFrame) -> pl.DataFrame:
     """Rows of new steps with a predecessor, beside that predecessor's content ids and
-    lengths (from the small columns, never its tokens)."""
+    lengths (from the small columns, never its tokens). The predecessor is the previous step,
+    or for a token-in step the one it continues (`metadata.token_in.parent_step`: a fork
+    continues an earlier step, or none when it starts a new branch)."""
+    token_in = pl.col("metadata").str.json_path_match("$.token_in.mode")
+    parent = pl.col("metadata").str.json_path_match("$.token_in.parent_step")
+    previous = (
+        pl.when(token_in.is_null())
+        .then(pl.col("step_index") - 1)
+        .otherwise(parent.cast(pl.Int64, strict=False))
+    )
     later = (
-        new.select("step_key", "prompt_id", "trajectory_uid", "step_index")
+        new.select("step_key", "prompt_id", "trajectory_uid", previous.alias("previous"))
         .with_row_index("row")
-        .filter(pl.col("step_index") > 0)
+        .filter(pl.col("previous") >= 0)
         .select(
             "row",
             "step_key",
             "prompt_id",
-            prev_key=pl.col("trajectory_uid") + ":" + (pl.col("step_index") - 1).cast(pl.String),
+            prev_key=pl.col("trajectory_uid") + ":" + pl.col("previous").cast(pl.String),
         )
     )
     prev = index.select(

@@ -30,9 +30,12 @@ def proxy_env(upstream_url: str, api_key: str, tenant: str, **extra: str) -> dic
 class SimProcess:
     """`claw sim-llm` as a subprocess; can be killed and started again on the same port."""
 
-    def __init__(self, log_dir: Path, latency_ms: float = 0.0, port: int | None = None) -> None:
+    def __init__(
+        self, log_dir: Path, latency_ms: float = 0.0, port: int | None = None, drift: float = 0.0
+    ) -> None:
         self.port = port or free_port()
         self.latency_ms = latency_ms
+        self.drift = drift
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log_path = log_dir / f"sim-{self.port}.log"
         self.proc: subprocess.Popen | None = None
@@ -47,7 +50,7 @@ class SimProcess:
             "--port",
             str(self.port),
         ]
-        command += ["--latency-ms", str(self.latency_ms)]
+        command += ["--latency-ms", str(self.latency_ms), "--drift", str(self.drift)]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 

@@ -4,7 +4,7 @@ needs of whoever records it (`CallRecorder`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import pydantic_core
 
@@ -12,6 +12,7 @@ from gateway.errors import ApiError
 from gateway.proxy.capture import COMPLETION_KIND, CapturedChoice, Endpoint
 from gateway.proxy.failures import UpstreamFailure
 from gateway.proxy.scope import Scope
+from gateway.proxy.steps import StepPlace
 from gateway.records import BronzeRecord
 
 
@@ -30,6 +31,7 @@ class ProxyCall:
     # carry these, however long the answer or stream takes and whatever is published meanwhile
     published_at_dispatch: int | None = None
     registered_at_dispatch: tuple[int | None, dict[str, Any]] = (None, {})
+    token_in: Literal["off", "auto", "on"] | None = None  # X-Claw-Token-In (None: the default)
 
     @property
     def stream(self) -> bool:
@@ -83,8 +85,8 @@ class CallRecorder(Protocol):
         captured: list[CapturedChoice],
         model: str | None,
         upstream_ms: float | None,
-    ) -> tuple[list[BronzeRecord], list[str]]:
-        """One step record per choice, and their step keys."""
+    ) -> tuple[list[BronzeRecord], list[StepPlace]]:
+        """One step record per choice, and where each went."""
 
     def failure_record(
         self, failure: UpstreamFailure, tenant: str, call: ProxyCall | None

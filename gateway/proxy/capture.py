@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pydantic_core
 
 from claw_pipelines.tokenization import ChatTokenizer
@@ -121,6 +122,7 @@ class CapturedChoice:
     finish_reason: str | None
     output: dict[str, Any]  # chat: the assistant message; completions: {"text": ...}
     response: dict[str, Any]  # the client's answer reduced to this choice (for audit)
+    metadata: dict[str, Any] | None = None  # what the step's metadata adds (token-in)
 
 
 def captured_choices(
@@ -179,7 +181,9 @@ class StepTokens:
 
 
 def _pack_ids(ids: Any) -> bytes | None:
-    """Little-endian int32 bytes of a list of token ids; None when it is not one."""
+    """Little-endian int32 bytes of a list (or array) of token ids; None when it is not one."""
+    if isinstance(ids, np.ndarray):
+        return ids.astype("<i4", copy=False).tobytes()
     if not isinstance(ids, list):
         return None
     try:

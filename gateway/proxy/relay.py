@@ -105,7 +105,7 @@ class StreamRelay:
             captured = self.accumulator.captured(unfinished, expected)
             model = self.accumulator.envelope.get("model")
             elapsed_ms = round((time.perf_counter() - self.started) * 1000, 2)
-            records, _keys = service.records(call, captured, model, elapsed_ms)
+            records, _places = service.records(call, captured, model, elapsed_ms)
             if failure is not None:
                 records.append(service.failure_record(failure, call.tenant, call))
             await service.land(records)

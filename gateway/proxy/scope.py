@@ -106,6 +106,11 @@ class TrajectoryBook:
         state.next_step += count
         return first
 
+    def ensure_next(self, trajectory_uid: str, next_step: int) -> None:
+        """Make the next claimed index at least `next_step` (steps recorded before a restart)."""
+        state = self._get(trajectory_uid)
+        state.next_step = max(state.next_step, next_step)
+
     def register(self, trajectory_uid: str, metadata: dict[str, Any]) -> None:
         """Remember a trajectory's metadata; its `policy_version` applies to later steps."""
         state = self._get(trajectory_uid)

@@ -26,6 +26,7 @@ from gateway.landing import Landing, Overloaded
 from gateway.metrics import LATENCY_BUCKETS, labelled
 from gateway.proxy.call import ProxyCall
 from gateway.proxy.capture import (
+    COMPLETIONS,
     Added,
     CapturedChoice,
     augment,
@@ -33,9 +34,11 @@ from gateway.proxy.capture import (
     step_tokens,
     stripped,
 )
+from gateway.proxy.chat_from_tokens import chat_chunks
 from gateway.proxy.relay import StreamRelay
 from gateway.proxy.scope import TrajectoryBook
 from gateway.proxy.steps import StepPlace, step_record, upstream_error_record
+from gateway.proxy.token_in import TokenIn, TokenInPlan
 from gateway.proxy.upstream import (
     Upstream,
     UpstreamFailure,
@@ -63,6 +66,7 @@ class ProxyService:
         self.landing = landing
         self.upstream = upstream
         self.book = TrajectoryBook()
+        self.token_in = TokenIn(settings, landing, self.book)
         self._overloaded_until = 0.0
         self.failures = Counter(
             "claw_gateway_upstream_failures",
@@ -152,6 +156,11 @@ class ProxyService:
     async def complete(self, call: ProxyCall) -> Answer | StreamRelay:
         """Forward a (chat) completion; record its choices; answer as the upstream did."""
         upstream = self.admit()
+        plan = await self.token_in.plan(call, upstream.token_ids_supported)
+        if plan is not None:
+            answer = await self._complete_token_in(call, upstream, plan)
+            if answer is not None:
+                return answer
         path, kind = call.endpoint.path, call.endpoint.kind
         ask_token_ids = upstream.token_ids_supported
         self.stamp_dispatch(call)
@@ -191,13 +200,54 @@ class ProxyService:
             failure = UpstreamFailure(502, "upstream_error", "upstream answered invalid JSON")
             await self.fail(failure, call.tenant, call)
         upstream_ms = upstream_s * 1000
-        records, keys = self.records(call, captured, answer.get("model"), round(upstream_ms, 2))
+        records, places = self.records(call, captured, answer.get("model"), round(upstream_ms, 2))
         body = reply.body if view is answer else pydantic_core.to_json(view)
-        headers = {"X-Claw-Step-Keys": ",".join(keys)}
+        headers = {"X-Claw-Step-Keys": step_keys(places)}
         if not await self.land(records):
             headers["X-Claw-Recorded"] = "false"
         headers["Server-Timing"] = server_timing(call.received, upstream_ms)
         return Answer(reply.status, body, reply.content_type or JSON, headers)
+
+    async def _complete_token_in(
+        self, call: ProxyCall, upstream: Upstream, plan: TokenInPlan
+    ) -> Answer | None:
+        """A chat call sent upstream as the trajectory's token ids, answered as chat once its
+        steps are durable (a stream as one burst); None when the upstream refuses token ids
+        and the call's mode lets it go upstream as it came."""
+        self.stamp_dispatch(call)
+        started = time.perf_counter()
+        try:
+            reply = await upstream.post(COMPLETIONS.path, plan.body)
+        except UpstreamFailure as failure:
+            await self.fail(failure, call.tenant, call)
+        if _refuses_token_ids(reply.status, reply.body):
+            self._token_ids_unsupported(upstream)
+            if self.token_in.mode_of(call) == "auto":
+                return None
+        if reply.status >= 400:
+            return await self._refused(reply, call)
+        upstream_ms = (time.perf_counter() - started) * 1000
+        labelled(self.upstream_seconds, COMPLETIONS.kind).observe(upstream_ms / 1000)
+        try:
+            chat, captured = self.token_in.chat_answer(plan, pydantic_core.from_json(reply.body))
+        except (ValueError, AttributeError, TypeError) as exc:
+            failure = UpstreamFailure(502, "upstream_error", f"upstream answer unusable: {exc}")
+            await self.fail(failure, call.tenant, call)
+        records, places = self.records(call, captured, chat.get("model"), round(upstream_ms, 2))
+        headers = {"X-Claw-Step-Keys": step_keys(places)}
+        if await self.land(records):
+            self.token_in.remember(plan, captured, [p.step_index for p in places])
+        else:
+            headers["X-Claw-Recorded"] = "false"
+        if call.stream:
+            options = call.body.get("stream_options")
+            usage = isinstance(options, dict) and options.get("include_usage") is True
+            body, content_type = chat_chunks(chat, usage), "text/event-stream"
+            headers["Cache-Control"] = "no-cache"
+        else:
+            body, content_type = pydantic_core.to_json(chat), JSON
+        headers["Server-Timing"] = server_timing(call.received, upstream_ms)
+        return Answer(200, body, content_type, headers)
 
     async def _refused(self, reply: UpstreamReply, call: ProxyCall) -> Answer:
         """An upstream 4xx goes back unchanged (with its Retry-After); a 5xx becomes a
@@ -229,9 +279,9 @@ class ProxyService:
         captured: list[CapturedChoice],
         model: str | None,
         upstream_ms: float | None,
-    ) -> tuple[list[BronzeRecord], list[str]]:
+    ) -> tuple[list[BronzeRecord], list[StepPlace]]:
         """One step record per choice, placed in the call's trajectory (or new ones); and
-        their step keys."""
+        where each went."""
         scope, kind = call.scope, call.endpoint.kind
         if not isinstance(model, str):
             requested = call.body.get("model")
@@ -242,15 +292,19 @@ class ProxyService:
         records = []
         for choice, place, event_id in zip(captured, places, ids, strict=True):
             tokens = step_tokens(choice, call.body, kind, choice.index // call.n, tokenizer)
-            metadata = registered | {
-                "scoped": scope.trajectory_uid is not None,
-                "scope_via": scope.via,
-                "prompt_group_via": "client" if scope.prompt_uid is not None else "gateway",
-                "choice_index": choice.index,
-                "stream": call.stream,
-                "response_id": choice.response.get("id"),
-                "upstream_ms": upstream_ms,
-            }
+            metadata = (
+                registered
+                | (choice.metadata or {})
+                | {
+                    "scoped": scope.trajectory_uid is not None,
+                    "scope_via": scope.via,
+                    "prompt_group_via": "client" if scope.prompt_uid is not None else "gateway",
+                    "choice_index": choice.index,
+                    "stream": call.stream,
+                    "response_id": choice.response.get("id"),
+                    "upstream_ms": upstream_ms,
+                }
+            )
             records.append(
                 step_record(
                     event_id=event_id,
@@ -265,7 +319,7 @@ class ProxyService:
                 )
             )
             labelled(self.steps, tokens.token_source).inc()
-        return records, [step_key(p.trajectory_uid, p.step_index) for p in places]
+        return records, places
 
     def _places(
         self, call: ProxyCall, captured: list[CapturedChoice]
@@ -298,6 +352,11 @@ class ProxyService:
                 group = groups.setdefault(choice.index // call.n, new_event_id())
             places.append(StepPlace(new_event_id(), 0, group, version))
         return places, stamped
+
+
+def step_keys(places: list[StepPlace]) -> str:
+    """The `X-Claw-Step-Keys` header: the step keys of an answer's choices."""
+    return ",".join(step_key(p.trajectory_uid, p.step_index) for p in places)
 
 
 def server_timing(received: float, upstream_ms: float) -> str:

@@ -21,6 +21,7 @@ from gateway.proxy import ProxyCall, parse_request, scope_of
 from gateway.proxy.capture import CHAT, COMPLETIONS, Endpoint
 from gateway.proxy.protocol import ChatCompletionBody, CompletionBody
 from gateway.proxy.relay import RelayResponse, StreamRelay
+from gateway.proxy.token_in import TOKEN_IN_HEADER, header_mode
 from gateway.routes.table import Route
 
 PROXY_RESPONSES: dict[int | str, dict[str, Any]] = ERROR_RESPONSES | {
@@ -42,6 +43,14 @@ POLICY_HEADER_DOC = {
     "description": "policy version of the model that answers",
     "schema": {"type": "integer", "minimum": 0},
 }
+TOKEN_IN_HEADER_DOC = {
+    "name": "X-Claw-Token-In",
+    "in": "header",
+    "required": False,
+    "description": "scoped chat calls: send the trajectory's exact token ids upstream (on), "
+    "when possible (auto) or never (off); default CLAW_TOKEN_IN",
+    "schema": {"type": "string", "enum": ["on", "auto", "off"]},
+}
 SCOPE_HEADERS_DOC = [
     {
         "name": "X-Claw-Trajectory",
@@ -58,9 +67,10 @@ SCOPE_HEADERS_DOC = [
         "schema": {"type": "string", "maxLength": MAX_UID_CHARS, "pattern": UID_PATTERN},
     },
     POLICY_HEADER_DOC,
+    TOKEN_IN_HEADER_DOC,
     IDEMPOTENCY_HEADER_DOC,
 ]
-URL_SCOPED_HEADERS_DOC = [POLICY_HEADER_DOC, IDEMPOTENCY_HEADER_DOC]
+URL_SCOPED_HEADERS_DOC = [POLICY_HEADER_DOC, TOKEN_IN_HEADER_DOC, IDEMPOTENCY_HEADER_DOC]
 
 
 async def forward(incoming: Incoming, endpoint: Endpoint, via: str) -> Answer | ASGIApp:
@@ -74,6 +84,7 @@ async def forward(incoming: Incoming, endpoint: Endpoint, via: str) -> Answer | 
     scope = scope_of(incoming.headers, params.get("trajectory_uid"), params.get("prompt_uid"), via)
     body, request_json = parse_request(await incoming.body())
     call = ProxyCall(endpoint, body, request_json, scope, tenant, idempotency_key, received)
+    call.token_in = header_mode(incoming.headers.get(TOKEN_IN_HEADER))
     answer = await incoming.services.proxy.complete(call)
     return RelayResponse(answer) if isinstance(answer, StreamRelay) else answer
 

@@ -6,6 +6,7 @@ token-id fields where vLLM puts them. Skipped where vLLM is absent."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -104,3 +105,41 @@ def test_completion_requests_and_answers_are_vllms(sim, body, stream):
     assert not set().union(*(beyond(r, c) for r, c in zip(raw, chunks, strict=True)))
     assert chunks[0].choices[0].prompt_token_ids  # on each choice's first chunk
     assert sum(len(c.choices[0].token_ids or []) for c in chunks if c.choices) > 0
+
+
+def test_token_in_requests_and_the_chat_answers_made_of_them_are_vllms(sim):
+    from claw_pipelines.settings import ClawSettings
+    from gateway.proxy.call import ProxyCall
+    from gateway.proxy.capture import CHAT as CHAT_ENDPOINT
+    from gateway.proxy.chat_from_tokens import chat_chunks
+    from gateway.proxy.scope import Scope, TrajectoryBook
+    from gateway.proxy.token_in import TokenIn
+    from tests.proxy.test_sim_llm import CALCULATOR
+
+    body = CHAT | {
+        "tools": [CALCULATOR],
+        "logprobs": True,
+        "top_logprobs": 2,
+        "max_completion_tokens": 64,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "seed": 3,
+    }
+    call = ProxyCall(
+        CHAT_ENDPOINT, body, json.dumps(body).encode(), Scope("t-1", "g-1"), "tenant", None, 0
+    )
+    token_in = TokenIn(ClawSettings(token_in="on"), landing=None, book=TrajectoryBook())
+    plan = asyncio.run(token_in.plan(call, upstream_ids=True))
+    request = completion_protocol.CompletionRequest.model_validate_json(plan.body)
+    assert request.prompt == plan.prompt_ids.tolist() and request.return_token_ids is True
+    assert (request.logprobs, request.max_tokens, request.seed) == (2, 64, 3)
+    assert not request.stream
+    answer = sim.post("/v1/completions", content=plan.body, headers=JSON)
+    assert answer.status_code == 200, answer.text
+    completion_protocol.CompletionResponse.model_validate(answer.json())
+    chat, _ = token_in.chat_answer(plan, answer.json())
+    parsed = chat_protocol.ChatCompletionResponse.model_validate(chat)
+    assert not beyond(chat, parsed) - BEYOND_VLLM
+    events = chat_chunks(chat, include_usage=True).decode()
+    for chunk in sse_chunks(events):
+        chat_protocol.ChatCompletionStreamResponse.model_validate(chunk)
