@@ -4,7 +4,7 @@ needs of whoever records it (`CallRecorder`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import pydantic_core
 
@@ -14,6 +14,9 @@ from gateway.proxy.failures import UpstreamFailure
 from gateway.proxy.scope import Scope
 from gateway.proxy.steps import StepPlace
 from gateway.records import BronzeRecord
+
+if TYPE_CHECKING:
+    from gateway.proxy.token_in import TokenInPlan
 
 
 @dataclass(slots=True)
@@ -32,6 +35,7 @@ class ProxyCall:
     published_at_dispatch: int | None = None
     registered_at_dispatch: tuple[int | None, dict[str, Any]] = (None, {})
     token_in: Literal["off", "auto", "on"] | None = None  # X-Claw-Token-In (None: the default)
+    token_in_plan: TokenInPlan | None = None  # when token-in records this call's turns
 
     @property
     def stream(self) -> bool:
@@ -95,3 +99,12 @@ class CallRecorder(Protocol):
 
     async def land(self, records: list[BronzeRecord]) -> bool:
         """Make records durable; False when the gateway could not."""
+
+    def recorded(
+        self,
+        call: ProxyCall,
+        captured: list[CapturedChoice],
+        records: list[BronzeRecord],
+        places: list[StepPlace],
+    ) -> None:
+        """Called once a call's step records are durable."""

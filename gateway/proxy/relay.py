@@ -105,10 +105,12 @@ class StreamRelay:
             captured = self.accumulator.captured(unfinished, expected)
             model = self.accumulator.envelope.get("model")
             elapsed_ms = round((time.perf_counter() - self.started) * 1000, 2)
-            records, _places = service.records(call, captured, model, elapsed_ms)
+            records, places = service.records(call, captured, model, elapsed_ms)
+            steps = list(records)
             if failure is not None:
                 records.append(service.failure_record(failure, call.tenant, call))
-            await service.land(records)
+            if await service.land(records):
+                service.recorded(call, captured, steps, places)
 
 
 async def _drain(events: AsyncIterator[bytes]) -> None:

@@ -157,10 +157,12 @@ class ProxyService:
         """Forward a (chat) completion; record its choices; answer as the upstream did."""
         upstream = self.admit()
         plan = await self.token_in.plan(call, upstream.token_ids_supported)
-        if plan is not None:
+        if plan is not None and not plan.via_chat:
             answer = await self._complete_token_in(call, upstream, plan)
             if answer is not None:
                 return answer
+            plan = None  # the upstream refused token ids: the call goes as it came
+        call.token_in_plan = plan
         path, kind = call.endpoint.path, call.endpoint.kind
         ask_token_ids = upstream.token_ids_supported
         self.stamp_dispatch(call)
@@ -203,7 +205,9 @@ class ProxyService:
         records, places = self.records(call, captured, answer.get("model"), round(upstream_ms, 2))
         body = reply.body if view is answer else pydantic_core.to_json(view)
         headers = {"X-Claw-Step-Keys": step_keys(places)}
-        if not await self.land(records):
+        if await self.land(records):
+            self.recorded(call, captured, records, places)
+        else:
             headers["X-Claw-Recorded"] = "false"
         headers["Server-Timing"] = server_timing(call.received, upstream_ms)
         return Answer(reply.status, body, reply.content_type or JSON, headers)
@@ -215,6 +219,7 @@ class ProxyService:
         steps are durable (a stream as one burst); None when the upstream refuses token ids
         and the call's mode lets it go upstream as it came."""
         self.stamp_dispatch(call)
+        call.token_in_plan = plan
         started = time.perf_counter()
         try:
             reply = await upstream.post(COMPLETIONS.path, plan.body)
@@ -236,7 +241,7 @@ class ProxyService:
         records, places = self.records(call, captured, chat.get("model"), round(upstream_ms, 2))
         headers = {"X-Claw-Step-Keys": step_keys(places)}
         if await self.land(records):
-            self.token_in.remember(plan, captured, [p.step_index for p in places])
+            self.recorded(call, captured, records, places)
         else:
             headers["X-Claw-Recorded"] = "false"
         if call.stream:
@@ -273,6 +278,17 @@ class ProxyService:
         upstream.token_ids_supported = False
 
     # -- records ----------------------------------------------------------------------------
+    def recorded(
+        self,
+        call: ProxyCall,
+        captured: list[CapturedChoice],
+        records: list[BronzeRecord],
+        places: list[StepPlace],
+    ) -> None:
+        """Once a call's steps are durable: token-in keeps their turns."""
+        if call.token_in_plan is not None:
+            self.token_in.remember(call.token_in_plan, captured, records, places)
+
     def records(
         self,
         call: ProxyCall,
@@ -290,7 +306,10 @@ class ProxyService:
         tokenizer = partial(load_chat_tokenizer, self.settings.tokenizer)
         ids = event_ids(len(captured), call.idempotency_key)
         records = []
+        plan = call.token_in_plan
         for choice, place, event_id in zip(captured, places, ids, strict=True):
+            if plan is not None and choice.metadata is None:  # a token-in root, via chat
+                choice.metadata = {"token_in": plan.metadata({"role": "assistant"} | choice.output)}
             tokens = step_tokens(choice, call.body, kind, choice.index // call.n, tokenizer)
             metadata = (
                 registered

@@ -31,6 +31,7 @@ from gateway.proxy.call import ProxyCall
 from gateway.proxy.capture import CHAT_KIND, CapturedChoice, choice_index
 from gateway.proxy.chat_from_tokens import chat_logprobs, reply_message
 from gateway.proxy.scope import TrajectoryBook
+from gateway.proxy.steps import StepPlace
 from gateway.proxy.token_history import (
     TokenHistory,
     Turn,
@@ -38,6 +39,7 @@ from gateway.proxy.token_history import (
     extend_chain,
     restore_trajectory,
 )
+from gateway.records import BronzeRecord
 
 TOKEN_IN_HEADER = "x-claw-token-in"
 TokenInMode = Literal["off", "auto", "on"]
@@ -109,25 +111,28 @@ def untranslatable(body: dict[str, Any]) -> tuple[str, str] | None:
 
 @dataclass(slots=True)
 class TokenInPlan:
-    """One token-in call: the prompt ids, where they continue from, and the upstream body."""
+    """One token-in call: where it continues from, its prompt ids and the upstream body; or,
+    for a call that continues nothing (`via_chat`), the chat call itself, whose ids the
+    upstream renders and returns (nothing to splice, so nothing to tokenize here)."""
 
     trajectory_uid: str
     tools: Any
     chain: list[bytes]
-    prompt_ids: np.ndarray
     mode: str
     parent_step: int | None
-    new_tokens: int
-    body: bytes
-    logprobs_top: int | None  # None: the agent did not ask for log-probs
-    token_ids: bool  # the agent asked for return_token_ids itself
+    via_chat: bool
+    prompt_ids: np.ndarray | None = None
+    new_tokens: int | None = None
+    body: bytes = b""
+    logprobs_top: int | None = None  # None: the agent did not ask for log-probs
+    token_ids: bool = False  # the agent asked for return_token_ids itself
 
-    def metadata(self, history: bytes) -> dict[str, Any]:
-        """What a step of this call records in `metadata.token_in`."""
+    def metadata(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """What a step of this call (its reply message) records in `metadata.token_in`."""
         return {
             "mode": self.mode,
             "parent_step": self.parent_step,
-            "history": history.hex(),
+            "history": extend_chain(self.chain, self.tools, reply).hex(),
             "new_tokens": self.new_tokens,
         }
 
@@ -202,21 +207,14 @@ class TokenIn:
                 if messages[k - 1].get("role") == "assistant" and chain[k - 1] in tokens.turns:
                     parent, matched = tokens.turns[chain[k - 1]], k
                     break
-        tokenizer = self.tokenizer
-        full = tokenizer.render(messages, tools)
-        ids: np.ndarray | None = None
+        continued = None
         if parent is not None:
-            ids, new_tokens = self._continued(parent, messages[:matched], tools, full)
-        if ids is None:
-            parent = None
-            ids = np.asarray(tokenizer.encode(full), np.int32)
-            new_tokens = len(ids)
-        if tokens is None or not tokens.turns:
-            mode = "start"
-        elif parent is not None and parent.step_index == tokens.last_step:
-            mode = "extend"
-        else:
-            mode = "fork"
+            continued = self._continued(parent, messages[:matched], tools, messages)
+        if continued is None:  # a new root: the upstream renders it, as without token-in
+            mode = "start" if tokens is None or not tokens.turns else "fork"
+            return TokenInPlan(uid, tools, chain, mode, None, via_chat=True)
+        assert parent is not None and tokens is not None
+        ids, new_tokens = continued
         logprobs_top = None
         if body.get("logprobs") is True:
             top = body.get("top_logprobs")
@@ -225,9 +223,10 @@ class TokenIn:
             trajectory_uid=uid,
             tools=tools,
             chain=chain,
+            mode="extend" if parent.step_index == tokens.last_step else "fork",
+            parent_step=parent.step_index,
+            via_chat=False,
             prompt_ids=ids,
-            mode=mode,
-            parent_step=None if parent is None else parent.step_index,
             new_tokens=new_tokens,
             body=upstream_body(body, ids, logprobs_top),
             logprobs_top=logprobs_top,
@@ -235,14 +234,16 @@ class TokenIn:
         )
 
     def _continued(
-        self, parent: Turn, history: list[dict[str, Any]], tools: Any, full: str
-    ) -> tuple[np.ndarray | None, int]:
-        """The parent's ids plus the new messages' ids; None when the template renders the
-        history differently inside the full conversation (then the conversation starts over)."""
+        self, parent: Turn, history: list[dict[str, Any]], tools: Any, messages: list[Any]
+    ) -> tuple[np.ndarray, int] | None:
+        """The parent's ids plus the new messages' ids (and how many those are); None when the
+        template renders the history differently inside the whole conversation (then the
+        conversation starts over)."""
         tokenizer = self.tokenizer
+        full = tokenizer.render(messages, tools)
         rendered = tokenizer.render(history, tools, generation=False)
         if not full.startswith(rendered):
-            return None, 0
+            return None
         eos = tokenizer.eos_token
         # What the template writes after the reply's end-of-turn token (ChatML: a newline);
         # a reply cut short (no end-of-turn) gets the token the template closes it with.
@@ -300,7 +301,6 @@ class TokenIn:
                 "finish_reason": finish,
             }
             choices.append(choice | ({"token_ids": response_ids} if plan.token_ids else {}))
-            history = extend_chain(plan.chain, plan.tools, message)
             captured.append(
                 CapturedChoice(
                     index=index,
@@ -312,26 +312,33 @@ class TokenIn:
                     finish_reason=finish,
                     output=message,
                     response=envelope | {"choices": [choice]},
-                    metadata={"token_in": plan.metadata(history)},
+                    metadata={"token_in": plan.metadata(message)},
                 )
             )
         chat = envelope | {"choices": choices}
         if "usage" in answer:
             chat["usage"] = answer["usage"]
-        if plan.token_ids:
+        if plan.token_ids and plan.prompt_ids is not None:
             chat["prompt_token_ids"] = plan.prompt_ids.tolist()
         return chat, captured
 
     def remember(
-        self, plan: TokenInPlan, captured: list[CapturedChoice], step_indices: list[int]
+        self,
+        plan: TokenInPlan,
+        captured: list[CapturedChoice],
+        records: list[BronzeRecord],
+        places: list[StepPlace],
     ) -> None:
-        """Keep the turns of recorded steps for the trajectory's next calls."""
-        for choice, step_index in zip(captured, step_indices, strict=True):
-            response = np.asarray(choice.response_ids or (), np.int32)
+        """Keep the turns of durable steps (their ids as recorded) for the next calls."""
+        for choice, record, place in zip(captured, records, places, strict=False):
+            token_in = (choice.metadata or {}).get("token_in")
+            if token_in is None:
+                continue
+            response = np.frombuffer(record.response_ids or b"", "<i4")
+            ids = np.frombuffer((record.prompt_ids or b"") + (record.response_ids or b""), "<i4")
             ended = bool(response.size) and int(response[-1]) == self.eos_id
-            key = bytes.fromhex(choice.metadata["token_in"]["history"])
-            ids = np.concatenate([plan.prompt_ids, response])
-            self.history.add(plan.trajectory_uid, key, Turn(step_index, ids, ended))
+            turn = Turn(place.step_index, ids, ended)
+            self.history.add(plan.trajectory_uid, bytes.fromhex(token_in["history"]), turn)
 
 
 def upstream_body(body: dict[str, Any], prompt_ids: np.ndarray, logprobs_top: int | None) -> bytes:

@@ -164,8 +164,8 @@ def _forks(gw) -> None:
 def test_streams_and_tool_calls_arrive_in_the_chat_format(gw):
     trajectory = uid("stream")
     agent, messages = client(gw, trajectory), [QUESTION]
-    calls = None
-    for _ in range(6):  # the sim calls the calculator on most first turns
+    agent_turn(agent, messages)  # the first turn goes as a chat call: nothing to continue
+    for turn in range(1, 12):  # until a continuing turn calls the calculator
         stream = agent.chat.completions.create(
             model="sim",
             messages=[*messages],
@@ -176,14 +176,19 @@ def test_streams_and_tool_calls_arrive_in_the_chat_format(gw):
             top_logprobs=2,
         )
         chunks = list(stream)
-        calls = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or ()]
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        calls = [c for d in deltas for c in d.tool_calls or ()]
+        content = "".join(d.content or "" for d in deltas)
+        step = steps_of(gw, trajectory, turn + 1)[turn]
+        assert token_in(step)["mode"] == "extend"
         if calls:
             break
+        messages += [{"role": "assistant", "content": content}, QUESTION]
     assert calls, "the sim never called the tool"
     finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
     assert finish[-1] == "tool_calls"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
-    assert calls[0].function.name == "calculator"
+    assert calls[0].function.name == "calculator" and calls[0].id.startswith("call_")
     assert "expression" in json.loads(calls[0].function.arguments)
     logprobs = [
         t
@@ -191,11 +196,9 @@ def test_streams_and_tool_calls_arrive_in_the_chat_format(gw):
         if ch.choices and ch.choices[0].logprobs
         for t in ch.choices[0].logprobs.content or ()
     ]
-    step = steps_of(gw, trajectory, 1)[-1]
     assert len(logprobs) == len(step["response_ids"])
     assert all(len(t.top_logprobs) == 2 for t in logprobs)
     assert np.allclose([t.logprob for t in logprobs], step["rollout_log_probs"])
-    assert token_in(step)["mode"] in ("start", "fork")
 
 
 def test_wrong_modes_get_a_clear_error_and_land_nothing(gw):
