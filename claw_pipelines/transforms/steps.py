@@ -55,6 +55,7 @@ def step_candidates(steps: pl.DataFrame) -> pl.DataFrame:
         metadata=pl.col("payload").str.json_path_match("$.metadata").fill_null("{}"),
         unscoped=(pl.col("kind") != "step") & (_meta("scoped") == "false"),
         group_from_client=_meta("prompt_group_via") == "client",
+        client_retry=_meta("client_retry").cast(pl.Int64, strict=False).fill_null(0),
         source_kind=pl.when(pl.col("kind") == "step")
         .then(pl.lit("white_box"))
         .when(via == "claw_r1")

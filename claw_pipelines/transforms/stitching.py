@@ -9,8 +9,12 @@ vectorized); each chosen match is then verified with the BLAKE2b content ids of 
 (so a rolling-hash collision cannot join two conversations, and placed steps' tokens are
 never read back). Pointer jumping turns parent links into (trajectory, step index).
 
-A parent keeps one continuation: the earliest. A later call with the same parent (a retry, a
-fork) starts a trajectory of its own, as does a call whose parent already has a successor.
+A parent keeps one continuation: the earliest. A later call with the same parent (a fork,
+another rollout of the same prompt) starts a trajectory of its own, as does a call whose
+parent already has a successor. A client's retry (`client_retry` > 0: OpenAI's SDKs count
+their retries in `x-stainless-retry-count`) of a call nothing continued, the same prompt
+again, is placed right after that call instead, so the retry never splits the trajectory
+(and curation marks the first attempt superseded).
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ class StitchInput:
     """Calls to place and the earlier steps they may continue.
 
     `calls`: tenant, received_us (int), prompt_ids, response_ids, prompt_id, response_id,
-    trajectory_uid (the call's own). `anchors`, already placed steps, without their tokens:
-    tenant, received_us, seq_len, sequence_hash (int64), prompt_id, response_id, prompt_len,
-    trajectory_uid, step_index, has_successor.
+    trajectory_uid (the call's own), and optionally client_retry (int). `anchors`, already
+    placed steps, without their tokens: tenant, received_us, seq_len, sequence_hash (int64),
+    prompt_id, response_id, prompt_len, trajectory_uid, step_index, has_successor.
     """
 
     calls: pl.DataFrame
@@ -171,6 +175,58 @@ def _one_continuation(parent: np.ndarray, order_us: np.ndarray, taken: np.ndarra
     return result
 
 
+def _retries_follow_their_attempt(
+    data: StitchInput, parent: np.ndarray, received: np.ndarray, taken: np.ndarray
+) -> np.ndarray:
+    """Link each client retry to the latest earlier node of the same tenant and prompt (its
+    attempt) when nothing continues that node; other links unchanged."""
+    calls, anchors = data.calls, data.anchors
+    if "client_retry" not in calls.columns:
+        return parent
+    n_anchor = anchors.height
+    rows = np.flatnonzero(calls["client_retry"].fill_null(0).to_numpy() > 0)
+    if len(rows) == 0:
+        return parent
+    has_child = taken.copy()
+    has_child[parent[parent != NO_PARENT]] = True
+    nodes = pl.concat(
+        [
+            anchors.select("tenant", "prompt_id"),
+            calls.select("tenant", "prompt_id"),
+        ],
+        how="vertical_relaxed",
+    ).with_columns(
+        node=pl.int_range(pl.len(), dtype=pl.Int64),
+        node_us=pl.Series(received, dtype=pl.Int64),
+        free=pl.Series(~has_child),
+    )
+    retries = (
+        calls[rows]
+        .select("tenant", "prompt_id")
+        .with_columns(
+            retry=pl.Series(rows + n_anchor, dtype=pl.Int64),
+            retry_us=pl.Series(received[rows + n_anchor], dtype=pl.Int64),
+        )
+    )
+    attempts = (
+        retries.join(nodes, on=["tenant", "prompt_id"])
+        .filter(
+            (pl.col("node") != pl.col("retry"))
+            & (
+                (pl.col("node_us") < pl.col("retry_us"))
+                | ((pl.col("node_us") == pl.col("retry_us")) & (pl.col("node") < pl.col("retry")))
+            )
+            & (pl.col("retry_us") - pl.col("node_us") <= data.window_us)
+        )
+        .sort(["retry", "node_us", "node"], descending=[False, True, True])
+        .unique("retry", keep="first", maintain_order=True)
+        .filter(pl.col("free"))
+    )
+    linked = parent.copy()
+    linked[attempts["retry"].to_numpy()] = attempts["node"].to_numpy()
+    return linked
+
+
 def _heads(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pointer jumping: each node's chain head and its distance from it."""
     up = np.where(parent == NO_PARENT, np.arange(len(parent)), parent)
@@ -197,6 +253,7 @@ def stitch(data: StitchInput) -> pl.DataFrame:
     taken = np.concatenate(
         [anchors["has_successor"].to_numpy().astype(bool), np.zeros(calls.height, dtype=bool)]
     )
+    parent = _retries_follow_their_attempt(data, parent, received, taken)
     parent = _one_continuation(parent, received, taken)
     head, dist = _heads(parent)
     on_anchor = head < n_anchor

@@ -36,6 +36,7 @@ class ProxyCall:
     registered_at_dispatch: tuple[int | None, dict[str, Any]] = (None, {})
     token_in: Literal["off", "auto", "on"] | None = None  # X-Claw-Token-In (None: the default)
     token_in_plan: TokenInPlan | None = None  # when token-in records this call's turns
+    client_retry: int = 0  # the client's retry count (OpenAI SDKs: x-stainless-retry-count)
 
     @property
     def stream(self) -> bool:

@@ -324,6 +324,8 @@ class ProxyService:
                     "upstream_ms": upstream_ms,
                 }
             )
+            if call.client_retry:
+                metadata["client_retry"] = call.client_retry
             records.append(
                 step_record(
                     event_id=event_id,

@@ -73,6 +73,13 @@ SCOPE_HEADERS_DOC = [
 URL_SCOPED_HEADERS_DOC = [POLICY_HEADER_DOC, TOKEN_IN_HEADER_DOC, IDEMPOTENCY_HEADER_DOC]
 
 
+def retry_count(value: str | None) -> int:
+    """The client's retry count of a call (0 when absent or not a small integer)."""
+    if value is None or not (value.isascii() and value.isdigit() and len(value) < 6):
+        return 0
+    return int(value)
+
+
 async def forward(incoming: Incoming, endpoint: Endpoint, via: str) -> Answer | ASGIApp:
     """Authenticate, scope and forward one call; the upstream's answer, or a relay of its
     stream. The scope comes from the path (`via`: url, claw_r1) when it has uids, else from
@@ -85,6 +92,7 @@ async def forward(incoming: Incoming, endpoint: Endpoint, via: str) -> Answer | 
     body, request_json = parse_request(await incoming.body())
     call = ProxyCall(endpoint, body, request_json, scope, tenant, idempotency_key, received)
     call.token_in = header_mode(incoming.headers.get(TOKEN_IN_HEADER))
+    call.client_retry = retry_count(incoming.headers.get(RETRY_COUNT_HEADER))
     answer = await incoming.services.proxy.complete(call)
     return RelayResponse(answer) if isinstance(answer, StreamRelay) else answer
 
@@ -116,6 +124,7 @@ def models_route(path: str, tag: str = "proxy", doc: str | None = None) -> Route
     return Route("GET", path, list_models, tag, responses=PROXY_RESPONSES, doc=doc)
 
 
+RETRY_COUNT_HEADER = "x-stainless-retry-count"  # what OpenAI's SDKs send on every call
 URL_PREFIX = "/t/{trajectory_uid}/g/{prompt_uid}/v1"
 ROUTES = [
     completion_route(

@@ -61,3 +61,48 @@ def test_a_retried_call_supersedes_the_first_attempt_and_the_trajectory_stays_wh
     prompts, responses = steps["prompt_ids"].to_list(), steps["response_ids"].to_list()
     assert prompts[1] == prompts[2]  # the retry repeats the orphan's input
     assert prompts[3][: len(prompts[2]) + len(responses[2])] == prompts[2] + responses[2]
+
+
+def test_an_unscoped_client_retry_stays_in_the_stitched_trajectory_rollouts_stay_apart(tmp_path):
+    with (
+        SimProcess(tmp_path) as sim,
+        GatewayProcess(tmp_path / "lake", **proxy_env(sim.url, KEY, TENANT)) as gateway,
+    ):
+        agent = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0)
+        messages = [{"role": "user", "content": "What is 2 + 3?"}]
+
+        def turn(retry: int = 0) -> str:
+            # what OpenAI's SDK sends on its own retries (after a timeout, a 5xx, a 429)
+            headers = {"x-stainless-retry-count": str(retry)}
+            answer = agent.chat.completions.create(
+                model="m", messages=messages, extra_headers=headers
+            )
+            return answer.choices[0].message.content
+
+        first = turn()
+        messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And 4?"}]
+        turn()  # the SDK times out on this answer...
+        retried = turn(retry=1)  # ...and sends the same messages again, counting the retry
+        messages += [{"role": "assistant", "content": retried}, {"role": "user", "content": "5?"}]
+        turn()
+        # two rollouts of one prompt (no retry count): a group, not a retry
+        rollout = [{"role": "user", "content": "Name a prime."}]
+        for _ in range(2):
+            agent.chat.completions.create(model="m", messages=rollout)
+        wait_until(
+            lambda: bronze(gateway.lake).filter(pl.col("kind") == "chat_completion").height == 6,
+            20,
+            interval=0.1,
+            what="six calls in bronze",
+        )
+    lake = Lake(str(tmp_path / "lake"))
+    build_silver(lake)
+    frame = candidate_steps(lake, source_versions(lake)).sort("trajectory_uid", "step_index")
+    conversation = frame.filter(pl.col("trajectory_uid").n_unique().over("prompt_uid") == 1)
+    conversation = conversation.filter(pl.len().over("trajectory_uid") == 4)
+    assert conversation.height == 4, frame.select("trajectory_uid", "step_index", "prompt_uid")
+    uid = conversation["trajectory_uid"][0]
+    assert conversation["superseded_by"].to_list() == [None, f"{uid}:2", None, None]
+    rollouts = frame.filter(pl.col("trajectory_uid") != uid)
+    assert rollouts.height == 2 and rollouts["trajectory_uid"].n_unique() == 2
+    assert rollouts["prompt_uid"].n_unique() == 1 and rollouts["superseded_by"].is_null().all()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
@@ -113,10 +114,29 @@ def test_token_in_requests_and_the_chat_answers_made_of_them_are_vllms(sim):
     from gateway.proxy.capture import CHAT as CHAT_ENDPOINT
     from gateway.proxy.chat_from_tokens import chat_chunks
     from gateway.proxy.scope import Scope, TrajectoryBook
+    from gateway.proxy.token_history import Turn
     from gateway.proxy.token_in import TokenIn
     from tests.proxy.test_sim_llm import CALCULATOR
 
-    body = CHAT | {
+    token_in = TokenIn(ClawSettings(token_in="on"), landing=None, book=TrajectoryBook())
+    scope = Scope("t-1", "g-1")
+    # the first turn goes as a chat call; its ids become the turn the next call continues
+    first = CHAT | {"tools": [CALCULATOR], "return_token_ids": True}
+    call = ProxyCall(CHAT_ENDPOINT, first, json.dumps(first).encode(), scope, "tenant", None, 0)
+    root = asyncio.run(token_in.plan(call, upstream_ids=True))
+    assert root.via_chat
+    answer = sim.post("/v1/chat/completions", json=first).json()
+    reply = answer["choices"][0]["message"]
+    ids = np.asarray(answer["prompt_token_ids"] + answer["choices"][0]["token_ids"], np.int32)
+    key = bytes.fromhex(root.metadata(reply)["history"])
+    token_in.history.add("t-1", key, Turn(0, ids, ended=True))
+    follow_up = {"role": "user", "content": "And 4 + 4?"}
+    if reply.get("tool_calls"):
+        follow_up = {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "5"}
+    messages = [*CHAT["messages"], reply, follow_up]
+    body = {
+        "model": "m",
+        "messages": messages,
         "tools": [CALCULATOR],
         "logprobs": True,
         "top_logprobs": 2,
@@ -125,11 +145,10 @@ def test_token_in_requests_and_the_chat_answers_made_of_them_are_vllms(sim):
         "stream_options": {"include_usage": True},
         "seed": 3,
     }
-    call = ProxyCall(
-        CHAT_ENDPOINT, body, json.dumps(body).encode(), Scope("t-1", "g-1"), "tenant", None, 0
-    )
-    token_in = TokenIn(ClawSettings(token_in="on"), landing=None, book=TrajectoryBook())
+    call = ProxyCall(CHAT_ENDPOINT, body, json.dumps(body).encode(), scope, "tenant", None, 0)
     plan = asyncio.run(token_in.plan(call, upstream_ids=True))
+    assert (plan.mode, plan.parent_step) == ("extend", 0)
+    assert plan.prompt_ids[: len(ids)].tolist() == ids.tolist()
     request = completion_protocol.CompletionRequest.model_validate_json(plan.body)
     assert request.prompt == plan.prompt_ids.tolist() and request.return_token_ids is True
     assert (request.logprobs, request.max_tokens, request.seed) == (2, 64, 3)
