@@ -18,6 +18,16 @@ from tests.upstreams import SimProcess, proxy_env
 KEY, TENANT = "retry-key", "tenant-retry"
 
 
+def wait_calls(gateway: GatewayProcess, count: int) -> None:
+    """Wait until bronze holds `count` chat completion steps."""
+    wait_until(
+        lambda: bronze(gateway.lake).filter(pl.col("kind") == "chat_completion").height == count,
+        20,
+        interval=0.1,
+        what=f"{count} calls in bronze",
+    )
+
+
 def test_a_retried_call_supersedes_the_first_attempt_and_the_trajectory_stays_whole(tmp_path):
     with (
         SimProcess(tmp_path) as sim,
@@ -38,12 +48,7 @@ def test_a_retried_call_supersedes_the_first_attempt_and_the_trajectory_stays_wh
         retried = turn()  # ...and sends the same messages again
         messages += [{"role": "assistant", "content": retried}, {"role": "user", "content": "5?"}]
         turn()
-        wait_until(
-            lambda: bronze(gateway.lake).filter(pl.col("kind") == "chat_completion").height == 4,
-            20,
-            interval=0.1,
-            what="four calls in bronze",
-        )
+        wait_calls(gateway, 4)
     lake = Lake(str(tmp_path / "lake"))
     assert keys == [f"agent-1:{i}" for i in range(4)]
     build_silver(lake)
@@ -89,12 +94,7 @@ def test_an_unscoped_client_retry_stays_in_the_stitched_trajectory_rollouts_stay
         rollout = [{"role": "user", "content": "Name a prime."}]
         for _ in range(2):
             agent.chat.completions.create(model="m", messages=rollout)
-        wait_until(
-            lambda: bronze(gateway.lake).filter(pl.col("kind") == "chat_completion").height == 6,
-            20,
-            interval=0.1,
-            what="six calls in bronze",
-        )
+        wait_calls(gateway, 6)
     lake = Lake(str(tmp_path / "lake"))
     build_silver(lake)
     frame = candidate_steps(lake, source_versions(lake)).sort("trajectory_uid", "step_index")
