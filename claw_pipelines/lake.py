@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.fs as pafs
 from deltalake import (
     ColumnProperties,
     CommitProperties,
@@ -28,6 +27,7 @@ from deltalake import (
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from claw_pipelines.contracts.tables import TABLES, TableSpec
+from claw_pipelines.object_store import list_names, read_bytes, verify_lake_store, write_bytes
 from claw_pipelines.settings import REMOTE_SCHEMES, ClawSettings
 
 log = logging.getLogger(__name__)
@@ -181,53 +181,42 @@ class Lake:
     def _options(self) -> dict[str, str] | None:
         return self.storage_options or None
 
-    # -- plain files (curation specs) -------------------------------------------------------
-    def _filesystem(self) -> tuple[pafs.FileSystem, str]:
-        """A pyarrow filesystem for the lake root and the root's path in it."""
-        if not self.is_remote:
-            return pafs.LocalFileSystem(), self.uri
-        scheme, _, rest = self.uri.partition("://")
-        if scheme in ("s3", "s3a"):
-            options = {k.upper(): v for k, v in self.storage_options.items()}
-            endpoint = options.get("AWS_ENDPOINT_URL", "")
-            return (
-                pafs.S3FileSystem(
-                    access_key=options.get("AWS_ACCESS_KEY_ID"),
-                    secret_key=options.get("AWS_SECRET_ACCESS_KEY"),
-                    region=options.get("AWS_REGION") or options.get("AWS_DEFAULT_REGION"),
-                    endpoint_override=endpoint.split("://", 1)[-1] or None,
-                    scheme="http" if endpoint.startswith("http://") else "https",
-                ),
-                rest,
-            )
-        filesystem, root = pafs.FileSystem.from_uri(self.uri)
-        return filesystem, root
+    def verify_store(self) -> None:
+        """Before this process first writes: the store must keep concurrent commits safe
+        (claw_pipelines.object_store; once per process and lake, nothing for a local lake)."""
+        verify_lake_store(self.uri, self.storage_options)
 
-    def _file_path(self, name: str) -> tuple[pafs.FileSystem, str]:
+    # -- plain files (curation specs) -------------------------------------------------------
+    def _file_path(self, name: str) -> str:
         self.table_uri(name)  # same safety rules as table names
-        filesystem, root = self._filesystem()
-        return filesystem, f"{root}/{name}"
+        return name if self.is_remote else f"{self.uri}/{name}"
 
     def write_text(self, name: str, text: str) -> None:
         """Write a small text file under the lake root (e.g. "specs/mine.yaml")."""
-        filesystem, path = self._file_path(name)
-        filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
-        with filesystem.open_output_stream(path) as out:
-            out.write(text.encode())
+        path = self._file_path(name)
+        if self.is_remote:
+            write_bytes(self.uri, self.storage_options, path, text.encode())
+            return
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text, encoding="utf-8")
 
     def read_text(self, name: str) -> str | None:
         """A small text file under the lake root, or None when it does not exist."""
-        filesystem, path = self._file_path(name)
-        if filesystem.get_file_info(path).type != pafs.FileType.File:
-            return None
-        with filesystem.open_input_stream(path) as stream:
-            return stream.read().decode()
+        path = self._file_path(name)
+        if self.is_remote:
+            data = read_bytes(self.uri, self.storage_options, path)
+            return None if data is None else data.decode()
+        return Path(path).read_text(encoding="utf-8") if Path(path).is_file() else None
 
     def list_files(self, folder: str, suffix: str = "") -> list[str]:
         """Names (relative to the lake root) of the files directly in `folder`."""
-        filesystem, path = self._file_path(folder)
-        infos = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-        names = [i.base_name for i in infos if i.type == pafs.FileType.File]
+        path = self._file_path(folder)
+        if self.is_remote:
+            names = list_names(self.uri, self.storage_options, path)
+        elif Path(path).is_dir():
+            names = [p.name for p in Path(path).iterdir() if p.is_file()]
+        else:
+            names = []
         return sorted(f"{folder}/{n}" for n in names if n.endswith(suffix))
 
     # -- metadata ---------------------------------------------------------------------------
@@ -274,6 +263,7 @@ class Lake:
         spec = _spec(spec)
         if spec.name in self._ensured:
             return self._latest(spec.name)
+        self.verify_store()
         try:
             table = self.open(spec.name)
         except TableNotFoundError:
@@ -349,6 +339,7 @@ class Lake:
     def _guarded(self, spec: TableSpec, guard: Guard, write: Callable[[DeltaTable], None]) -> int:
         """Run `write` on the table as the guard's writer read it; the new version."""
         base = guard.read_versions[spec.name]
+        self.verify_store()
         with self._lock:
             latest = self._latest_tables.get(spec.name)
             table = latest if latest is not None and latest.version() == base else None
@@ -465,6 +456,7 @@ class Lake:
         """Compact small files, write a checkpoint, vacuum files unreferenced for longer than
         `retention_hours` and expired log entries. Safe beside appends: compaction only
         rewrites files (`dataChange = false`) and vacuum never drops a retained version's."""
+        self.verify_store()
         table = self.open(name)
         try:
             compacted = table.optimize.compact(

@@ -14,6 +14,32 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 REMOTE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://")
 
 
+def unsafe_storage_option(options: dict[str, str]) -> str | None:
+    """Why a storage option would let concurrent Delta commits be lost (None when none does).
+
+    delta-rs 1.x commits with conditional puts (`If-None-Match: *`), which need no lock and no
+    option; these options only switch that off or tell a wrong story."""
+    for key, value in options.items():
+        name, setting = key.upper(), str(value).strip().lower()
+        if name == "AWS_S3_ALLOW_UNSAFE_RENAME" and setting not in ("", "false", "0"):
+            return (
+                f"{key} tells delta-rs that no other writer exists; remove it (delta-rs 1.x "
+                "commits with conditional puts, safe for concurrent writers)"
+            )
+        if name in (
+            "AWS_S3_LOCKING_PROVIDER",
+            "AWS_S3_DYNAMODB_TABLE_NAME",
+            "DELTA_DYNAMO_TABLE_NAME",
+        ):
+            return (
+                f"{key}: delta-rs 1.x ignores DynamoDB locking (it commits with conditional "
+                "puts); remove it"
+            )
+        if name in ("CONDITIONAL_PUT", "AWS_CONDITIONAL_PUT") and setting == "disabled":
+            return f"{key}=disabled switches off the conditional puts Delta commits need"
+    return None
+
+
 def default_gateway_id() -> str:
     """A stable id for this host's gateway: it names its WAL and its Delta transactions."""
     return "gw-" + re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:60]
@@ -85,6 +111,14 @@ class ClawSettings(BaseSettings):
     retention_hours: int = Field(
         168, ge=168, description="maintenance keeps files of versions younger than this"
     )
+
+    @field_validator("storage_options")
+    @classmethod
+    def _storage_options_keep_commits_safe(cls, value: dict[str, str]) -> dict[str, str]:
+        problem = unsafe_storage_option(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     @field_validator("gateway_id")
     @classmethod

@@ -8,6 +8,7 @@ import logging
 
 import uvicorn
 
+from claw_pipelines.object_store import verify_lake_store
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.tokenization import load_chat_tokenizer
 from gateway.auth import KeyRing
@@ -43,6 +44,8 @@ def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8
             load_chat_tokenizer(settings.tokenizer)
         except Exception as exc:
             raise UnusableTokenizer(f"CLAW_TOKENIZER: {exc}") from None
+    # a store that would lose concurrent commits is refused here, in one line, before "ready"
+    verify_lake_store(settings.lake_uri, settings.storage_options)
     from gateway.main import create_app
 
     # A server's heap is mostly long-lived (modules, schemas): move it out of the collector's

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +20,8 @@ from claw_pipelines.live import LiveMaterializer
 from claw_pipelines.policy import publish_policy_version
 from claw_pipelines.spec_store import save_spec
 from tests.lakes import group_of, land
-from tests.servers import GatewayProcess, free_port, wait_until
+from tests.s3 import moto_server, s3_options
+from tests.servers import GatewayProcess, wait_until
 
 
 def events(ids: list[str]) -> pa.Table:
@@ -78,42 +76,10 @@ def test_table_names_cannot_escape_the_lake(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
+def s3_server():
     """A local S3-compatible server (moto) with one bucket."""
-    moto = shutil.which("moto_server", path=str(Path(sys.executable).parent))
-    port = free_port()
-    proc = subprocess.Popen(
-        [moto, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _answers(url), 30, what="moto server")
-        httpx.put(f"{url}/claw-lake").raise_for_status()
+    with moto_server() as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def _answers(url: str) -> bool:
-    try:
-        httpx.get(url, timeout=1)
-        return True
-    except httpx.HTTPError:
-        return False
-
-
-def s3_options(url: str) -> dict[str, str]:
-    return {
-        "AWS_ENDPOINT_URL": url,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-        "AWS_ALLOW_HTTP": "true",
-        "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
-    }
 
 
 @pytest.mark.s3

@@ -1,0 +1,142 @@
+"""The object store under a remote lake: the same storage options for every scheme we accept
+(`s3://`, `gs://`, `az://` and their aliases), a check that the store enforces the
+conditional writes Delta commits rely on, and small files (curation specs) beside the tables.
+
+delta-rs 1.x commits a table version as one put of `_delta_log/<version>.json` with
+`If-None-Match: *` (S3, Azure; a generation precondition on GCS): of two writers racing for a
+version, the store must refuse the second. A store (or a proxy in front of it) that ignores
+the condition lets both succeed and one commit is lost without any error, so a writer probes
+the store once per process (a second conditional put of the same key must fail) and refuses
+to write when it does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Mapping
+
+import obstore
+from obstore.exceptions import AlreadyExistsError, NotFoundError
+from obstore.store import from_url
+
+from claw_pipelines.settings import REMOTE_SCHEMES, unsafe_storage_option
+
+log = logging.getLogger(__name__)
+PROBE_PREFIX = "_claw/conditional-put-probe"
+# object_store's HTTP client settings (given as `AWS_ALLOW_HTTP` etc. to delta-rs)
+_CLIENT_OPTIONS = {
+    "allow_http",
+    "allow_invalid_certificates",
+    "connect_timeout",
+    "default_content_type",
+    "http1_only",
+    "http2_only",
+    "pool_idle_timeout",
+    "pool_max_idle_per_host",
+    "proxy_url",
+    "timeout",
+    "user_agent",
+}
+_PREFIXES = ("aws_", "google_", "azure_")
+_verified: set[tuple[str, frozenset[tuple[str, str]]]] = set()
+_verified_lock = threading.Lock()
+
+
+class UnsafeStore(ValueError):
+    """The lake's store or storage options would let concurrent commits be lost."""
+
+
+def _split_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """delta-rs storage options as object_store's (config, client options)."""
+    config, client = {}, {}
+    for key, value in options.items():
+        lowered = key.lower()
+        bare = next((lowered[len(p) :] for p in _PREFIXES if lowered.startswith(p)), lowered)
+        if bare in _CLIENT_OPTIONS:
+            client[bare] = value
+        else:
+            config[lowered] = value
+    return config, client
+
+
+def open_store(uri: str, options: Mapping[str, str]):
+    """An object store rooted at `uri` (a remote lake), configured like delta-rs."""
+    config, client = _split_options(options)
+    return from_url(uri, config=config or None, client_options=client or None)
+
+
+def refuse_unsafe_options(options: Mapping[str, str]) -> None:
+    """UnsafeStore naming the first storage option that would allow lost commits."""
+    problem = unsafe_storage_option(options)
+    if problem is not None:
+        raise UnsafeStore(f"CLAW_STORAGE_OPTIONS: {problem}")
+
+
+def check_conditional_put(uri: str, options: Mapping[str, str]) -> None:
+    """Put a probe object twice, both times only-if-absent: the second must be refused
+    (UnsafeStore otherwise, or when the store cannot be written at all)."""
+    store = open_store(uri, options)
+    key = f"{PROBE_PREFIX}-{uuid.uuid4().hex}"
+    try:
+        obstore.put(store, key, b"first", mode="create")
+    except Exception as exc:
+        raise UnsafeStore(f"{uri}: cannot write to the lake's store: {_first_line(exc)}") from None
+    try:
+        obstore.put(store, key, b"second", mode="create")
+    except AlreadyExistsError:
+        return
+    except Exception as exc:
+        raise UnsafeStore(
+            f"{uri}: the store's answer to a conditional put is not a refusal: {_first_line(exc)}"
+        ) from None
+    finally:
+        try:
+            obstore.delete(store, key)
+        except Exception as exc:  # a leftover probe object is harmless
+            log.warning("could not delete the probe %s/%s: %s", uri, key, _first_line(exc))
+    raise UnsafeStore(
+        f"{uri}: the store accepted a second If-None-Match put of the same key: it does not "
+        "enforce conditional writes, so concurrent Delta commits would be lost silently "
+        "(use a store that does: AWS S3, GCS, Azure, MinIO, SeaweedFS, moto; not through a "
+        "proxy that drops the header)"
+    )
+
+
+def verify_lake_store(uri: str, options: Mapping[str, str]) -> None:
+    """Once per process and lake: refuse unsafe options and stores that ignore conditional
+    writes (local lakes need nothing: delta-rs commits with an atomic rename there)."""
+    if not uri.startswith(REMOTE_SCHEMES):
+        return
+    key = (uri, frozenset(options.items()))
+    with _verified_lock:
+        if key in _verified:
+            return
+        refuse_unsafe_options(options)
+        check_conditional_put(uri, options)
+        _verified.add(key)
+
+
+def write_bytes(uri: str, options: Mapping[str, str], path: str, data: bytes) -> None:
+    """Write one object under `uri`."""
+    obstore.put(open_store(uri, options), path, data)
+
+
+def read_bytes(uri: str, options: Mapping[str, str], path: str) -> bytes | None:
+    """One object under `uri`, or None when it does not exist."""
+    try:
+        return obstore.get(open_store(uri, options), path).bytes().to_bytes()
+    except (NotFoundError, FileNotFoundError):
+        return None
+
+
+def list_names(uri: str, options: Mapping[str, str], folder: str) -> list[str]:
+    """Names of the objects directly in `folder` under `uri`."""
+    listing = obstore.list_with_delimiter(open_store(uri, options), folder.rstrip("/") + "/")
+    return [entry["path"].rsplit("/", 1)[-1] for entry in listing["objects"]]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

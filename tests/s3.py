@@ -1,0 +1,100 @@
+"""A local S3-compatible server for tests (moto, which enforces If-None-Match / If-Match),
+and a proxy in front of it that drops those headers: a store that ignores conditional
+writes, as a misconfigured gateway or an old S3-compatible server would be."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+
+from tests.servers import free_port, wait_until
+
+CONDITIONAL_HEADERS = ("if-none-match", "if-match")
+
+
+def s3_options(url: str) -> dict[str, str]:
+    """delta-rs storage options for a local S3-compatible server at `url`."""
+    return {
+        "AWS_ENDPOINT_URL": url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+    }
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url, timeout=1)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+@contextmanager
+def moto_server(bucket: str = "claw-lake") -> Iterator[str]:
+    """moto's S3 server on a free loopback port with one bucket; yields its URL."""
+    moto = shutil.which("moto_server", path=str(Path(sys.executable).parent))
+    port = free_port()
+    proc = subprocess.Popen(
+        [moto, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(url), 30, what="moto server")
+        httpx.put(f"{url}/{bucket}").raise_for_status()
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextmanager
+def header_dropping_proxy(target: str) -> Iterator[str]:
+    """A proxy to `target` that forwards every request without its conditional headers."""
+    client = httpx.Client(base_url=target, timeout=30)
+
+    class Forward(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+        def _forward(self) -> None:
+            length = int(self.headers.get("content-length") or 0)
+            body = self.rfile.read(length) if length else b""
+            headers = {
+                k: v
+                for k, v in self.headers.items()
+                if k.lower() not in (*CONDITIONAL_HEADERS, "host", "content-length")
+            }
+            answer = client.request(self.command, self.path, content=body, headers=headers)
+            self.send_response(answer.status_code)
+            for key, value in answer.headers.items():
+                if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                    self.send_header(key, value)
+            self.send_header("Content-Length", str(len(answer.content)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(answer.content)
+
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        client.close()
