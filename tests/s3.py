@@ -98,3 +98,75 @@ def header_dropping_proxy(target: str) -> Iterator[str]:
     finally:
         server.shutdown()
         client.close()
+
+
+def _free_pair() -> int:
+    """A loopback port p with p + 10000 free too (SeaweedFS puts gRPC there)."""
+    import socket
+
+    for _ in range(100):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+@contextmanager
+def seaweed_server(root: Path, bucket: str = "claw-lake") -> Iterator[str]:
+    """SeaweedFS (`weed server -s3`, master, volume and filer in one process) on loopback
+    ports, data under `root`, with one bucket; yields its S3 URL. It enforces If-None-Match
+    and commits ~4x faster than moto."""
+    weed = shutil.which("weed", path=str(Path(sys.executable).parent))
+    ports = []
+    while len(ports) < 4:
+        port = _free_pair()
+        if all(abs(port - p) > 1 and port != p + 10000 and p != port + 10000 for p in ports):
+            ports.append(port)
+    s3, master, volume, filer = ports
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    log = (root / "weed.log").open("ab")
+    proc = subprocess.Popen(
+        [
+            weed,
+            "server",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-dir={root / 'data'}",
+            "-s3",
+            f"-s3.port={s3}",
+            "-s3.port.iceberg=0",  # extra listeners on fixed ports: off
+            "-s3.port.lance=0",
+            f"-master.port={master}",
+            f"-volume.port={volume}",
+            f"-filer.port={filer}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{s3}"
+
+    def bucket_made() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"weed exited: {(root / 'weed.log').read_text()[-1500:]}")
+        try:
+            return httpx.put(f"{url}/{bucket}", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(bucket_made, 60, interval=0.3, what="SeaweedFS S3")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:  # it waits for its peers' shutdown: not needed here
+            proc.kill()
+            proc.wait(10)
+        log.close()
