@@ -15,6 +15,7 @@ class LoadResult:
 
     requests: int = 0
     errors: int = 0
+    acknowledged_all: int = 0  # 200s including the warm-up's
     statuses: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
@@ -24,6 +25,7 @@ class LoadResult:
         """Add another run's counts and latencies."""
         self.requests += other.requests
         self.errors += other.errors
+        self.acknowledged_all += other.acknowledged_all
         self.seconds += other.seconds
         self.latencies += other.latencies
         for name, values in other.server_ms.items():
@@ -110,6 +112,7 @@ async def run_load(
                 writer.write(request)
                 status, _, timings = await _read_response(reader)
                 done = time.perf_counter()
+                result.acknowledged_all += status == 200
                 if sent >= measure_from:
                     result.statuses[status] = result.statuses.get(status, 0) + 1
                     if status == 200:

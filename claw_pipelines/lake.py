@@ -157,6 +157,9 @@ class Lake:
         self._refreshed_at: dict[str, float] = {}
         self._ensured: set[str] = set()
         self._lock = threading.RLock()
+        # per table: appends of this lake whose first version was taken by another writer
+        # (the store refused that conditional put and delta-rs committed at a later version)
+        self.commit_conflicts: dict[str, int] = {}
 
     @classmethod
     def from_settings(cls, settings: ClawSettings | None = None) -> Lake:
@@ -391,9 +394,12 @@ class Lake:
         table = self._writers.get(spec.name)
         if table is None:
             table = self._writers[spec.name] = self.ensure(spec)
+        base = table.version()
         write(table)
         self._wrote(spec.name)
         version = table.version()
+        if version > base + 1:  # another writer committed the version this one tried first
+            self.commit_conflicts[spec.name] = self.commit_conflicts.get(spec.name, 0) + 1
         table.update_incremental()
         return version
 

@@ -99,6 +99,7 @@ class BronzeFlusher:
                 raise
             seconds = time.perf_counter() - started
             self.status["commits"] += 1
+            self.status["commit_conflicts"] = self.lake.commit_conflicts.get(BRONZE_EVENTS, 0)
             self.status["records"] += len(records)
             self.status["flush_seconds_total"] += seconds
             self.status["last_flush_seconds"] = seconds

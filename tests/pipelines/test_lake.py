@@ -186,3 +186,12 @@ def test_the_change_feed_falls_back_only_when_its_versions_are_gone(tmp_path, ca
 
 def _mtime(path: Path) -> float:
     return path.stat().st_mtime
+
+
+def test_an_append_whose_version_another_writer_took_is_retried_and_counted(tmp_path):
+    first, second = Lake(str(tmp_path / "lake")), Lake(str(tmp_path / "lake"))
+    assert first.append(BRONZE_EVENTS, events(["a"])) == 1  # version 0 creates the table
+    assert second.append(BRONZE_EVENTS, events(["b"])) == 2
+    assert first.append(BRONZE_EVENTS, events(["c"])) == 3  # tried 2 first: taken
+    assert first.commit_conflicts == {BRONZE_EVENTS: 1} and second.commit_conflicts == {}
+    assert sorted(first.read(BRONZE_EVENTS)["event_id"]) == ["a", "b", "c"]
