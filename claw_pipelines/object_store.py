@@ -64,6 +64,8 @@ def _split_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str
 def open_store(uri: str, options: Mapping[str, str]):
     """An object store rooted at `uri` (a remote lake), configured like delta-rs."""
     config, client = _split_options(options)
+    if uri.startswith("gcs://"):  # delta-rs's alias; object_store knows it as gs://
+        uri = "gs://" + uri.removeprefix("gcs://")
     return from_url(uri, config=config or None, client_options=client or None)
 
 

@@ -155,7 +155,7 @@ def seaweed_server(root: Path, bucket: str = "claw-lake") -> Iterator[str]:
         if proc.poll() is not None:
             raise RuntimeError(f"weed exited: {(root / 'weed.log').read_text()[-1500:]}")
         try:
-            return httpx.put(f"{url}/{bucket}", timeout=2).status_code == 200
+            return httpx.put(f"{url}/{bucket}", timeout=2).status_code in (200, 409)
         except httpx.HTTPError:
             return False
 

@@ -24,7 +24,7 @@ from claw_pipelines.object_store import (
     verify_lake_store,
 )
 from claw_pipelines.settings import ClawSettings
-from tests.s3 import header_dropping_proxy, moto_server, s3_options
+from tests.s3 import header_dropping_proxy, moto_server, s3_options, seaweed_server
 from tests.servers import GatewayProcess
 
 pytestmark = pytest.mark.s3
@@ -53,7 +53,16 @@ def one_event() -> pa.Table:
     )
 
 
-def test_the_test_server_refuses_a_second_if_none_match_put(s3_server):
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory):
+    with seaweed_server(tmp_path_factory.mktemp("seaweed")) as url:
+        yield url
+
+
+@pytest.mark.parametrize("server", ["s3_server", "seaweed"])
+def test_the_test_servers_refuse_a_second_if_none_match_put(server, request):
+    """Both local servers the tests and the soak use enforce conditional writes."""
+    s3_server = request.getfixturevalue(server)
     client = boto3.client(
         "s3",
         endpoint_url=s3_server,
@@ -118,11 +127,15 @@ def test_specs_live_in_the_store_with_the_lake_options(s3_server):
 
 
 def test_every_accepted_scheme_takes_the_storage_options():
-    assert "bucket" in repr(open_store("gs://bucket/lake", {"GOOGLE_SKIP_SIGNATURE": "true"}))
+    for scheme in ("gs", "gcs"):
+        google = open_store(f"{scheme}://bucket/lake", {"GOOGLE_SKIP_SIGNATURE": "true"})
+        assert "bucket" in repr(google)
     azure = {
         "AZURE_STORAGE_ACCOUNT_NAME": "devstoreaccount1",
         "AZURE_STORAGE_USE_EMULATOR": "true",
         "AZURE_ALLOW_HTTP": "true",
     }
     assert "devstoreaccount1" in repr(open_store("az://container/lake", azure))
+    abfs = "abfss://container@devstoreaccount1.dfs.core.windows.net/lake"
+    assert "devstoreaccount1" in repr(open_store(abfs, azure))
     assert "s3" in repr(open_store("s3a://bucket/lake", s3_options("http://127.0.0.1:1"))).lower()

@@ -80,6 +80,7 @@ async def failover_client(urls: list[str], seed: int, ledger: Ledger, stop: asyn
     async with httpx.AsyncClient(timeout=5) as http:
         while not stop.is_set():
             path, body, ids = make_request(rng)
+            pinned = False  # once sent without an answer, only that replica may take it
             while True:
                 try:
                     response = await http.post(urls[at] + path, json=body)
@@ -88,10 +89,12 @@ async def failover_client(urls: list[str], seed: int, ledger: Ledger, stop: asyn
                         break
                     assert response.status_code == 503, response.text
                 except (httpx.ConnectError, httpx.ConnectTimeout):
-                    pass  # never reached the replica: another one may take it
+                    pass  # not reached: another replica may take it, unless pinned
                 except httpx.TransportError:
-                    ledger.unanswered += 1  # sent, no answer: only this replica can tell
-                    await asyncio.sleep(0.1)
+                    ledger.unanswered += 1
+                    pinned = True
+                if pinned:
+                    await asyncio.sleep(0.1)  # until it is back: its WAL knows the ids
                     continue
                 at = (at + 1) % len(urls)
                 ledger.failovers += 1
