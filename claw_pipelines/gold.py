@@ -31,6 +31,7 @@ from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_LINEAGE,
     GOLD_POLICY_VERSIONS,
+    SILVER_FEEDBACK,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
@@ -52,11 +53,23 @@ from claw_pipelines.transforms.curation import (
     CANDIDATE_STEP_COLUMNS,
     candidates,
     curate,
+    judged,
     tree_ids,
 )
 from claw_pipelines.transforms.prefix_tree import PrefixForest, build_forest
 
 SILVER_COLUMNS_FOR_GOLD = [*CANDIDATE_STEP_COLUMNS, "model", "created_at", "event_id"]
+# what a spec with `reward_judge` reads of silver/feedback
+JUDGE_FACT_COLUMNS = [
+    "feedback_id",
+    "step_key",
+    "kind",
+    "value_number",
+    "judge",
+    "judge_version",
+    "created_at",
+    "received_at",
+]
 TOKEN_COLUMNS = ["step_key", "prompt_ids", "response_ids", "rollout_log_probs", "response_mask"]
 
 
@@ -112,9 +125,8 @@ def source_versions(lake: Lake) -> dict[str, int | None]:
     """The silver table versions a gold build reads (as the last completed silver run left
     them), the bronze version behind them, and the published policy versions' table."""
     state = silver_state(lake)
-    versions = {
-        t: state.versions[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES)
-    }
+    tables = (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES, SILVER_FEEDBACK)
+    versions = {t: state.versions[t] for t in tables}
     published = lake.version(GOLD_POLICY_VERSIONS)
     return versions | {"bronze/events": state.bronze_version, GOLD_POLICY_VERSIONS: published}
 
@@ -149,6 +161,10 @@ def curated(
     """Every step the spec keeps, over all policy versions (small columns, pinned versions),
     with its `tree_id`. `frame`: `candidate_steps` at `versions`, when already at hand."""
     frame = candidate_steps(lake, versions) if frame is None else frame
+    if spec.reward_judge is not None:
+        judge, pinned = spec.reward_judge, versions.get(SILVER_FEEDBACK)
+        facts = lake.read(SILVER_FEEDBACK, pinned, columns=JUDGE_FACT_COLUMNS)
+        frame = judged(frame, facts, judge.name, judge.version)
     kept = curate(frame, spec, newest_policy(lake, versions, frame))
     return kept.with_columns(tree_id=tree_ids(kept, spec))
 

@@ -111,6 +111,27 @@ def _open_lake(args: argparse.Namespace):
     return lake
 
 
+def _cmd_rescore(args: argparse.Namespace) -> None:
+    from claw_pipelines.rescore import JudgeError, load_judge, rescore
+    from claw_pipelines.silver import build_silver
+    from claw_pipelines.spec_store import SpecError, load_spec
+
+    lake = _open_lake(args)
+    try:
+        judge = load_judge(args.judge, args.judge_version)
+        spec = load_spec(lake, args.spec) if args.spec else None
+        run = rescore(lake, judge, spec)
+    except (JudgeError, SpecError, LookupError) as exc:
+        raise CliError(str(exc)) from None
+    print(
+        f"judge {run.judge} v{run.version}: scored {run.scored} steps, {run.already_scored} "
+        f"already scored, no opinion on {run.abstained} (of {run.candidates}) in {run.seconds} s"
+    )
+    if run.scored and not args.no_silver:
+        build_silver(lake)
+        print("silver/feedback holds the new facts (a spec with reward_judge resolves them)")
+
+
 def _cmd_check(args: argparse.Namespace) -> None:
     from claw_pipelines.integrity import check_lake
 
@@ -256,6 +277,17 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--format", choices=["verl-parquet", "jsonl"], default="verl-parquet")
     exp.add_argument("--out", required=True, help="file to write")
     exp.add_argument("--version", type=int, help="dataset Delta version (default: newest)")
+
+    judge = verb(
+        "rescore",
+        _cmd_rescore,
+        "score stored steps with a versioned judge (a Python reward function); appends its "
+        "reward facts, only for steps that judge version has not scored",
+    )
+    judge.add_argument("--judge", required=True, help="exact-match (built in), or module:function")
+    judge.add_argument("--judge-version", help="default: the function's judge_version")
+    judge.add_argument("--spec", help="only the steps this curation spec keeps")
+    judge.add_argument("--no-silver", action="store_true", help="do not run silver afterwards")
 
     verb("check", _cmd_check, "check a lake: keys held twice, watermarks, trees vs steps")
     verb(

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from claw_pipelines.contracts.limits import LABEL_PATTERN
+from claw_pipelines.contracts.limits import LABEL_PATTERN, MAX_UID_CHARS, UID_PATTERN
 
 DATASET_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 DatasetName = Annotated[str, StringConstraints(pattern=DATASET_NAME_PATTERN)]
@@ -19,6 +19,18 @@ TrajectoryStatus = Literal["open", "complete", "abandoned"]
 TokenSource = Literal["upstream", "local", "client"]
 SourceKind = Literal["white_box", "proxy", "claw_r1"]
 Length = Annotated[int, Field(ge=0)]
+JudgeName = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_UID_CHARS, pattern=UID_PATTERN)
+]
+
+
+class JudgeRef(BaseModel):
+    """A versioned judge whose reward facts resolve a dataset's rewards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: JudgeName = Field(description="the judge (`claw rescore --judge NAME`)")
+    version: JudgeName = Field(description="its version")
 
 
 class CurationSpec(BaseModel):
@@ -85,6 +97,12 @@ class CurationSpec(BaseModel):
         "none", description="grpo: (return - group mean) / (group std + eps)"
     )
     advantage_eps: Annotated[float, Field(gt=0)] = 1e-6
+    reward_judge: JudgeRef | None = Field(
+        None,
+        description="resolve rewards from this judge version's facts (`claw rescore`) instead "
+        "of the default rule: a step's reward is the judge's latest for it (missing when it "
+        "has none), a trajectory's return the sum over its steps",
+    )
 
     @model_validator(mode="after")
     def _ranges_are_ordered(self) -> CurationSpec:
@@ -100,7 +118,10 @@ class CurationSpec(BaseModel):
 
     def canonical_json(self) -> str:
         """The spec as canonical JSON (sorted keys, no spaces): what its hash covers."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        data = self.model_dump(mode="json")
+        if data["reward_judge"] is None:  # specs from before judges keep their hash
+            del data["reward_judge"]
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @property
     def spec_hash(self) -> str:

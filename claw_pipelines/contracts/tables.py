@@ -159,6 +159,8 @@ SILVER_FEEDBACK_SPEC = TableSpec(
             ("value_json", pa.string()),
             ("source", pa.string()),
             ("annotator", pa.string()),
+            ("judge", pa.string()),
+            ("judge_version", pa.string()),
             ("tenant", pa.string()),
             ("created_at", UTC_MICROS),
             ("received_at", UTC_MICROS),

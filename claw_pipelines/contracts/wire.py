@@ -140,8 +140,14 @@ class Feedback(WireModel):
     target: StepTarget | TrajectoryTarget
     kind: FeedbackKind
     value: JsonValue = Field(description="number for reward/rating, string for label/comment")
-    source: Label = Field(description="who produced it: rule, model, human, env, ...")
+    source: Label = Field(description="who produced it: rule, model, human, env, judge, ...")
     annotator: ShortText | None = None
+    judge: Uid | None = Field(
+        None,
+        description="the reward function or verifier that produced it (a versioned judge's "
+        "rewards resolve only for specs that choose it, never by the default rule)",
+    )
+    judge_version: Uid | None = Field(None, description="the judge's version")
     created_at: datetime | None = Field(None, description="when the feedback was given")
     metadata: Metadata = Field(default_factory=dict)
     event_id: Uid | None = None

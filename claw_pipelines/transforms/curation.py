@@ -77,6 +77,37 @@ def superseded_by(steps: pl.DataFrame) -> pl.Series:
     return marked["superseded_by"].alias("superseded_by")
 
 
+def judged(frame: pl.DataFrame, facts: pl.DataFrame, judge: str, version: str) -> pl.DataFrame:
+    """`candidates` with rewards resolved from one judge version's facts instead: a step's
+    reward is the judge's latest for it (by `created_at`, arrival, id); without one, a step
+    that had a final reward is `missing`; a trajectory's return is the sum of its steps'
+    judge rewards (null when it has none)."""
+    latest = (
+        facts.filter(
+            (pl.col("kind") == "reward")
+            & (pl.col("judge") == judge)
+            & (pl.col("judge_version") == version)
+            & pl.col("step_key").is_not_null()
+        )
+        .sort("created_at", "received_at", "feedback_id")
+        .group_by("step_key")
+        .agg(judge_reward=pl.col("value_number").last())
+    )
+    out = frame.join(latest, on="step_key", how="left", maintain_order="left")
+    scored = pl.col("judge_reward").is_not_null()
+    return out.with_columns(
+        reward=pl.col("judge_reward"),
+        reward_status=pl.when(scored)
+        .then(pl.lit("final"))
+        .when(pl.col("reward_status") == "final")
+        .then(pl.lit("missing"))
+        .otherwise(pl.col("reward_status")),
+        trajectory_return=pl.when(scored.any().over("trajectory_uid")).then(
+            pl.col("judge_reward").sort().sum().over("trajectory_uid")
+        ),
+    ).drop("judge_reward")
+
+
 def candidates(
     steps: pl.DataFrame, rewards: pl.DataFrame, trajectories: pl.DataFrame
 ) -> pl.DataFrame:

@@ -5,6 +5,8 @@ Facts are append-only; nothing is updated. Resolution rules (also in the README)
   keys the gateway gave unscoped calls before stitching are followed to the stitched step;
 - per step, the latest reward fact addressed to it wins (by `created_at`, then arrival,
   then id); a trajectory reward addresses its last step, or every step when so configured;
+  a versioned judge's rewards (`judge` set) never resolve by this rule: a curation spec that
+  names the judge (`reward_judge`) resolves from its facts instead (`judge_rewards`);
 - ratings (latest wins, count kept), labels (the set) and corrections (count) addressed to a
   step or to its trajectory are carried as quality signals;
 - `reward_status`: `final` when a reward resolved, else `pending` while the trajectory is
@@ -39,6 +41,8 @@ def _facts(frame: pl.DataFrame, **columns: pl.Expr) -> pl.DataFrame:
         "value_text": pl.lit(None, pl.String),
         "value_json": pl.lit(None, pl.String),
         "annotator": pl.lit(None, pl.String),
+        "judge": pl.lit(None, pl.String),
+        "judge_version": pl.lit(None, pl.String),
         "metadata": pl.lit(None, pl.String),
         "created_at": pl.col("received_at"),
         "origin_kind": pl.col("kind"),
@@ -77,6 +81,8 @@ def bronze_facts(bronze: pl.DataFrame) -> pl.DataFrame:
         value_json=pl.when(is_object).then(pl.col("value")),
         source=_json("$.source"),
         annotator=_json("$.annotator"),
+        judge=_json("$.judge"),
+        judge_version=_json("$.judge_version"),
         metadata=_json("$.metadata"),
         created_at=_timestamp("$.created_at"),
     )
@@ -186,8 +192,9 @@ def resolve_rewards(
     `statuses`: trajectory_uid, status.
     """
     applied = addressed_facts(steps, facts, reward_to).sort(FACT_ORDER)
+    by_rule = pl.col("judge").is_null() if "judge" in applied.columns else pl.lit(True)
     rewards = (
-        applied.filter(pl.col("kind") == "reward")
+        applied.filter((pl.col("kind") == "reward") & by_rule)
         .group_by("step_key", maintain_order=True)
         .agg(
             reward=pl.col("value_number").last(),

@@ -1,0 +1,286 @@
+"""Re-scoring stored steps with a versioned judge, without re-running anything.
+
+A judge is a Python reward function with a name and a version:
+
+    def judge(steps: polars.DataFrame) -> polars.Series: ...
+
+`steps` has one row per step to score: `step_key`, `trajectory_uid`, `step_index`, `tenant`,
+`prompt_ids`, `response_ids` (list<int32>, as silver stores them); the answer is one reward
+per row, in row order (float; null: no opinion, nothing recorded). `claw rescore --judge
+module:function` loads one (its version from `--judge-version`, else the function's
+`judge_version` attribute); `exact-match` is built in: the demo's arithmetic verifier.
+
+Every reward becomes a fact appended to bronze (a `feedback` record: `kind: reward`,
+`source: judge`, `judge`, `judge_version`, the step as target), with an event id derived
+from (judge, version, step): a rerun scores only the steps that judge version has not
+scored, and a fact can never be recorded twice. Nothing is overwritten; the default reward
+rule ignores judges' facts, a curation spec that names a judge (`reward_judge`) resolves
+rewards from its facts (claw_pipelines.transforms.feedback).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.contracts.tables import (
+    BRONZE_EVENTS,
+    BRONZE_EVENTS_SPEC,
+    SCHEMA_VERSION,
+    SILVER_STEPS,
+)
+from claw_pipelines.lake import Lake
+from claw_pipelines.silver import silver_state
+from claw_pipelines.tokenization import IM_END, IM_START, encode, token_bytes
+
+JudgeFunction = Callable[[pl.DataFrame], pl.Series]
+RESCORE_WRITER = "rescore"  # the bronze `gateway_id` of judges' facts
+STEP_COLUMNS = ["step_key", "trajectory_uid", "step_index", "tenant", "prompt_ids", "response_ids"]
+
+
+class JudgeError(ValueError):
+    """A judge that cannot be loaded or answered wrongly (one line, names the judge)."""
+
+
+@dataclass(frozen=True)
+class Judge:
+    """A named, versioned reward function."""
+
+    name: str
+    version: str
+    score: JudgeFunction
+
+
+@dataclass(frozen=True)
+class RescoreRun:
+    """What one re-scoring run did."""
+
+    judge: str
+    version: str
+    candidates: int  # steps in scope
+    already_scored: int
+    scored: int  # steps given a reward now
+    abstained: int  # steps the judge had no opinion on
+    bronze_version: int | None
+    seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        """The run as a flat dict (for logs and the CLI)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+# -- the built-in judge -------------------------------------------------------------------
+
+
+def decode_ids(ids: pa.ListArray | pa.ChunkedArray) -> pl.Series:
+    """Texts of token-id lists with the bundled tokenizer (vectorized: byte lookup + join)."""
+    table = pa.array(token_bytes(), pa.binary())
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks()
+    pieces = pa.ListArray.from_arrays(ids.offsets, pc.take(table, ids.values))
+    return pl.from_arrow(pc.binary_join(pieces, b"").cast(pa.large_string()))
+
+
+def last_user_turns(prompts: pa.ListArray | pa.ChunkedArray) -> pa.ListArray:
+    """Each prompt's last ChatML user turn (from `<|im_start|>user` to its `<|im_end|>`, or
+    to the prompt's end), as token ids; empty when it has none. Found on the ids (numpy), so
+    only those few tokens are decoded."""
+    if isinstance(prompts, pa.ChunkedArray):
+        prompts = prompts.combine_chunks()
+    (start_id,), (user_id,), (end_id,) = encode(IM_START), encode("user"), encode(IM_END)
+    flat = prompts.values.to_numpy(zero_copy_only=False)
+    offsets = prompts.offsets.to_numpy()
+    rows = len(offsets) - 1
+    opens = np.flatnonzero((flat[:-1] == start_id) & (flat[1:] == user_id))
+    row_of = np.searchsorted(offsets, opens, side="right") - 1
+    last = np.full(rows, -1, np.int64)
+    np.maximum.at(last, row_of, opens)
+    begin = np.where(last >= 0, last, offsets[1:])
+    ends = np.flatnonzero(flat == end_id)
+    after = np.searchsorted(ends, begin)
+    stop = np.where(after < len(ends), ends[np.minimum(after, len(ends) - 1)] + 1, len(flat))
+    stop = np.minimum(stop, offsets[1:])
+    lengths = np.where(last >= 0, stop - begin, 0)
+    index = np.repeat(begin - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
+    new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(new_offsets), pa.array(flat[index], pa.int32()))
+
+
+_QUESTION = r"What is (-?\d+) ([-+*]) (-?\d+)\?"
+
+
+def exact_match(steps: pl.DataFrame) -> pl.Series:
+    """The demo's arithmetic verifier: 1.0 when the last number of the response is the value
+    of the `What is a op b?` in the step's last user turn, 0.0 when it is not, null when that
+    turn asks no such question."""
+    question = decode_ids(last_user_turns(steps["prompt_ids"].to_arrow()))
+    answer = decode_ids(steps["response_ids"].to_arrow())
+    parts = pl.DataFrame({"q": question, "a": answer}).select(
+        a=pl.col("q").str.extract(_QUESTION, 1).cast(pl.Int64, strict=False),
+        op=pl.col("q").str.extract(_QUESTION, 2),
+        b=pl.col("q").str.extract(_QUESTION, 3).cast(pl.Int64, strict=False),
+        said=pl.col("a").str.extract_all(r"-?\d+").list.last().cast(pl.Int64, strict=False),
+    )
+    expected = (
+        pl.when(pl.col("op") == "+")
+        .then(pl.col("a") + pl.col("b"))
+        .when(pl.col("op") == "-")
+        .then(pl.col("a") - pl.col("b"))
+        .when(pl.col("op") == "*")
+        .then(pl.col("a") * pl.col("b"))
+    )
+    rewards = parts.select(
+        pl.when(expected.is_null())
+        .then(None)
+        .otherwise((pl.col("said") == expected).fill_null(False).cast(pl.Float64))
+    )
+    return rewards.to_series().alias("reward")
+
+
+exact_match.judge_version = "1"  # type: ignore[attr-defined]
+BUILTIN_JUDGES: dict[str, JudgeFunction] = {"exact-match": exact_match}
+
+
+def load_judge(name: str, version: str | None = None) -> Judge:
+    """A built-in judge by name, or `module:function` (its version: `version`, else the
+    function's `judge_version`)."""
+    if name in BUILTIN_JUDGES:
+        score = BUILTIN_JUDGES[name]
+    else:
+        module_name, _, attribute = name.partition(":")
+        if not attribute:
+            known = ", ".join(sorted(BUILTIN_JUDGES))
+            raise JudgeError(f"judge {name!r}: not built in ({known}); give module:function")
+        try:
+            score = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as exc:
+            raise JudgeError(f"judge {name!r}: cannot be loaded ({exc})") from None
+    version = version or getattr(score, "judge_version", None)
+    if not version:
+        raise JudgeError(f"judge {name!r}: no version (pass --judge-version)")
+    return Judge(name, str(version), score)
+
+
+# -- re-scoring ---------------------------------------------------------------------------
+
+
+def fact_event_ids(judge: Judge, step_keys: pl.Series) -> pl.Series:
+    """The event id of the judge version's fact about each step (the same on every rerun)."""
+    prefix = f"{judge.name}\x00{judge.version}\x00".encode()
+    return pl.Series(
+        "event_id",
+        [
+            "judge-" + hashlib.blake2b(prefix + key.encode(), digest_size=16).hexdigest()
+            for key in step_keys.to_list()
+        ],
+        dtype=pl.String,
+    )
+
+
+def _recorded_fact_ids(lake: Lake) -> pl.Series:
+    if not lake.exists(BRONZE_EVENTS):
+        return pl.Series("event_id", [], dtype=pl.String)
+    facts = lake.read(
+        BRONZE_EVENTS,
+        columns=["event_id"],
+        where=(pl.col("gateway_id") == RESCORE_WRITER) & (pl.col("kind") == "feedback"),
+    )
+    return facts["event_id"]
+
+
+def _bronze_rows(judge: Judge, scored: pl.DataFrame, now: dt.datetime) -> pa.Table:
+    """The judge's facts as `bronze/events` rows (`feedback` records, payload as the gateway
+    would store a `POST /v1/feedback` of them)."""
+    created = now.isoformat().replace("+00:00", "Z")
+    payload = scored.select(
+        pl.struct(
+            target=pl.struct(step_key="step_key"),
+            kind=pl.lit("reward"),
+            value="reward",
+            source=pl.lit("judge"),
+            annotator=pl.lit(judge.name),
+            judge=pl.lit(judge.name),
+            judge_version=pl.lit(judge.version),
+            created_at=pl.lit(created),
+            metadata=pl.struct(rescored=pl.lit(True)),
+            event_id="event_id",
+        )
+        .struct.json_encode()
+        .alias("payload")
+    )["payload"]
+    count = scored.height
+    rows = {
+        "event_id": scored["event_id"].to_arrow(),
+        "kind": pa.array(["feedback"] * count, pa.string()),
+        "tenant": scored["tenant"].fill_null("default").to_arrow(),
+        "received_at": pa.array([now] * count, pa.timestamp("us", tz="UTC")),
+        "ingest_date": pa.array([now.date()] * count, pa.date32()),
+        "gateway_id": pa.array([RESCORE_WRITER] * count, pa.string()),
+        "batch_seq": pa.array(np.zeros(count, np.int64)),
+        "schema_version": pa.array(np.full(count, SCHEMA_VERSION, np.int32)),
+        "payload": payload.to_arrow(),
+    }
+    return pa.table(rows)
+
+
+def rescore(
+    lake: Lake,
+    judge: Judge,
+    spec: CurationSpec | None = None,
+    now: dt.datetime | None = None,
+) -> RescoreRun:
+    """Score the steps in scope (a spec's kept steps, else every silver step) that this judge
+    version has not scored yet; append their facts to bronze in one commit."""
+    started = time.perf_counter()
+    steps_version = silver_state(lake).versions.get(SILVER_STEPS)
+    if steps_version is None:
+        raise JudgeError("the lake has no silver steps yet: materialize silver first")
+    keys = lake.read(SILVER_STEPS, steps_version, columns=["step_key"])["step_key"]
+    if spec is not None:
+        from claw_pipelines.gold import curated, source_versions
+
+        keys = curated(lake, spec, source_versions(lake))["step_key"]
+    ids = pl.DataFrame({"step_key": keys, "event_id": fact_event_ids(judge, keys)})
+    todo = ids.filter(~pl.col("event_id").is_in(_recorded_fact_ids(lake).implode()))
+    steps = lake.read(
+        SILVER_STEPS,
+        steps_version,
+        columns=STEP_COLUMNS,
+        where=pl.col("step_key").is_in(todo["step_key"].implode()),
+    )
+    steps = steps.join(todo, on="step_key", how="inner", maintain_order="left")
+    empty = pl.Series([], dtype=pl.Float64)
+    rewards = judge.score(steps.drop("event_id")) if steps.height else empty
+    if len(rewards) != steps.height:
+        raise JudgeError(f"judge {judge.name!r}: {len(rewards)} rewards for {steps.height} steps")
+    scored = steps.select("step_key", "tenant", "event_id").with_columns(
+        reward=pl.Series(rewards).cast(pl.Float64, strict=False)
+    )
+    finite = scored.filter(pl.col("reward").is_not_null() & pl.col("reward").is_finite())
+    version = None
+    if finite.height:
+        now = now or dt.datetime.now(dt.UTC)
+        metadata = {"rescore": judge.name, "judge_version": judge.version, "facts": finite.height}
+        rows = _bronze_rows(judge, finite, now)
+        version = lake.append(BRONZE_EVENTS_SPEC, rows, metadata=metadata)
+    return RescoreRun(
+        judge=judge.name,
+        version=judge.version,
+        candidates=ids.height,
+        already_scored=ids.height - todo.height,
+        scored=finite.height,
+        abstained=steps.height - finite.height,
+        bronze_version=version,
+        seconds=round(time.perf_counter() - started, 3),
+    )

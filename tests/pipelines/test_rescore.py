@@ -1,0 +1,153 @@
+"""Re-scoring stored steps with versioned judges: facts appended, never overwritten, only for
+steps a judge version has not scored; the default reward rule ignores them; a spec that
+names a judge resolves its rewards (and records it in lineage)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+
+from claw_pipelines.contracts.specs import CurationSpec, JudgeRef
+from claw_pipelines.contracts.tables import GOLD_LINEAGE, SILVER_FEEDBACK, SILVER_STEP_REWARDS
+from claw_pipelines.gold import build_partition
+from claw_pipelines.lake import Lake
+from claw_pipelines.rescore import JudgeError, exact_match, load_judge, rescore
+from claw_pipelines.silver import build_silver
+from claw_pipelines.tokenization import IM_END, encode, encode_chat
+from tests.lakes import completion, land, step
+from tests.servers import REPO
+
+# (a, b, what the model said): right, wrong, right
+TASKS = [(12, 7, 19), (3, 4, 8), (40, 2, 42)]
+
+
+def arithmetic_steps(offset: int = 0) -> list[dict]:
+    """One two-turn trajectory per task: a tool call, then the final answer."""
+    rows = []
+    for number, (a, b, said) in enumerate(TASKS):
+        trajectory = f"math-{offset + number}"
+        question = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        first = encode_chat(question)
+        call = encode(
+            f'<tool_call>\n{{"name": "calc", "arguments": {{"x": "{a}+{b}"}}}}\n</tool_call>'
+        )
+        rows.append(step(trajectory, 0, first, [*call, *encode(IM_END)]))
+        history = [
+            *question,
+            {"role": "assistant", "content": ""},
+            {"role": "tool", "content": str(a + b)},
+        ]
+        answer = encode(f"The answer is {said}.") + encode(IM_END)
+        rows.append(step(trajectory, 1, encode_chat(history), answer))
+        rows.append(completion(trajectory))
+    return rows
+
+
+@pytest.fixture
+def lake(tmp_path) -> Lake:
+    lake = Lake(str(tmp_path / "lake"))
+    chatter = step("chat-1", 0, encode_chat([{"role": "user", "content": "Hello!"}]), encode("Hi."))
+    land(lake, [*arithmetic_steps(), chatter, completion("chat-1")])
+    build_silver(lake)
+    return lake
+
+
+def test_the_arithmetic_verifier_checks_the_last_number_against_the_question(lake):
+    steps = lake.read("silver/steps").sort("step_key")
+    rewards = dict(zip(steps["step_key"], exact_match(steps).to_list(), strict=True))
+    assert rewards == {
+        "chat-1:0": None,  # no question: no opinion
+        "math-0:0": 0.0,  # a tool call states no answer ("+7"... the last number is 7)
+        "math-0:1": 1.0,
+        "math-1:0": 0.0,
+        "math-1:1": 0.0,  # said 8 for 3 + 4
+        "math-2:0": 0.0,
+        "math-2:1": 1.0,
+    }
+
+
+def test_rescoring_appends_facts_once_per_judge_version_and_only_for_new_steps(lake):
+    judge = load_judge("exact-match")
+    first = rescore(lake, judge)
+    assert (first.candidates, first.scored, first.abstained) == (7, 6, 1)
+    again = rescore(lake, judge)
+    assert (again.scored, again.already_scored, again.bronze_version) == (0, 6, None)
+    build_silver(lake)
+    facts = lake.read(SILVER_FEEDBACK).filter(pl.col("judge") == "exact-match")
+    assert facts.height == 6 and set(facts["judge_version"]) == {"1"}
+    assert set(facts["source"]) == {"judge"}
+    land(lake, arithmetic_steps(offset=10)[:2])  # one more trajectory's two steps
+    build_silver(lake)
+    later = rescore(lake, judge)
+    assert (later.scored, later.already_scored) == (2, 6)
+    # another version of the judge scores everything again, beside the first one's facts
+    second = rescore(lake, load_judge("exact-match", "2"))
+    assert second.scored == 8
+    build_silver(lake)
+    versions = lake.read(SILVER_FEEDBACK).filter(pl.col("judge") == "exact-match")
+    assert versions.group_by("judge_version").len().sort("judge_version")["len"].to_list() == [8, 8]
+
+
+def test_the_default_rule_ignores_judges_and_a_spec_that_names_one_resolves_it(lake):
+    before = lake.read(SILVER_STEP_REWARDS).sort("step_key")
+    rescore(lake, load_judge("exact-match"))
+    build_silver(lake)
+    after = lake.read(SILVER_STEP_REWARDS).sort("step_key")
+    assert after.select("step_key", "reward", "reward_status").equals(
+        before.select("step_key", "reward", "reward_status")
+    )
+    assert after["reward"].is_null().all()
+
+    judged = CurationSpec(
+        name="judged",
+        reward_status=["final"],
+        reward_min=1.0,
+        reward_judge=JudgeRef(name="exact-match", version="1"),
+    )
+    part = build_partition(lake, judged, 1)
+    assert sorted(part.steps["step_key"]) == ["math-0:1", "math-2:1"]
+    lineage = lake.read(GOLD_LINEAGE).filter(pl.col("dataset") == "judged")
+    assert json.loads(lineage["spec_json"][-1])["reward_judge"] == {
+        "name": "exact-match",
+        "version": "1",
+    }
+    plain = CurationSpec(name="plain", reward_status=["final"])
+    assert build_partition(lake, plain, 1).steps.is_empty()  # no default-rule rewards
+    assert "reward_judge" not in plain.canonical_json()  # older specs keep their hash
+
+
+def response_length(steps: pl.DataFrame) -> pl.Series:
+    """A judge for the test: the response's length."""
+    return steps["response_ids"].list.len().cast(pl.Float64)
+
+
+response_length.judge_version = "7"
+
+
+def test_a_judge_is_any_module_function_and_bad_ones_fail_in_one_line(lake):
+    judge = load_judge("tests.pipelines.test_rescore:response_length")
+    assert judge.version == "7"
+    assert rescore(lake, judge).scored == 7
+    with pytest.raises(JudgeError, match="not built in"):
+        load_judge("nonsense")
+    with pytest.raises(JudgeError, match="cannot be loaded"):
+        load_judge("tests.pipelines.test_rescore:missing")
+    with pytest.raises(JudgeError, match="no version"):
+        load_judge("tests.pipelines.test_rescore:arithmetic_steps")
+
+
+def test_claw_rescore_scores_and_runs_silver(lake):
+    command = [sys.executable, "-m", "claw_pipelines.app.cli", "rescore", "--lake", lake.uri]
+    done = subprocess.run(
+        [*command, "--judge", "exact-match"], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "scored 6 steps, 0 already scored, no opinion on 1 (of 7)" in done.stdout
+    assert lake.read(SILVER_FEEDBACK).filter(pl.col("judge") == "exact-match").height == 6
+    bad = subprocess.run([*command, "--judge", "nope"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "nope" in bad.stderr
