@@ -175,28 +175,36 @@ def load_judge(name: str, version: str | None = None) -> Judge:
 # -- re-scoring ---------------------------------------------------------------------------
 
 
+def fact_id_prefix(judge: Judge) -> str:
+    """What the event ids of one judge version's facts start with."""
+    named = f"{judge.name}\x00{judge.version}".encode()
+    return "judge-" + hashlib.blake2b(named, digest_size=8).hexdigest() + "-"
+
+
 def fact_event_ids(judge: Judge, step_keys: pl.Series) -> pl.Series:
     """The event id of the judge version's fact about each step (the same on every rerun)."""
-    prefix = f"{judge.name}\x00{judge.version}\x00".encode()
+    prefix = fact_id_prefix(judge)
     return pl.Series(
         "event_id",
         [
-            "judge-" + hashlib.blake2b(prefix + key.encode(), digest_size=16).hexdigest()
+            prefix + hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
             for key in step_keys.to_list()
         ],
         dtype=pl.String,
     )
 
 
-def _recorded_fact_ids(lake: Lake) -> pl.Series:
+def scored_steps(lake: Lake, judge: Judge) -> pl.Series:
+    """The step keys this judge version has a fact about in bronze."""
     if not lake.exists(BRONZE_EVENTS):
-        return pl.Series("event_id", [], dtype=pl.String)
+        return pl.Series("step_key", [], dtype=pl.String)
     facts = lake.read(
         BRONZE_EVENTS,
-        columns=["event_id"],
-        where=(pl.col("gateway_id") == RESCORE_WRITER) & (pl.col("kind") == "feedback"),
+        columns=[pl.col("payload").str.json_path_match("$.target.step_key").alias("step_key")],
+        where=(pl.col("gateway_id") == RESCORE_WRITER)
+        & pl.col("event_id").str.starts_with(fact_id_prefix(judge)),
     )
-    return facts["event_id"]
+    return facts["step_key"]
 
 
 def _bronze_rows(judge: Judge, scored: pl.DataFrame, now: dt.datetime) -> pa.Table:
@@ -251,8 +259,8 @@ def rescore(
         from claw_pipelines.gold import curated, source_versions
 
         keys = curated(lake, spec, source_versions(lake))["step_key"]
-    ids = pl.DataFrame({"step_key": keys, "event_id": fact_event_ids(judge, keys)})
-    todo = ids.filter(~pl.col("event_id").is_in(_recorded_fact_ids(lake).implode()))
+    todo = keys.filter(~keys.is_in(scored_steps(lake, judge).implode()))
+    todo = pl.DataFrame({"step_key": todo, "event_id": fact_event_ids(judge, todo)})
     steps = lake.read(
         SILVER_STEPS,
         steps_version,
@@ -277,8 +285,8 @@ def rescore(
     return RescoreRun(
         judge=judge.name,
         version=judge.version,
-        candidates=ids.height,
-        already_scored=ids.height - todo.height,
+        candidates=keys.len(),
+        already_scored=keys.len() - todo.height,
         scored=finite.height,
         abstained=steps.height - finite.height,
         bronze_version=version,

@@ -16,6 +16,7 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEPS,
 )
 from claw_pipelines.tokenization import decode, load_tokenizer
+from claw_pipelines.transforms.judges import judge_agreement, judge_rewards
 from dashboards import data
 
 at, versions = data.open_page("Representation", needs=SILVER_STEPS)
@@ -96,7 +97,10 @@ facts = data.table(
         "value_number",
         "value_text",
         "source",
+        "judge",
+        "judge_version",
         "created_at",
+        "received_at",
     ),
 )
 if facts is not None:
@@ -104,6 +108,16 @@ if facts is not None:
         (pl.col("step_key") == key) | (pl.col("trajectory_uid") == step["trajectory_uid"])
     )
     st.dataframe(mine.sort("created_at"), hide_index=True, width="stretch")
+    judged = judge_rewards(facts)
+    if judged.height:
+        st.subheader("Rewards by judge (`claw rescore`)")
+        here = judged.filter(pl.col("step_key") == key).select("judge_label", "reward")
+        if here.height:
+            st.dataframe(here.transpose(column_names="judge_label"), hide_index=True)
+        else:
+            st.caption("no judge has scored this step")
+        st.caption("How often two judge versions agree, on the steps both scored")
+        st.dataframe(judge_agreement(facts), hide_index=True)
 
 st.subheader("Lineage: the bronze record")
 st.dataframe(data.bronze_event(at, versions[BRONZE_EVENTS], step["event_id"]), hide_index=True)

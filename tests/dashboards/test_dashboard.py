@@ -12,9 +12,11 @@ from claw_pipelines.consume import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.gold import build_partition
 from claw_pipelines.lake import Lake
+from claw_pipelines.rescore import load_judge, rescore
 from claw_pipelines.silver import build_silver
 from claw_pipelines.spec_store import load_specs
 from tests.lakes import feedback, group_of, land
+from tests.pipelines.test_rescore import arithmetic_steps
 from tests.servers import REPO
 
 APP = str(REPO / "dashboards" / "streamlit_app.py")
@@ -109,3 +111,21 @@ def test_collection_shows_the_live_lag_and_consumption_the_consumers(filled, mon
     positions = next(d.value for d in consumption.dataframe if "not_yet_given" in d.value.columns)
     live = positions[positions["consumer"] == "live-trainer"].iloc[0]
     assert live["groups"] == 2 and live["not_yet_given"] == 2  # of four groups
+
+
+def test_representation_shows_judges_side_by_side(tmp_path, monkeypatch):
+    lake = Lake(str(tmp_path / "lake"))
+    land(lake, arithmetic_steps())
+    build_silver(lake)
+    for version in ("1", "2"):
+        rescore(lake, load_judge("exact-match", version))
+    build_silver(lake)
+    app = page("representation", lake.uri, monkeypatch)
+    app.text_input[0].set_value("math-0:1").run()
+    assert not app.exception, app.exception
+    assert "Rewards by judge (`claw rescore`)" in [s.value for s in app.subheader]
+    tables = [d.value for d in app.dataframe]
+    side = next(t for t in tables if "exact-match v1" in t.columns)
+    assert list(side.iloc[0]) == [1.0, 1.0]
+    agreement = next(t for t in tables if "agreement" in t.columns)
+    assert agreement.iloc[0]["agreement"] == 1.0 and agreement.iloc[0]["common_steps"] == 6

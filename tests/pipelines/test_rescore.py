@@ -18,6 +18,7 @@ from claw_pipelines.lake import Lake
 from claw_pipelines.rescore import JudgeError, exact_match, load_judge, rescore
 from claw_pipelines.silver import build_silver
 from claw_pipelines.tokenization import IM_END, encode, encode_chat
+from claw_pipelines.transforms.judges import judge_agreement, judge_rewards
 from tests.lakes import completion, land, step
 from tests.servers import REPO
 
@@ -151,3 +152,25 @@ def test_claw_rescore_scores_and_runs_silver(lake):
     bad = subprocess.run([*command, "--judge", "nope"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "nope" in bad.stderr
+
+
+def test_judges_side_by_side_and_their_agreement(lake):
+    rescore(lake, load_judge("exact-match"))
+    rescore(lake, load_judge("exact-match", "2"))
+    rescore(lake, load_judge("tests.pipelines.test_rescore:response_length"))
+    build_silver(lake)
+    facts = lake.read(SILVER_FEEDBACK)
+    rewards = judge_rewards(facts).filter(pl.col("step_key") == "math-0:1")
+    assert dict(zip(rewards["judge_label"], rewards["reward"], strict=True)) == {
+        "exact-match v1": 1.0,
+        "exact-match v2": 1.0,
+        "tests.pipelines.test_rescore:response_length v7": 6.0,
+    }
+    agreement = {
+        (row["judge_a"], row["judge_b"]): (row["common_steps"], row["agreement"])
+        for row in judge_agreement(facts).iter_rows(named=True)
+    }
+    assert agreement[("exact-match v1", "exact-match v2")] == (6, 1.0)
+    assert (
+        agreement[("exact-match v1", "tests.pipelines.test_rescore:response_length v7")][1] == 0.0
+    )
