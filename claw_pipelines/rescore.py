@@ -92,6 +92,19 @@ def decode_ids(ids: pa.ListArray | pa.ChunkedArray) -> pl.Series:
     return pl.from_arrow(pc.binary_join(pieces, b"").cast(pa.large_string()))
 
 
+SCAN_CHUNK = 1 << 20  # tokens compared per pass: a small buffer, reused (fresh pages cost)
+
+
+def _positions(flat: np.ndarray, token: int) -> np.ndarray:
+    """Where `token` occurs in `flat`."""
+    hits = np.empty(min(len(flat), SCAN_CHUNK), dtype=bool)
+    found = []
+    for begin in range(0, len(flat), SCAN_CHUNK):
+        chunk = flat[begin : begin + SCAN_CHUNK]
+        found.append(np.flatnonzero(np.equal(chunk, token, out=hits[: len(chunk)])) + begin)
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+
 def last_user_turns(prompts: pa.ListArray | pa.ChunkedArray) -> pa.ListArray:
     """Each prompt's last ChatML user turn (from `<|im_start|>user` to its `<|im_end|>`, or
     to the prompt's end), as token ids; empty when it has none. Found on the ids (numpy), so
@@ -102,12 +115,16 @@ def last_user_turns(prompts: pa.ListArray | pa.ChunkedArray) -> pa.ListArray:
     flat = prompts.values.to_numpy(zero_copy_only=False)
     offsets = prompts.offsets.to_numpy()
     rows = len(offsets) - 1
-    opens = np.flatnonzero((flat[:-1] == start_id) & (flat[1:] == user_id))
-    row_of = np.searchsorted(offsets, opens, side="right") - 1
+    starts, ends = _positions(flat, start_id), _positions(flat, end_id)
+    follows = starts + 1 < len(flat)
+    opens = starts[follows][flat[starts[follows] + 1] == user_id]
+    # each row's last opening with both its tokens inside the row (-1: none)
     last = np.full(rows, -1, np.int64)
-    np.maximum.at(last, row_of, opens)
+    if len(opens):
+        before_end = np.searchsorted(opens, offsets[1:] - 1, side="left") - 1
+        candidate = opens[np.maximum(before_end, 0)]
+        last = np.where((before_end >= 0) & (candidate >= offsets[:-1]), candidate, -1)
     begin = np.where(last >= 0, last, offsets[1:])
-    ends = np.flatnonzero(flat == end_id)
     after = np.searchsorted(ends, begin)
     stop = np.where(after < len(ends), ends[np.minimum(after, len(ends) - 1)] + 1, len(flat))
     stop = np.minimum(stop, offsets[1:])
@@ -182,29 +199,40 @@ def fact_id_prefix(judge: Judge) -> str:
 
 
 def fact_event_ids(judge: Judge, step_keys: pl.Series) -> pl.Series:
-    """The event id of the judge version's fact about each step (the same on every rerun)."""
-    prefix = fact_id_prefix(judge)
-    return pl.Series(
-        "event_id",
-        [
-            prefix + hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
-            for key in step_keys.to_list()
-        ],
-        dtype=pl.String,
-    )
+    """The event id of the judge version's fact about each step (the same on every rerun):
+    the judge version's prefix, then the step key."""
+    return (fact_id_prefix(judge) + step_keys).alias("event_id")
 
 
 def scored_steps(lake: Lake, judge: Judge) -> pl.Series:
-    """The step keys this judge version has a fact about in bronze."""
+    """The step keys this judge version has a fact about in bronze (read off the facts'
+    event ids: no payload is parsed)."""
     if not lake.exists(BRONZE_EVENTS):
         return pl.Series("step_key", [], dtype=pl.String)
+    prefix = fact_id_prefix(judge)
     facts = lake.read(
         BRONZE_EVENTS,
-        columns=[pl.col("payload").str.json_path_match("$.target.step_key").alias("step_key")],
-        where=(pl.col("gateway_id") == RESCORE_WRITER)
-        & pl.col("event_id").str.starts_with(fact_id_prefix(judge)),
+        columns=["event_id"],
+        where=(pl.col("gateway_id") == RESCORE_WRITER) & pl.col("event_id").str.starts_with(prefix),
     )
-    return facts["step_key"]
+    return facts["event_id"].str.strip_prefix(prefix).alias("step_key")
+
+
+def _step_rows(lake: Lake, version: int, wanted: pl.Series, everything: bool) -> pl.DataFrame:
+    """The judge's columns of the `wanted` steps, read from only the files that hold them
+    (new steps live in new files: an incremental run reads little)."""
+    table = lake.open(SILVER_STEPS, version)
+    files = table.file_uris()
+    options = lake.storage_options or None
+    if everything or not files:
+        return lake.read(SILVER_STEPS, version, columns=STEP_COLUMNS)
+    where = pl.scan_parquet(files, include_file_paths="file", storage_options=options)
+    holding = where.select("step_key", "file").filter(pl.col("step_key").is_in(wanted.implode()))
+    needed = holding.select("file").unique().collect()["file"].to_list()
+    if not needed:
+        return pl.DataFrame(schema={c: pl.String for c in STEP_COLUMNS}).head(0)
+    rows = pl.scan_parquet(needed, storage_options=options)
+    return rows.select(STEP_COLUMNS).filter(pl.col("step_key").is_in(wanted.implode())).collect()
 
 
 def _bronze_rows(judge: Judge, scored: pl.DataFrame, now: dt.datetime) -> pa.Table:
@@ -259,14 +287,11 @@ def rescore(
         from claw_pipelines.gold import curated, source_versions
 
         keys = curated(lake, spec, source_versions(lake))["step_key"]
-    todo = keys.filter(~keys.is_in(scored_steps(lake, judge).implode()))
+    done = scored_steps(lake, judge)
+    todo = keys.filter(~keys.is_in(done.implode())) if done.len() else keys
     todo = pl.DataFrame({"step_key": todo, "event_id": fact_event_ids(judge, todo)})
-    steps = lake.read(
-        SILVER_STEPS,
-        steps_version,
-        columns=STEP_COLUMNS,
-        where=pl.col("step_key").is_in(todo["step_key"].implode()),
-    )
+    everything = todo.height == keys.len() and spec is None
+    steps = _step_rows(lake, steps_version, todo["step_key"], everything)
     steps = steps.join(todo, on="step_key", how="inner", maintain_order="left")
     empty = pl.Series([], dtype=pl.Float64)
     rewards = judge.score(steps.drop("event_id")) if steps.height else empty
