@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS  # noqa: E402
 from claw_pipelines.lake import Lake  # noqa: E402
-from claw_pipelines.rescore import STEP_COLUMNS, load_judge, rescore  # noqa: E402
+from claw_pipelines.rescore import JUDGE_INPUT_COLUMNS, load_judge, rescore  # noqa: E402
 from claw_pipelines.silver import build_silver  # noqa: E402
 from claw_pipelines.tokenization import IM_END, encode, encode_chat  # noqa: E402
 
@@ -127,7 +127,7 @@ def land(lake: Lake, rows: list[dict], batch: int, first_seq: int) -> int:
 def floor_seconds(lake: Lake) -> float:
     """Read what a judge needs of every silver step."""
     started = time.perf_counter()
-    lake.read(SILVER_STEPS, columns=STEP_COLUMNS)
+    lake.read(SILVER_STEPS, columns=JUDGE_INPUT_COLUMNS)
     return time.perf_counter() - started
 
 

@@ -16,6 +16,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Mapping
+from functools import lru_cache
 
 import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError
@@ -62,8 +63,14 @@ def _split_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str
 
 
 def open_store(uri: str, options: Mapping[str, str]):
-    """An object store rooted at `uri` (a remote lake), configured like delta-rs."""
-    config, client = _split_options(options)
+    """An object store rooted at `uri` (a remote lake), configured like delta-rs (one per
+    lake and options: its client and connections are reused)."""
+    return _store(uri, frozenset(options.items()))
+
+
+@lru_cache(maxsize=32)
+def _store(uri: str, options: frozenset[tuple[str, str]]):
+    config, client = _split_options(dict(options))
     if uri.startswith("gcs://"):  # delta-rs's alias; object_store knows it as gs://
         uri = "gs://" + uri.removeprefix("gcs://")
     return from_url(uri, config=config or None, client_options=client or None)

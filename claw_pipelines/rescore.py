@@ -26,6 +26,7 @@ import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -40,13 +41,22 @@ from claw_pipelines.contracts.tables import (
     SCHEMA_VERSION,
     SILVER_STEPS,
 )
+from claw_pipelines.gold import curated, source_versions
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import silver_state
 from claw_pipelines.tokenization import IM_END, IM_START, encode, token_bytes
 
 JudgeFunction = Callable[[pl.DataFrame], pl.Series]
 RESCORE_WRITER = "rescore"  # the bronze `gateway_id` of judges' facts
-STEP_COLUMNS = ["step_key", "trajectory_uid", "step_index", "tenant", "prompt_ids", "response_ids"]
+# what a judge is given of each step
+JUDGE_INPUT_COLUMNS = [
+    "step_key",
+    "trajectory_uid",
+    "step_index",
+    "tenant",
+    "prompt_ids",
+    "response_ids",
+]
 
 
 class JudgeError(ValueError):
@@ -83,9 +93,14 @@ class RescoreRun:
 # -- the built-in judge -------------------------------------------------------------------
 
 
+@lru_cache(maxsize=1)
+def _token_table() -> pa.Array:
+    return pa.array(token_bytes(), pa.binary())
+
+
 def decode_ids(ids: pa.ListArray | pa.ChunkedArray) -> pl.Series:
     """Texts of token-id lists with the bundled tokenizer (vectorized: byte lookup + join)."""
-    table = pa.array(token_bytes(), pa.binary())
+    table = _token_table()
     if isinstance(ids, pa.ChunkedArray):
         ids = ids.combine_chunks()
     pieces = pa.ListArray.from_arrays(ids.offsets, pc.take(table, ids.values))
@@ -225,14 +240,18 @@ def _step_rows(lake: Lake, version: int, wanted: pl.Series, everything: bool) ->
     files = table.file_uris()
     options = lake.storage_options or None
     if everything or not files:
-        return lake.read(SILVER_STEPS, version, columns=STEP_COLUMNS)
+        return lake.read(SILVER_STEPS, version, columns=JUDGE_INPUT_COLUMNS)
     where = pl.scan_parquet(files, include_file_paths="file", storage_options=options)
     holding = where.select("step_key", "file").filter(pl.col("step_key").is_in(wanted.implode()))
     needed = holding.select("file").unique().collect()["file"].to_list()
     if not needed:
-        return pl.DataFrame(schema={c: pl.String for c in STEP_COLUMNS}).head(0)
+        return pl.DataFrame(schema={c: pl.String for c in JUDGE_INPUT_COLUMNS}).head(0)
     rows = pl.scan_parquet(needed, storage_options=options)
-    return rows.select(STEP_COLUMNS).filter(pl.col("step_key").is_in(wanted.implode())).collect()
+    return (
+        rows.select(JUDGE_INPUT_COLUMNS)
+        .filter(pl.col("step_key").is_in(wanted.implode()))
+        .collect()
+    )
 
 
 def _bronze_rows(judge: Judge, scored: pl.DataFrame, now: dt.datetime) -> pa.Table:
@@ -284,8 +303,6 @@ def rescore(
         raise JudgeError("the lake has no silver steps yet: materialize silver first")
     keys = lake.read(SILVER_STEPS, steps_version, columns=["step_key"])["step_key"]
     if spec is not None:
-        from claw_pipelines.gold import curated, source_versions
-
         keys = curated(lake, spec, source_versions(lake))["step_key"]
     done = scored_steps(lake, judge)
     todo = keys.filter(~keys.is_in(done.implode())) if done.len() else keys

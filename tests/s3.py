@@ -5,6 +5,7 @@ writes, as a misconfigured gateway or an old S3-compatible server would be."""
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -102,8 +103,6 @@ def header_dropping_proxy(target: str) -> Iterator[str]:
 
 def _free_pair() -> int:
     """A loopback port p with p + 10000 free too (SeaweedFS puts gRPC there)."""
-    import socket
-
     for _ in range(100):
         port = free_port()
         if port + 10000 > 65535:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import polars as pl
 
 from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.transforms.judges import judge_rewards
 
 GROUP = "group_key"
 # the silver/steps columns `candidates` reads (small ones: no token ids)
@@ -82,17 +83,10 @@ def judged(frame: pl.DataFrame, facts: pl.DataFrame, judge: str, version: str) -
     reward is the judge's latest for it (by `created_at`, arrival, id); without one, a step
     that had a final reward is `missing`; a trajectory's return is the sum of its steps'
     judge rewards (null when it has none)."""
-    latest = (
-        facts.filter(
-            (pl.col("kind") == "reward")
-            & (pl.col("judge") == judge)
-            & (pl.col("judge_version") == version)
-            & pl.col("step_key").is_not_null()
-        )
-        .sort("created_at", "received_at", "feedback_id")
-        .group_by("step_key")
-        .agg(judge_reward=pl.col("value_number").last())
+    latest = judge_rewards(facts).filter(
+        (pl.col("judge") == judge) & (pl.col("judge_version") == version)
     )
+    latest = latest.select("step_key", judge_reward="reward")
     out = frame.join(latest, on="step_key", how="left", maintain_order="left")
     scored = pl.col("judge_reward").is_not_null()
     return out.with_columns(

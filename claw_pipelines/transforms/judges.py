@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from claw_pipelines.transforms.feedback import FACT_ORDER
+
 AGREE_WITHIN = 1e-9  # two rewards this close are the same verdict
 
 
@@ -17,7 +19,7 @@ def judge_rewards(facts: pl.DataFrame) -> pl.DataFrame:
             & pl.col("judge").is_not_null()
             & pl.col("step_key").is_not_null()
         )
-        .sort("created_at", "received_at", "feedback_id")
+        .sort(FACT_ORDER)
         .group_by("step_key", "judge", "judge_version", maintain_order=True)
         .agg(reward=pl.col("value_number").last())
         .with_columns(judge_label=pl.col("judge") + " v" + pl.col("judge_version"))

@@ -98,14 +98,12 @@ class CallRecorder(Protocol):
     ) -> BronzeRecord:
         """The `upstream_error` event of a failed call."""
 
-    async def land(self, records: list[BronzeRecord]) -> bool:
-        """Make records durable; False when the gateway could not."""
-
-    def recorded(
+    async def land_steps(
         self,
         call: ProxyCall,
         captured: list[CapturedChoice],
-        records: list[BronzeRecord],
+        steps: list[BronzeRecord],
         places: list[StepPlace],
-    ) -> None:
-        """Called once a call's step records are durable."""
+        also: list[BronzeRecord] | None = None,
+    ) -> bool:
+        """Make a call's step records (and `also`) durable; False when the gateway could not."""

@@ -105,12 +105,9 @@ class StreamRelay:
             captured = self.accumulator.captured(unfinished, expected)
             model = self.accumulator.envelope.get("model")
             elapsed_ms = round((time.perf_counter() - self.started) * 1000, 2)
-            records, places = service.records(call, captured, model, elapsed_ms)
-            steps = list(records)
-            if failure is not None:
-                records.append(service.failure_record(failure, call.tenant, call))
-            if await service.land(records):
-                service.recorded(call, captured, steps, places)
+            steps, places = service.records(call, captured, model, elapsed_ms)
+            failed = [] if failure is None else [service.failure_record(failure, call.tenant, call)]
+            await service.land_steps(call, captured, steps, places, also=failed)
 
 
 async def _drain(events: AsyncIterator[bytes]) -> None:

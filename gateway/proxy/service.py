@@ -156,13 +156,12 @@ class ProxyService:
     async def complete(self, call: ProxyCall) -> Answer | StreamRelay:
         """Forward a (chat) completion; record its choices; answer as the upstream did."""
         upstream = self.admit()
-        plan = await self.token_in.plan(call, upstream.token_ids_supported)
+        call.token_in_plan = plan = await self.token_in.plan(call, upstream.token_ids_supported)
         if plan is not None and not plan.via_chat:
             answer = await self._complete_token_in(call, upstream, plan)
             if answer is not None:
                 return answer
-            plan = None  # the upstream refused token ids: the call goes as it came
-        call.token_in_plan = plan
+            call.token_in_plan = None  # the upstream refused token ids: the call goes as it came
         path, kind = call.endpoint.path, call.endpoint.kind
         ask_token_ids = upstream.token_ids_supported
         self.stamp_dispatch(call)
@@ -205,9 +204,7 @@ class ProxyService:
         records, places = self.records(call, captured, answer.get("model"), round(upstream_ms, 2))
         body = reply.body if view is answer else pydantic_core.to_json(view)
         headers = {"X-Claw-Step-Keys": step_keys(places)}
-        if await self.land(records):
-            self.recorded(call, captured, records, places)
-        else:
+        if not await self.land_steps(call, captured, records, places):
             headers["X-Claw-Recorded"] = "false"
         headers["Server-Timing"] = server_timing(call.received, upstream_ms)
         return Answer(reply.status, body, reply.content_type or JSON, headers)
@@ -219,7 +216,6 @@ class ProxyService:
         steps are durable (a stream as one burst); None when the upstream refuses token ids
         and the call's mode lets it go upstream as it came."""
         self.stamp_dispatch(call)
-        call.token_in_plan = plan
         started = time.perf_counter()
         try:
             reply = await upstream.post(COMPLETIONS.path, plan.body)
@@ -240,9 +236,7 @@ class ProxyService:
             await self.fail(failure, call.tenant, call)
         records, places = self.records(call, captured, chat.get("model"), round(upstream_ms, 2))
         headers = {"X-Claw-Step-Keys": step_keys(places)}
-        if await self.land(records):
-            self.recorded(call, captured, records, places)
-        else:
+        if not await self.land_steps(call, captured, records, places):
             headers["X-Claw-Recorded"] = "false"
         if call.stream:
             options = call.body.get("stream_options")
@@ -278,16 +272,21 @@ class ProxyService:
         upstream.token_ids_supported = False
 
     # -- records ----------------------------------------------------------------------------
-    def recorded(
+    async def land_steps(
         self,
         call: ProxyCall,
         captured: list[CapturedChoice],
-        records: list[BronzeRecord],
+        steps: list[BronzeRecord],
         places: list[StepPlace],
-    ) -> None:
-        """Once a call's steps are durable: token-in keeps their turns."""
+        also: list[BronzeRecord] | None = None,
+    ) -> bool:
+        """Make a call's step records (and `also`, e.g. its failure event) durable; then
+        token-in keeps their turns. False (logged, counted) when the gateway could not."""
+        if not await self.land([*steps, *(also or ())]):
+            return False
         if call.token_in_plan is not None:
-            self.token_in.remember(call.token_in_plan, captured, records, places)
+            self.token_in.remember(call.token_in_plan, captured, steps, places)
+        return True
 
     def records(
         self,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
@@ -145,23 +146,17 @@ class TokenIn:
         self.landing = landing
         self.book = book
         self.history = TokenHistory()
-        self._tokenizer: ChatTokenizer | None = None
-        self._eos_id: int | None = None
 
     @property
     def tokenizer(self) -> ChatTokenizer:
-        """The model's tokenizer and template (loaded on first use)."""
-        if self._tokenizer is None:
-            self._tokenizer = load_chat_tokenizer(self.settings.tokenizer)
-        return self._tokenizer
+        """The model's tokenizer and template (loaded once, on first use)."""
+        return load_chat_tokenizer(self.settings.tokenizer)
 
-    @property
+    @cached_property
     def eos_id(self) -> int:
-        """The id of the template's end-of-turn token."""
-        if self._eos_id is None:
-            ids = self.tokenizer.encode(self.tokenizer.eos_token)
-            self._eos_id = ids[0] if len(ids) == 1 else -1
-        return self._eos_id
+        """The id of the template's end-of-turn token (-1 when it is not one token)."""
+        ids = self.tokenizer.encode(self.tokenizer.eos_token)
+        return ids[0] if len(ids) == 1 else -1
 
     def mode_of(self, call: ProxyCall) -> TokenInMode:
         """The call's mode: its header's, else the gateway's default."""
