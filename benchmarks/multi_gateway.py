@@ -7,8 +7,9 @@ or is split evenly over three with distinct CLAW_GATEWAY_IDs, for `--seconds` pe
 alternating over `--rounds` (ABBA...). The default load, 96 agents in flight, is the kind that
 makes one scale out: at 24 (8 per replica) each replica's event loop and WAL group commit cover
 a third of the requests per wake-up, the three spend ~25 % more CPU per step than one, and on
-two cores the arms tie (ratios 0.98-1.04); at 96 one replica is saturated and three are not. Then every replica is stopped (its WAL drained) and
-bronze is counted against the acknowledged steps.
+two cores the arms tie (ratios 0.98-1.04); at 96 one replica is saturated and three are
+not. Then every replica is stopped (its WAL drained) and bronze is counted against the
+acknowledged steps.
 
 Prints one JSON line: acknowledged steps/s per arm and run, the median ratio 3/1, failed
 calls, steps acknowledged but missing from bronze (lost), bronze commits and the appends whose

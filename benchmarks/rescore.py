@@ -1,13 +1,17 @@
 """Benchmark: re-scoring stored steps with a vectorized verifier (`claw rescore`).
 
-Writes 100k arithmetic steps (a ~250-token system prompt and a `What is a op b?` question in
-ChatML, a short answer, right or wrong) to bronze as gateway micro-batches and builds silver.
+Writes 100k arithmetic steps (an agent's system prompt of ~1k tokens, as tool-using agents
+carry, and a `What is a op b?` question in ChatML; a short answer, right or wrong) to bronze
+as gateway micro-batches and builds silver. `--system-repeats` sizes the system prompt (42
+tokens each): the full run's cost grows with the tokens read, an incremental run's floor (a
+Delta commit to bronze, the change feed read: ~30 ms) does not.
 Then times, in one process:
   (a) the floor: reading the columns a judge needs (step_key, trajectory_uid, step_index,
       tenant, prompt_ids, response_ids) of every silver step (best of 2);
   (b) a full re-score with the built-in `exact-match` judge: find the steps not scored,
       verify them, append one reward fact each to bronze;
-  (c) after 1 % more steps reach silver, the incremental re-score (only those are scored).
+  (c) after 1 % more steps reach silver, the incremental re-score (only those are scored;
+      `--rounds` times, the median).
 Prints one JSON line. Targets: full <= 3x the floor; incremental <= 5 % of the full run.
 """
 
@@ -41,10 +45,10 @@ T0 = datetime(2026, 11, 30, tzinfo=UTC)
 SYSTEM = (
     "You are a careful assistant for arithmetic. Read the question, compute the value, and "
     "state it at the end of your answer. Use the calculator tool for long products. "
-) * 6
+)
 
 
-def steps(count: int, seed: int, first: int) -> list[dict]:
+def steps(count: int, seed: int, first: int, repeats: int = 24) -> list[dict]:
     """Single-turn arithmetic trajectories (ids encoded once per distinct question)."""
     rng = random.Random(seed)
     questions: dict[tuple[int, str, int], np.ndarray] = {}
@@ -53,7 +57,7 @@ def steps(count: int, seed: int, first: int) -> list[dict]:
         a, b, op = rng.randint(2, 40), rng.randint(2, 40), rng.choice("+-*")
         if (a, op, b) not in questions:
             chat = [
-                {"role": "system", "content": SYSTEM},
+                {"role": "system", "content": SYSTEM * repeats},
                 {"role": "user", "content": f"What is {a} {op} {b}?"},
             ]
             questions[(a, op, b)] = np.asarray(encode_chat(chat), np.int32)
@@ -136,28 +140,40 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=5_000, help="records per bronze commit")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--system-repeats", type=int, default=24, help="system prompt size")
+    parser.add_argument("--rounds", type=int, default=5, help="incremental runs (median)")
     args = parser.parse_args()
 
     judge = load_judge("exact-match")
     with tempfile.TemporaryDirectory(prefix="claw-rescore-") as tmp:
         lake = Lake(str(Path(tmp) / "lake"))
-        seq = land(lake, steps(args.steps, args.seed, 0), args.batch, 0)
+        stored = steps(args.steps, args.seed, 0, args.system_repeats)
+        prompt_tokens = sum(len(r["prompt_ids"]) for r in stored) / len(stored)
+        seq = land(lake, stored, args.batch, 0)
+        del stored
         build_silver(lake)
         floor = min(floor_seconds(lake) for _ in range(2))
         full = rescore(lake, judge)
         extra = max(1, args.steps // 100)
-        land(lake, steps(extra, args.seed + 1, args.steps), args.batch, seq)
-        build_silver(lake)
-        incremental = rescore(lake, judge)
+        rounds = []
+        for number in range(args.rounds):
+            first = args.steps + number * extra
+            more = steps(extra, args.seed + 1 + number, first, args.system_repeats)
+            seq = land(lake, more, args.batch, seq)
+            build_silver(lake)
+            rounds.append(rescore(lake, judge))
+        incremental = sorted(rounds, key=lambda run: run.seconds)[len(rounds) // 2]
     result = {
         "benchmark": "rescore",
         "steps": args.steps,
+        "prompt_tokens_mean": round(prompt_tokens, 1),
         "judge": f"{judge.name} v{judge.version}",
         "floor_s": round(floor, 3),
         "full_s": full.seconds,
         "full_scored": full.scored,
         "incremental_steps": extra,
         "incremental_s": incremental.seconds,
+        "incremental_runs_s": [run.seconds for run in rounds],
         "incremental_scored": incremental.scored,
         "incremental_already_scored": incremental.already_scored,
         "full_vs_floor": round(full.seconds / floor, 3),
@@ -165,7 +181,7 @@ def main() -> None:
         "target": {"full_vs_floor": FULL_TARGET, "incremental_vs_full": INCREMENTAL_TARGET},
         "target_met": full.seconds <= FULL_TARGET * floor
         and incremental.seconds <= INCREMENTAL_TARGET * full.seconds
-        and incremental.scored == extra,
+        and all(run.scored == extra and run.incremental for run in rounds),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     print(json.dumps(result))

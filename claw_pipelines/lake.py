@@ -33,7 +33,9 @@ from claw_pipelines.settings import REMOTE_SCHEMES, ClawSettings
 log = logging.getLogger(__name__)
 # What delta-rs says when the change feed cannot cover a range: the log of those versions was
 # cleaned up, or a file it names was vacuumed. Anything else (a network error) is raised.
-_FEED_GONE = re.compile(r"invalid table version|not found|no such file", re.IGNORECASE)
+_FEED_GONE = re.compile(
+    r"invalid table version|not found|no such file|does not have change data enabled", re.IGNORECASE
+)
 
 T = TypeVar("T")
 COMMIT_METADATA_KEY = "claw"
@@ -326,6 +328,14 @@ class Lake:
             return _claw_metadata(entry)
         return {}
 
+    def commits_after(self, name: str, after: int) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(version, claw metadata) of the commits to table `name` after version `after`,
+        newest first."""
+        newest = self._latest(name).version()
+        if newest > after:
+            for entry in self._commits(name, newest, after + 1):
+                yield int(entry["version"]), _claw_metadata(entry)
+
     def last_commit_with(
         self, name: str, key: str, at: int | None = None
     ) -> tuple[int, dict[str, Any]] | None:
@@ -400,8 +410,7 @@ class Lake:
         version = table.version()
         if version > base + 1:  # another writer committed the version this one tried first
             self.commit_conflicts[spec.name] = self.commit_conflicts.get(spec.name, 0) + 1
-        table.update_incremental()
-        return version
+        return version  # the handle stands at its own commit: the next append starts there
 
     def replace_partition(
         self,
@@ -493,13 +502,15 @@ class Lake:
         """
         if until <= after:
             raise ValueError(f"empty version range ({after}, {until}]")
-        table = self.open(name, until)
+        wanted = None if columns is None else [*columns, "_change_type"]
         try:
-            wanted = None if columns is None else [*columns, "_change_type"]
-            reader = table.load_cdf(
-                starting_version=after + 1, ending_version=until, columns=wanted
-            )
-            changed = pa.table(reader.read_all())
+            with self._lock:  # the kept handle, at `until`, saves replaying the log
+                kept = self._latest(name)
+                table = kept if kept.version() == until else self.open(name, until)
+                reader = table.load_cdf(
+                    starting_version=after + 1, ending_version=until, columns=wanted
+                )
+                changed = pa.table(reader.read_all())
         except DeltaError as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             if not _FEED_GONE.search(reason):

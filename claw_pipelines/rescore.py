@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import importlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,14 @@ JUDGE_INPUT_COLUMNS = [
     "prompt_ids",
     "response_ids",
 ]
+JUDGE_SCHEMA = {
+    "step_key": pl.String,
+    "trajectory_uid": pl.String,
+    "step_index": pl.Int64,
+    "tenant": pl.String,
+    "prompt_ids": pl.List(pl.Int32),
+    "response_ids": pl.List(pl.Int32),
+}
 
 
 class JudgeError(ValueError):
@@ -78,7 +87,8 @@ class RescoreRun:
 
     judge: str
     version: str
-    candidates: int  # steps in scope
+    incremental: bool  # only the steps silver added since the last run were looked at
+    candidates: int  # steps looked at: in scope, or added since the last run
     already_scored: int
     scored: int  # steps given a reward now
     abstained: int  # steps the judge had no opinion on
@@ -108,6 +118,7 @@ def decode_ids(ids: pa.ListArray | pa.ChunkedArray) -> pl.Series:
 
 
 SCAN_CHUNK = 1 << 20  # tokens compared per pass: a small buffer, reused (fresh pages cost)
+TAIL_TOKENS = 64  # each prompt's last user turn is looked for in its last tokens first
 
 
 def _positions(flat: np.ndarray, token: int) -> np.ndarray:
@@ -120,15 +131,15 @@ def _positions(flat: np.ndarray, token: int) -> np.ndarray:
     return np.concatenate(found) if found else np.zeros(0, np.int64)
 
 
-def last_user_turns(prompts: pa.ListArray | pa.ChunkedArray) -> pa.ListArray:
-    """Each prompt's last ChatML user turn (from `<|im_start|>user` to its `<|im_end|>`, or
-    to the prompt's end), as token ids; empty when it has none. Found on the ids (numpy), so
-    only those few tokens are decoded."""
-    if isinstance(prompts, pa.ChunkedArray):
-        prompts = prompts.combine_chunks()
+def _chatml_ids() -> tuple[int, int, int]:
     (start_id,), (user_id,), (end_id,) = encode(IM_START), encode("user"), encode(IM_END)
-    flat = prompts.values.to_numpy(zero_copy_only=False)
-    offsets = prompts.offsets.to_numpy()
+    return start_id, user_id, end_id
+
+
+def _scanned_turns(flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(begin, stop) of each row's last user turn in `flat`, scanning every token (begin =
+    stop: none)."""
+    start_id, user_id, end_id = _chatml_ids()
     rows = len(offsets) - 1
     starts, ends = _positions(flat, start_id), _positions(flat, end_id)
     follows = starts + 1 < len(flat)
@@ -142,14 +153,78 @@ def last_user_turns(prompts: pa.ListArray | pa.ChunkedArray) -> pa.ListArray:
     begin = np.where(last >= 0, last, offsets[1:])
     after = np.searchsorted(ends, begin)
     stop = np.where(after < len(ends), ends[np.minimum(after, len(ends) - 1)] + 1, len(flat))
-    stop = np.minimum(stop, offsets[1:])
-    lengths = np.where(last >= 0, stop - begin, 0)
+    return begin, np.where(last >= 0, np.minimum(stop, offsets[1:]), begin)
+
+
+def _first_hits(flat: np.ndarray, at: np.ndarray, bound: np.ndarray, step: int, wanted):
+    """For each start position in `at`, the first position stepping by `step` (+1 or -1,
+    all rows at once, TAIL_TOKENS steps at most) before `bound` is passed where `wanted(at)`
+    holds: (positions, found)."""
+    hits, found = np.zeros(len(at), np.int64), np.zeros(len(at), bool)
+    pending, at, bound = np.arange(len(at)), at.astype(np.int64), bound.astype(np.int64)
+    for _ in range(TAIL_TOKENS):
+        inside = at >= bound if step < 0 else at < bound
+        if not inside.all():
+            pending, at, bound = pending[inside], at[inside], bound[inside]
+        if not len(pending):
+            break
+        hit = np.flatnonzero(wanted(at))
+        if len(hit):
+            hits[pending[hit]], found[pending[hit]] = at[hit], True
+            rest = np.ones(len(pending), bool)
+            rest[hit] = False
+            pending, at, bound = pending[rest], at[rest], bound[rest]
+        at += step
+    return hits, found, pending
+
+
+def _tail_turns(flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(begin, stop, settled) from each row's last TAIL_TOKENS tokens: settled where the turn
+    was found there or the row's start was reached."""
+    start_id, user_id, end_id = _chatml_ids()
+    row_start, row_end = offsets[:-1].astype(np.int64), offsets[1:].astype(np.int64)
+
+    def opens(at: np.ndarray) -> np.ndarray:
+        maybe = flat[at] == start_id
+        maybe[maybe] = flat[at[maybe] + 1] == user_id
+        return maybe
+
+    begin, found, unsettled = _first_hits(flat, row_end - 2, row_start, -1, opens)
+    settled = np.ones(len(row_end), bool)
+    settled[unsettled] = False
+    begin = np.where(found, begin, row_end)
+    rows = np.flatnonzero(found)  # each turn runs to its <|im_end|>, else to the row's end
+    closes = lambda at: flat[at] == end_id  # noqa: E731
+    close, closed, _ = _first_hits(flat, begin[rows] + 2, row_end[rows], 1, closes)
+    stop = begin.copy()
+    stop[rows] = np.where(closed, close + 1, row_end[rows])
+    return begin, stop, settled
+
+
+def last_user_turns(prompts: pa.ListArray | pa.ChunkedArray) -> pa.ListArray:
+    """Each prompt's last ChatML user turn (from `<|im_start|>user` to its `<|im_end|>`, or
+    to the prompt's end), as token ids; empty when it has none. Found on the ids (numpy):
+    in each prompt's tail, and by a scan of only the prompts whose tail holds none."""
+    if isinstance(prompts, pa.ChunkedArray):
+        prompts = prompts.combine_chunks()
+    flat = prompts.values.to_numpy(zero_copy_only=False)
+    offsets = prompts.offsets.to_numpy()
+    begin, stop, settled = _tail_turns(flat, offsets)
+    if not settled.all():  # e.g. tool turns after the question: scan just those prompts
+        rows = np.flatnonzero(~settled)
+        subset = prompts.take(pa.array(rows))
+        sub_offsets = subset.offsets.to_numpy()
+        sub_begin, sub_stop = _scanned_turns(subset.values.to_numpy(), sub_offsets)
+        shift = offsets[rows] - sub_offsets[:-1]
+        begin[rows], stop[rows] = sub_begin + shift, sub_stop + shift
+    lengths = stop - begin
     index = np.repeat(begin - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
     new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(new_offsets), pa.array(flat[index], pa.int32()))
 
 
 _QUESTION = r"What is (-?\d+) ([-+*]) (-?\d+)\?"
+_LAST_NUMBER = r"(-?\d+)\D*$"
 
 
 def exact_match(steps: pl.DataFrame) -> pl.Series:
@@ -158,11 +233,12 @@ def exact_match(steps: pl.DataFrame) -> pl.Series:
     turn asks no such question."""
     question = decode_ids(last_user_turns(steps["prompt_ids"].to_arrow()))
     answer = decode_ids(steps["response_ids"].to_arrow())
+    asked = pl.col("q").str.extract_groups(_QUESTION).struct
     parts = pl.DataFrame({"q": question, "a": answer}).select(
-        a=pl.col("q").str.extract(_QUESTION, 1).cast(pl.Int64, strict=False),
-        op=pl.col("q").str.extract(_QUESTION, 2),
-        b=pl.col("q").str.extract(_QUESTION, 3).cast(pl.Int64, strict=False),
-        said=pl.col("a").str.extract_all(r"-?\d+").list.last().cast(pl.Int64, strict=False),
+        a=asked.field("1").cast(pl.Int64, strict=False),
+        op=asked.field("2"),
+        b=asked.field("3").cast(pl.Int64, strict=False),
+        said=pl.col("a").str.extract(_LAST_NUMBER, 1).cast(pl.Int64, strict=False),
     )
     expected = (
         pl.when(pl.col("op") == "+")
@@ -233,19 +309,82 @@ def scored_steps(lake: Lake, judge: Judge) -> pl.Series:
     return facts["event_id"].str.strip_prefix(prefix).alias("step_key")
 
 
-def _step_rows(lake: Lake, version: int, wanted: pl.Series, everything: bool) -> pl.DataFrame:
+@dataclass(frozen=True)
+class Watermark:
+    """Where a judge version's last whole-silver run left off: every step in silver at
+    `silver_version` was put to it; `bronze_version` is bronze's version when that run began
+    (a run that saw later steps began after it, so its facts commit after that version), and
+    `own_commit` the version of that run's own facts, if it had any."""
+
+    silver_version: int
+    bronze_version: int
+    own_commit: int | None = None
+
+
+def watermark_path(judge: Judge) -> str:
+    """The lake file holding a judge version's watermark."""
+    return f"rescore/{fact_id_prefix(judge).removesuffix('-')}.json"
+
+
+def read_watermark(lake: Lake, judge: Judge) -> Watermark | None:
+    """The judge version's watermark, if a run left one."""
+    text = lake.read_text(watermark_path(judge))
+    if text is None:
+        return None
+    mark = json.loads(text)
+    return Watermark(mark["silver_version"], mark["bronze_version"], mark.get("own_commit"))
+
+
+def _write_watermark(lake: Lake, judge: Judge, mark: Watermark) -> None:
+    known = read_watermark(lake, judge)
+    if known is not None and known.silver_version >= mark.silver_version:
+        return  # a run that saw more of silver got here first
+    text = {"judge": judge.name, "judge_version": judge.version, **mark.__dict__}
+    lake.write_text(watermark_path(judge), json.dumps(text))
+
+
+def _new_steps(lake: Lake, mark: Watermark, steps_version: int) -> pl.DataFrame | None:
+    """The judge's columns of the steps silver added after the watermark (its change feed),
+    or None when that range is not append-only (a repair rewrote silver, the log was
+    cleaned up): then every step is looked at."""
+    if steps_version < mark.silver_version:
+        return None  # silver was rebuilt from scratch
+    if steps_version == mark.silver_version:
+        return pl.DataFrame(schema=JUDGE_SCHEMA)
+    added = lake.changes(SILVER_STEPS, mark.silver_version, steps_version, JUDGE_INPUT_COLUMNS)
+    return None if added is None else pl.from_arrow(added).select(JUDGE_INPUT_COLUMNS)
+
+
+def _scored_since(lake: Lake, judge: Judge, mark: Watermark) -> pl.Series:
+    """Steps this judge version scored in runs other than the watermark's that committed
+    after it began (another process's run, or one whose watermark was lost): read only when
+    such a commit exists."""
+    empty = pl.Series("step_key", [], dtype=pl.String)
+    if lake.version(BRONZE_EVENTS) is None:
+        return empty
+    for version, metadata in lake.commits_after(BRONZE_EVENTS, mark.bronze_version):
+        ours = (metadata.get("rescore"), metadata.get("judge_version")) == (
+            judge.name,
+            judge.version,
+        )
+        if ours and version != mark.own_commit:
+            return scored_steps(lake, judge)
+    return empty
+
+
+def _step_rows(lake: Lake, version: int, wanted: pl.Series) -> pl.DataFrame:
     """The judge's columns of the `wanted` steps, read from only the files that hold them
-    (new steps live in new files: an incremental run reads little)."""
+    (new steps live in new files: a run after a few new steps reads little)."""
     table = lake.open(SILVER_STEPS, version)
     files = table.file_uris()
     options = lake.storage_options or None
-    if everything or not files:
-        return lake.read(SILVER_STEPS, version, columns=JUDGE_INPUT_COLUMNS)
+    if not files:
+        return pl.DataFrame(schema=JUDGE_SCHEMA)
     where = pl.scan_parquet(files, include_file_paths="file", storage_options=options)
     holding = where.select("step_key", "file").filter(pl.col("step_key").is_in(wanted.implode()))
     needed = holding.select("file").unique().collect()["file"].to_list()
     if not needed:
-        return pl.DataFrame(schema={c: pl.String for c in JUDGE_INPUT_COLUMNS}).head(0)
+        return pl.DataFrame(schema=JUDGE_SCHEMA)
     rows = pl.scan_parquet(needed, storage_options=options)
     return (
         rows.select(JUDGE_INPUT_COLUMNS)
@@ -258,58 +397,70 @@ def _bronze_rows(judge: Judge, scored: pl.DataFrame, now: dt.datetime) -> pa.Tab
     """The judge's facts as `bronze/events` rows (`feedback` records, payload as the gateway
     would store a `POST /v1/feedback` of them)."""
     created = now.isoformat().replace("+00:00", "Z")
-    payload = scored.select(
-        pl.struct(
-            target=pl.struct(step_key="step_key"),
-            kind=pl.lit("reward"),
-            value="reward",
-            source=pl.lit("judge"),
-            annotator=pl.lit(judge.name),
-            judge=pl.lit(judge.name),
-            judge_version=pl.lit(judge.version),
-            created_at=pl.lit(created),
-            metadata=pl.struct(rescored=pl.lit(True)),
-            event_id="event_id",
-        )
-        .struct.json_encode()
-        .alias("payload")
-    )["payload"]
-    count = scored.height
-    rows = {
-        "event_id": scored["event_id"].to_arrow(),
-        "kind": pa.array(["feedback"] * count, pa.string()),
-        "tenant": scored["tenant"].fill_null("default").to_arrow(),
-        "received_at": pa.array([now] * count, pa.timestamp("us", tz="UTC")),
-        "ingest_date": pa.array([now.date()] * count, pa.date32()),
-        "gateway_id": pa.array([RESCORE_WRITER] * count, pa.string()),
-        "batch_seq": pa.array(np.zeros(count, np.int64)),
-        "schema_version": pa.array(np.full(count, SCHEMA_VERSION, np.int32)),
-        "payload": payload.to_arrow(),
+    if not scored["step_key"].str.contains(_NEEDS_ESCAPE).any():  # the usual case: fast
+        payload = _plain_payload(judge, created)
+    else:
+        payload = _encoded_payload(judge, created)
+    rows = scored.select(
+        "event_id",
+        kind=pl.lit("feedback"),
+        tenant=pl.col("tenant").fill_null("default"),
+        received_at=pl.lit(now, pl.Datetime("us", "UTC")),
+        ingest_date=pl.lit(now.date(), pl.Date),
+        gateway_id=pl.lit(RESCORE_WRITER),
+        batch_seq=pl.lit(0, pl.Int64),
+        schema_version=pl.lit(SCHEMA_VERSION, pl.Int32),
+        payload=payload,
+    )
+    return rows.to_arrow()
+
+
+_NEEDS_ESCAPE = r'["\\\x00-\x1f\x7f]'  # what JSON would escape in a step key
+
+
+def _encoded_payload(judge: Judge, created: str) -> pl.Expr:
+    """A fact's payload, JSON-encoded field by field."""
+    return pl.struct(
+        target=pl.struct(step_key="step_key"),
+        kind=pl.lit("reward"),
+        value="reward",
+        source=pl.lit("judge"),
+        annotator=pl.lit(judge.name),
+        judge=pl.lit(judge.name),
+        judge_version=pl.lit(judge.version),
+        created_at=pl.lit(created),
+        metadata=pl.struct(rescored=pl.lit(True)),
+        event_id="event_id",
+    ).struct.json_encode()
+
+
+def _plain_payload(judge: Judge, created: str) -> pl.Expr:
+    """The same payload as `_encoded_payload`, put together as text: for step keys (and so
+    event ids) with nothing to escape."""
+    constant = {
+        "kind": "reward",
+        "source": "judge",
+        "annotator": judge.name,
+        "judge": judge.name,
+        "judge_version": judge.version,
+        "created_at": created,
+        "metadata": {"rescored": True},
     }
-    return pa.table(rows)
+    fields = json.dumps(constant, separators=(",", ":"))[1:-1]
+    return pl.concat_str(
+        pl.lit('{"target":{"step_key":"'),
+        pl.col("step_key"),
+        pl.lit('"},"value":'),
+        pl.col("reward").cast(pl.String),
+        pl.lit(f',{fields},"event_id":"'),
+        pl.col("event_id"),
+        pl.lit('"}'),
+    )
 
 
-def rescore(
-    lake: Lake,
-    judge: Judge,
-    spec: CurationSpec | None = None,
-    now: dt.datetime | None = None,
-) -> RescoreRun:
-    """Score the steps in scope (a spec's kept steps, else every silver step) that this judge
-    version has not scored yet; append their facts to bronze in one commit."""
-    started = time.perf_counter()
-    steps_version = silver_state(lake).versions.get(SILVER_STEPS)
-    if steps_version is None:
-        raise JudgeError("the lake has no silver steps yet: materialize silver first")
-    keys = lake.read(SILVER_STEPS, steps_version, columns=["step_key"])["step_key"]
-    if spec is not None:
-        keys = curated(lake, spec, source_versions(lake))["step_key"]
-    done = scored_steps(lake, judge)
-    todo = keys.filter(~keys.is_in(done.implode())) if done.len() else keys
-    todo = pl.DataFrame({"step_key": todo, "event_id": fact_event_ids(judge, todo)})
-    everything = todo.height == keys.len() and spec is None
-    steps = _step_rows(lake, steps_version, todo["step_key"], everything)
-    steps = steps.join(todo, on="step_key", how="inner", maintain_order="left")
+def _score(lake: Lake, judge: Judge, steps: pl.DataFrame, now: dt.datetime | None):
+    """Put `steps` (the judge's columns and each fact's event_id) to the judge; append the
+    rewards it gave as facts in one commit. (facts, abstentions, bronze version or None)."""
     empty = pl.Series([], dtype=pl.Float64)
     rewards = judge.score(steps.drop("event_id")) if steps.height else empty
     if len(rewards) != steps.height:
@@ -318,19 +469,64 @@ def rescore(
         reward=pl.Series(rewards).cast(pl.Float64, strict=False)
     )
     finite = scored.filter(pl.col("reward").is_not_null() & pl.col("reward").is_finite())
-    version = None
-    if finite.height:
-        now = now or dt.datetime.now(dt.UTC)
-        metadata = {"rescore": judge.name, "judge_version": judge.version, "facts": finite.height}
-        rows = _bronze_rows(judge, finite, now)
-        version = lake.append(BRONZE_EVENTS_SPEC, rows, metadata=metadata)
+    if not finite.height:
+        return 0, steps.height, None
+    now = now or dt.datetime.now(dt.UTC)
+    metadata = {"rescore": judge.name, "judge_version": judge.version, "facts": finite.height}
+    version = lake.append(BRONZE_EVENTS_SPEC, _bronze_rows(judge, finite, now), metadata=metadata)
+    return finite.height, steps.height - finite.height, version
+
+
+def rescore(
+    lake: Lake,
+    judge: Judge,
+    spec: CurationSpec | None = None,
+    now: dt.datetime | None = None,
+    full: bool = False,
+) -> RescoreRun:
+    """Score the steps in scope (a spec's kept steps, else every silver step) that this judge
+    version has not scored yet; append their facts to bronze in one commit.
+
+    Over all of silver, a run leaves a watermark and the next one reads only the steps added
+    since (silver's change feed; `full` looks at every step again, e.g. to re-ask those the
+    judge had no opinion on)."""
+    started = time.perf_counter()
+    bronze_began = lake.version(BRONZE_EVENTS) or 0
+    steps_version = silver_state(lake).versions.get(SILVER_STEPS)
+    if steps_version is None:
+        raise JudgeError("the lake has no silver steps yet: materialize silver first")
+    mark = None if spec is not None or full else read_watermark(lake, judge)
+    new = None if mark is None else _new_steps(lake, mark, steps_version)
+    if new is not None:  # only what silver added since the last run
+        candidates = new.height
+        done = _scored_since(lake, judge, mark) if new.height else None
+        if done is not None and done.len():
+            new = new.filter(~pl.col("step_key").is_in(done.implode()))
+        steps = new.with_columns(event_id=fact_event_ids(judge, new["step_key"]))
+    else:
+        done = scored_steps(lake, judge)
+        if not done.len() and spec is None:  # nothing scored yet: every step, as stored
+            steps = lake.read(SILVER_STEPS, steps_version, columns=JUDGE_INPUT_COLUMNS)
+            candidates = steps.height
+        else:
+            if spec is None:
+                keys = lake.read(SILVER_STEPS, steps_version, columns=["step_key"])["step_key"]
+            else:
+                keys = curated(lake, spec, source_versions(lake))["step_key"]
+            candidates = keys.len()
+            steps = _step_rows(lake, steps_version, keys.filter(~keys.is_in(done.implode())))
+        steps = steps.with_columns(event_id=fact_event_ids(judge, steps["step_key"]))
+    scored, abstained, version = _score(lake, judge, steps, now)
+    if spec is None:
+        _write_watermark(lake, judge, Watermark(steps_version, bronze_began, version))
     return RescoreRun(
         judge=judge.name,
         version=judge.version,
-        candidates=keys.len(),
-        already_scored=keys.len() - todo.height,
-        scored=finite.height,
-        abstained=steps.height - finite.height,
+        incremental=new is not None,
+        candidates=candidates,
+        already_scored=candidates - steps.height,
+        scored=scored,
+        abstained=abstained,
         bronze_version=version,
         seconds=round(time.perf_counter() - started, 3),
     )

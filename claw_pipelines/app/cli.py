@@ -120,12 +120,13 @@ def _cmd_rescore(args: argparse.Namespace) -> None:
     try:
         judge = load_judge(args.judge, args.judge_version)
         spec = load_spec(lake, args.spec) if args.spec else None
-        run = rescore(lake, judge, spec)
+        run = rescore(lake, judge, spec, full=args.full)
     except (JudgeError, SpecError, LookupError) as exc:
         raise CliError(str(exc)) from None
     print(
         f"judge {run.judge} v{run.version}: scored {run.scored} steps, {run.already_scored} "
-        f"already scored, no opinion on {run.abstained} (of {run.candidates}) in {run.seconds} s"
+        f"already scored, no opinion on {run.abstained} (of {run.candidates} "
+        f"{'added since the last run' if run.incremental else 'in scope'}) in {run.seconds} s"
     )
     if run.scored and not args.no_silver:
         build_silver(lake)
@@ -287,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     judge.add_argument("--judge", required=True, help="exact-match (built in), or module:function")
     judge.add_argument("--judge-version", help="default: the function's judge_version")
     judge.add_argument("--spec", help="only the steps this curation spec keeps")
+    judge.add_argument(
+        "--full",
+        action="store_true",
+        help="look at every step, not only those added since the last run (re-asks the steps "
+        "the judge had no opinion on)",
+    )
     judge.add_argument("--no-silver", action="store_true", help="do not run silver afterwards")
 
     verb("check", _cmd_check, "check a lake: keys held twice, watermarks, trees vs steps")

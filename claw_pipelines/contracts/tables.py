@@ -122,6 +122,7 @@ SILVER_STEPS_SPEC = TableSpec(
     partition_by=("policy_version",),
     sort_by=("step_key",),
     row_group_rows=1024,
+    change_feed=True,
     description="One step: state (prompt ids), action (response ids) and provenance. "
     "`origin_step_key` is the key the gateway gave an unscoped call before stitching; "
     "`sequence_hash` (unscoped calls) is the rolling hash later calls are matched against.",

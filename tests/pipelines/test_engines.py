@@ -22,7 +22,7 @@ DATASET = gold_dataset_table("engines")
 # table -> (partition columns, min reader version, min writer version): see the README
 PROTOCOL = {
     BRONZE_EVENTS: (["ingest_date"], 1, 4),  # writer 4: the change data feed
-    SILVER_STEPS: (["policy_version"], 1, 2),
+    SILVER_STEPS: (["policy_version"], 1, 4),  # its change feed: what re-scoring reads
     "silver/feedback": ([], 1, 2),
     "silver/trajectories": ([], 1, 2),
     "silver/step_rewards": ([], 1, 2),

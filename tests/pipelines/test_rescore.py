@@ -12,10 +12,15 @@ import polars as pl
 import pytest
 
 from claw_pipelines.contracts.specs import CurationSpec, JudgeRef
-from claw_pipelines.contracts.tables import GOLD_LINEAGE, SILVER_FEEDBACK, SILVER_STEP_REWARDS
+from claw_pipelines.contracts.tables import (
+    GOLD_LINEAGE,
+    SILVER_FEEDBACK,
+    SILVER_STEP_REWARDS,
+    SILVER_STEPS,
+)
 from claw_pipelines.gold import build_partition
 from claw_pipelines.lake import Lake
-from claw_pipelines.rescore import JudgeError, exact_match, load_judge, rescore
+from claw_pipelines.rescore import JudgeError, exact_match, load_judge, rescore, watermark_path
 from claw_pipelines.silver import build_silver
 from claw_pipelines.tokenization import IM_END, encode, encode_chat
 from claw_pipelines.transforms.judges import judge_agreement, judge_rewards
@@ -75,22 +80,54 @@ def test_rescoring_appends_facts_once_per_judge_version_and_only_for_new_steps(l
     judge = load_judge("exact-match")
     first = rescore(lake, judge)
     assert (first.candidates, first.scored, first.abstained) == (7, 6, 1)
-    again = rescore(lake, judge)
-    assert (again.scored, again.already_scored, again.bronze_version) == (0, 6, None)
+    again = rescore(lake, judge)  # silver added nothing since: nothing is looked at
+    assert (again.incremental, again.candidates, again.scored, again.bronze_version) == (
+        True,
+        0,
+        0,
+        None,
+    )
     build_silver(lake)
     facts = lake.read(SILVER_FEEDBACK).filter(pl.col("judge") == "exact-match")
     assert facts.height == 6 and set(facts["judge_version"]) == {"1"}
     assert set(facts["source"]) == {"judge"}
     land(lake, arithmetic_steps(offset=10)[:2])  # one more trajectory's two steps
     build_silver(lake)
-    later = rescore(lake, judge)
-    assert (later.scored, later.already_scored) == (2, 6)
+    later = rescore(lake, judge)  # only the two steps silver added since the last run
+    assert (later.incremental, later.candidates, later.scored) == (True, 2, 2)
+    every = rescore(lake, judge, full=True)  # all 9 again: only the abstention is re-asked
+    assert (every.incremental, every.candidates, every.already_scored) == (False, 9, 8)
+    assert (every.scored, every.abstained, every.bronze_version) == (0, 1, None)
     # another version of the judge scores everything again, beside the first one's facts
     second = rescore(lake, load_judge("exact-match", "2"))
     assert second.scored == 8
     build_silver(lake)
     versions = lake.read(SILVER_FEEDBACK).filter(pl.col("judge") == "exact-match")
     assert versions.group_by("judge_version").len().sort("judge_version")["len"].to_list() == [8, 8]
+
+
+def test_an_incremental_run_never_records_a_fact_twice_nor_misses_a_rewritten_silver(lake):
+    judge = load_judge("exact-match")
+    rescore(lake, judge)
+    first_mark = lake.read_text(watermark_path(judge))
+    land(lake, arithmetic_steps(offset=10))
+    build_silver(lake)
+    assert rescore(lake, judge).scored == 6  # math-10..12, two steps each...
+    # ...then its watermark is lost (a crash after the facts committed, or a slower run
+    # that saw less of silver writing last): the next run sees those facts and skips them
+    lake.write_text(watermark_path(judge), first_mark)
+    after_loss = rescore(lake, judge)
+    assert (after_loss.incremental, after_loss.candidates) == (True, 6)
+    assert (after_loss.scored, after_loss.already_scored) == (0, 6)
+    # silver rewritten (a repair): its change feed no longer says what is new, all is looked at
+    steps = lake.read(SILVER_STEPS)
+    lake.overwrite(SILVER_STEPS, steps.to_arrow(), metadata={"bronze_version": 0})
+    build_silver(lake)
+    rewritten = rescore(lake, judge)
+    assert (rewritten.incremental, rewritten.scored, rewritten.already_scored) == (False, 0, 12)
+    build_silver(lake)
+    facts = lake.read(SILVER_FEEDBACK).filter(pl.col("judge") == "exact-match")
+    assert facts.height == facts["step_key"].n_unique() == 12
 
 
 def test_the_default_rule_ignores_judges_and_a_spec_that_names_one_resolves_it(lake):
@@ -147,8 +184,12 @@ def test_claw_rescore_scores_and_runs_silver(lake):
         [*command, "--judge", "exact-match"], cwd=REPO, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    assert "scored 6 steps, 0 already scored, no opinion on 1 (of 7)" in done.stdout
+    assert "scored 6 steps, 0 already scored, no opinion on 1 (of 7 in scope)" in done.stdout
     assert lake.read(SILVER_FEEDBACK).filter(pl.col("judge") == "exact-match").height == 6
+    full = subprocess.run(
+        [*command, "--judge", "exact-match", "--full"], cwd=REPO, capture_output=True, text=True
+    )
+    assert "scored 0 steps, 6 already scored, no opinion on 1 (of 7 in scope)" in full.stdout
     bad = subprocess.run([*command, "--judge", "nope"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "nope" in bad.stderr
