@@ -26,7 +26,7 @@ import importlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -50,14 +50,6 @@ from claw_pipelines.tokenization import IM_END, IM_START, encode, token_bytes
 JudgeFunction = Callable[[pl.DataFrame], pl.Series]
 RESCORE_WRITER = "rescore"  # the bronze `gateway_id` of judges' facts
 # what a judge is given of each step
-JUDGE_INPUT_COLUMNS = [
-    "step_key",
-    "trajectory_uid",
-    "step_index",
-    "tenant",
-    "prompt_ids",
-    "response_ids",
-]
 JUDGE_SCHEMA = {
     "step_key": pl.String,
     "trajectory_uid": pl.String,
@@ -66,6 +58,7 @@ JUDGE_SCHEMA = {
     "prompt_ids": pl.List(pl.Int32),
     "response_ids": pl.List(pl.Int32),
 }
+JUDGE_INPUT_COLUMNS = list(JUDGE_SCHEMA)
 
 
 class JudgeError(ValueError):
@@ -159,7 +152,7 @@ def _scanned_turns(flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, n
 def _first_hits(flat: np.ndarray, at: np.ndarray, bound: np.ndarray, step: int, wanted):
     """For each start position in `at`, the first position stepping by `step` (+1 or -1,
     all rows at once, TAIL_TOKENS steps at most) before `bound` is passed where `wanted(at)`
-    holds: (positions, found)."""
+    holds: (positions, found, the rows still looking after TAIL_TOKENS steps)."""
     hits, found = np.zeros(len(at), np.int64), np.zeros(len(at), bool)
     pending, at, bound = np.arange(len(at)), at.astype(np.int64), bound.astype(np.int64)
     for _ in range(TAIL_TOKENS):
@@ -339,7 +332,7 @@ def _write_watermark(lake: Lake, judge: Judge, mark: Watermark) -> None:
     known = read_watermark(lake, judge)
     if known is not None and known.silver_version >= mark.silver_version:
         return  # a run that saw more of silver got here first
-    text = {"judge": judge.name, "judge_version": judge.version, **mark.__dict__}
+    text = {"judge": judge.name, "judge_version": judge.version, **asdict(mark)}
     lake.write_text(watermark_path(judge), json.dumps(text))
 
 
@@ -397,10 +390,6 @@ def _bronze_rows(judge: Judge, scored: pl.DataFrame, now: dt.datetime) -> pa.Tab
     """The judge's facts as `bronze/events` rows (`feedback` records, payload as the gateway
     would store a `POST /v1/feedback` of them)."""
     created = now.isoformat().replace("+00:00", "Z")
-    if not scored["step_key"].str.contains(_NEEDS_ESCAPE).any():  # the usual case: fast
-        payload = _plain_payload(judge, created)
-    else:
-        payload = _encoded_payload(judge, created)
     rows = scored.select(
         "event_id",
         kind=pl.lit("feedback"),
@@ -410,33 +399,14 @@ def _bronze_rows(judge: Judge, scored: pl.DataFrame, now: dt.datetime) -> pa.Tab
         gateway_id=pl.lit(RESCORE_WRITER),
         batch_seq=pl.lit(0, pl.Int64),
         schema_version=pl.lit(SCHEMA_VERSION, pl.Int32),
-        payload=payload,
+        payload=_payload(judge, created),
     )
     return rows.to_arrow()
 
 
-_NEEDS_ESCAPE = r'["\\\x00-\x1f\x7f]'  # what JSON would escape in a step key
-
-
-def _encoded_payload(judge: Judge, created: str) -> pl.Expr:
-    """A fact's payload, JSON-encoded field by field."""
-    return pl.struct(
-        target=pl.struct(step_key="step_key"),
-        kind=pl.lit("reward"),
-        value="reward",
-        source=pl.lit("judge"),
-        annotator=pl.lit(judge.name),
-        judge=pl.lit(judge.name),
-        judge_version=pl.lit(judge.version),
-        created_at=pl.lit(created),
-        metadata=pl.struct(rescored=pl.lit(True)),
-        event_id="event_id",
-    ).struct.json_encode()
-
-
-def _plain_payload(judge: Judge, created: str) -> pl.Expr:
-    """The same payload as `_encoded_payload`, put together as text: for step keys (and so
-    event ids) with nothing to escape."""
+def _payload(judge: Judge, created: str) -> pl.Expr:
+    """A fact's payload as JSON text: the judge's constant fields written once, the step key
+    and event id JSON-encoded per row (a whole-struct encode costs twice as much)."""
     constant = {
         "kind": "reward",
         "source": "judge",
@@ -447,14 +417,15 @@ def _plain_payload(judge: Judge, created: str) -> pl.Expr:
         "metadata": {"rescored": True},
     }
     fields = json.dumps(constant, separators=(",", ":"))[1:-1]
+    event_id = pl.struct("event_id").struct.json_encode().str.strip_prefix("{")
     return pl.concat_str(
-        pl.lit('{"target":{"step_key":"'),
-        pl.col("step_key"),
-        pl.lit('"},"value":'),
+        pl.lit('{"target":'),
+        pl.struct("step_key").struct.json_encode(),
+        pl.lit(',"value":'),
         pl.col("reward").cast(pl.String),
-        pl.lit(f',{fields},"event_id":"'),
-        pl.col("event_id"),
-        pl.lit('"}'),
+        pl.lit(f",{fields},"),
+        event_id.str.strip_suffix("}"),
+        pl.lit("}"),
     )
 
 
