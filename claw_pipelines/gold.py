@@ -31,15 +31,17 @@ from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_LINEAGE,
     GOLD_POLICY_VERSIONS,
+    GOLD_REJECTION_SCHEMA,
     SILVER_FEEDBACK,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
     gold_dataset_spec,
+    gold_rejection_spec,
     gold_tree_spec,
     gold_tree_table,
 )
-from claw_pipelines.lake import Guard, Lake, until_landed
+from claw_pipelines.lake import Guard, Lake, conform, until_landed
 from claw_pipelines.quality import (
     Finding,
     groups_are_complete,
@@ -49,11 +51,15 @@ from claw_pipelines.quality import (
     trees_rebuild_steps,
 )
 from claw_pipelines.silver import silver_state
+from claw_pipelines.spec_store import SpecError, load_spec
 from claw_pipelines.transforms.curation import (
     CANDIDATE_STEP_COLUMNS,
+    GROUP,
     candidates,
-    curate,
+    classify,
     judged,
+    kept_steps,
+    rejected_steps,
     tree_ids,
 )
 from claw_pipelines.transforms.prefix_tree import PrefixForest, build_forest
@@ -80,12 +86,14 @@ class GoldPartition:
     dataset: str
     policy_version: int
     spec: CurationSpec
-    source_versions: dict[str, int | None]
+    source_versions: dict[str, int | str | None]
     steps: pl.DataFrame = field(default_factory=pl.DataFrame)
+    rejected: pl.DataFrame = field(default_factory=pl.DataFrame)  # the steps left out
     forest: PrefixForest | None = None
     newest_version: int = 0
     dataset_version: int | None = None
     trees_version: int | None = None
+    rejections_version: int | None = None
     lineage: dict[str, Any] = field(default_factory=dict)
     reason: str = "build"
     write_conflicts: int = 0
@@ -152,6 +160,72 @@ def candidate_steps(lake: Lake, versions: dict[str, int | None]) -> pl.DataFrame
     return candidates(steps, rewards, trajectories)
 
 
+def classified(
+    lake: Lake,
+    spec: CurationSpec,
+    versions: dict[str, int | None],
+    frame: pl.DataFrame | None = None,
+    trail: tuple[str, ...] = (),
+) -> pl.DataFrame:
+    """Every step the spec draws from (silver, or another dataset's rejections when it
+    re-admits them) classified by it (`classify`: its reasons, null when kept), at the
+    pinned `versions`. `frame`: `candidate_steps` at `versions`, when already at hand."""
+    frame = candidate_steps(lake, versions) if frame is None else frame
+    newest = newest_policy(lake, versions, frame)
+    pool = frame
+    if spec.readmit is not None:
+        pool = readmitted(lake, spec, versions, frame, trail)
+    if spec.reward_judge is not None:
+        judge, pinned = spec.reward_judge, versions.get(SILVER_FEEDBACK)
+        facts = lake.read(SILVER_FEEDBACK, pinned, columns=JUDGE_FACT_COLUMNS)
+        pool = judged(pool, facts, judge.name, judge.version)
+    return classify(pool, spec, newest)
+
+
+def readmitted(
+    lake: Lake,
+    spec: CurationSpec,
+    versions: dict[str, int | None],
+    frame: pl.DataFrame,
+    trail: tuple[str, ...] = (),
+) -> pl.DataFrame:
+    """The candidate steps `spec.readmit` names: those its dataset's spec rejects (for one
+    of the given reasons) at the same silver versions."""
+    assert spec.readmit is not None
+    trail = (*trail, spec.name)
+    source = readmit_source(lake, spec, trail)
+    rejected = classified(lake, source, versions, frame, trail).filter(
+        pl.col("reason").is_not_null()
+    )
+    if spec.readmit.reasons is not None:
+        rejected = rejected.filter(pl.col("reason").is_in(spec.readmit.reasons))
+    return frame.filter(pl.col("step_key").is_in(rejected["step_key"].implode()))
+
+
+def readmit_source(lake: Lake, spec: CurationSpec, trail: tuple[str, ...] = ()) -> CurationSpec:
+    """The spec whose rejections `spec` re-admits; a SpecError names a missing one or a
+    cycle."""
+    assert spec.readmit is not None
+    name = spec.readmit.dataset
+    if name in trail[:-1] or name == spec.name:
+        raise SpecError(f"readmit: {' -> '.join((*trail, name))} is a cycle")
+    try:
+        return load_spec(lake, name)
+    except SpecError as exc:
+        raise SpecError(f"readmit: {exc}") from None
+
+
+def spec_sources(lake: Lake, spec: CurationSpec) -> dict[str, str]:
+    """The hashes of the specs a dataset re-admits from (`spec:<name>` -> hash), recorded
+    in lineage beside the table versions: a change to one rebuilds the dataset."""
+    sources, trail, current = {}, (spec.name,), spec
+    while current.readmit is not None:
+        current = readmit_source(lake, current, trail)
+        trail += (current.name,)
+        sources[f"spec:{current.name}"] = current.spec_hash
+    return sources
+
+
 def curated(
     lake: Lake,
     spec: CurationSpec,
@@ -160,13 +234,27 @@ def curated(
 ) -> pl.DataFrame:
     """Every step the spec keeps, over all policy versions (small columns, pinned versions),
     with its `tree_id`. `frame`: `candidate_steps` at `versions`, when already at hand."""
-    frame = candidate_steps(lake, versions) if frame is None else frame
-    if spec.reward_judge is not None:
-        judge, pinned = spec.reward_judge, versions.get(SILVER_FEEDBACK)
-        facts = lake.read(SILVER_FEEDBACK, pinned, columns=JUDGE_FACT_COLUMNS)
-        frame = judged(frame, facts, judge.name, judge.version)
-    kept = curate(frame, spec, newest_policy(lake, versions, frame))
-    return kept.with_columns(tree_id=tree_ids(kept, spec))
+    return curated_and_rejected(lake, spec, versions, frame)[0]
+
+
+def curated_and_rejected(
+    lake: Lake,
+    spec: CurationSpec,
+    versions: dict[str, int | None],
+    frame: pl.DataFrame | None = None,
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(the steps the spec keeps, with `tree_id`; the steps it leaves out, with reasons)."""
+    rows = classified(lake, spec, versions, frame)
+    kept = kept_steps(rows, spec)
+    return kept.with_columns(tree_id=tree_ids(kept, spec)), rejected_steps(rows, spec)
+
+
+def rejection_rows(rejected: pl.DataFrame, landed_at: datetime) -> pa.Table:
+    """The `gold/rejections` rows of rejected steps (in step_key order), stamped."""
+    rows = rejected.sort("step_key").with_columns(
+        landed_at=pl.lit(landed_at, dtype=pl.Datetime("us", "UTC"))
+    )
+    return conform(rows.rename({GROUP: "group_key"}).to_arrow(), GOLD_REJECTION_SCHEMA)
 
 
 def policy_versions(lake: Lake) -> list[int]:
@@ -251,7 +339,7 @@ def partition_writer(policy_version: int) -> str:
 def lineage_row(
     spec: CurationSpec,
     policy_version: int,
-    sources: dict[str, int | None],
+    sources: dict[str, int | str | None],
     totals: dict[str, int],
     reason: str,
 ) -> dict[str, Any]:
@@ -295,23 +383,30 @@ def build_partition(
 
 
 def pin_gold(lake: Lake, spec: CurationSpec) -> dict[str, int]:
-    """Create the dataset's two tables if missing; the versions a build is based on."""
-    tables = (gold_dataset_spec(spec.name), gold_tree_spec(spec.name))
+    """Create the dataset's tables if missing; the versions a build is based on."""
+    tables = (
+        gold_dataset_spec(spec.name),
+        gold_tree_spec(spec.name),
+        gold_rejection_spec(spec.name),
+    )
     for table in tables:
         lake.ensure(table)
     return {table.name: lake.version(table.name) for table in tables}
 
 
 def _build_once(lake: Lake, spec: CurationSpec, policy_version: int, reason: str) -> GoldPartition:
-    """One attempt: pin both gold tables, read silver, build, commit guarded."""
+    """One attempt: pin the gold tables, read silver, build, commit guarded (rejections,
+    then dataset, then trees; lineage last)."""
     pins = pin_gold(lake, spec)
     versions = source_versions(lake)
     part = GoldPartition(spec.name, policy_version, spec, versions, reason=reason)
     if versions[SILVER_STEPS] is None:
         return part
-    chosen = curated(lake, spec, versions)
+    part.source_versions = versions | spec_sources(lake, spec)
+    chosen, rejected = curated_and_rejected(lake, spec, versions)
     part.newest_version = int(chosen["newest_policy_version"].max() or 0) if chosen.height else 0
     chosen = chosen.filter(pl.col("policy_version") == policy_version)
+    part.rejected = rejected.filter(pl.col("policy_version") == policy_version)
     part.steps, part.forest = merge_trees(with_tokens(lake, chosen, versions[SILVER_STEPS]))
     totals = {
         "steps": part.steps.height,
@@ -319,12 +414,21 @@ def _build_once(lake: Lake, spec: CurationSpec, policy_version: int, reason: str
         "raw_tokens": part.raw_tokens,
         "tree_tokens": part.tree_tokens,
     }
-    lineage = lineage_row(spec, policy_version, versions, totals, reason)
+    lineage = lineage_row(spec, policy_version, part.source_versions, totals, reason)
     guard = Guard((partition_writer(policy_version),), versions[SILVER_TRAJECTORIES] or 0, pins)
     meta = commit_metadata(lineage)
+    landed_at = datetime.now(UTC)
+    part.rejections_version = lake.replace_partition(
+        gold_rejection_spec(spec.name),
+        rejection_rows(part.rejected, landed_at),
+        "policy_version",
+        policy_version,
+        metadata=meta,
+        guard=guard,
+    )
     part.dataset_version = lake.replace_partition(
         gold_dataset_spec(spec.name),
-        dataset_rows(part.steps, datetime.now(UTC)),
+        dataset_rows(part.steps, landed_at),
         "policy_version",
         policy_version,
         metadata=meta,

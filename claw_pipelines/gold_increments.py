@@ -30,6 +30,8 @@ from claw_pipelines.contracts.tables import (
     TableSpec,
     gold_dataset_spec,
     gold_dataset_table,
+    gold_rejection_spec,
+    gold_rejection_table,
     gold_tree_spec,
     gold_tree_table,
 )
@@ -37,7 +39,7 @@ from claw_pipelines.gold import (
     TOKEN_COLUMNS,
     GoldPartition,
     candidate_steps,
-    curated,
+    curated_and_rejected,
     dataset_rows,
     lineage_row,
     merge_trees,
@@ -45,7 +47,9 @@ from claw_pipelines.gold import (
     pin_gold,
     record_lineage,
     recover_lineage,
+    rejection_rows,
     source_versions,
+    spec_sources,
     tree_rows,
     with_tokens,
 )
@@ -64,10 +68,11 @@ class GoldIncrement:
     """What one increment of a dataset found and wrote."""
 
     dataset: str
-    source_versions: dict[str, int | None]
+    source_versions: dict[str, int | str | None]
     added: list[str] = field(default_factory=list)  # "policy_version:unit" keys
     rewritten: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    rejected: list[int] = field(default_factory=list)  # policy versions whose rejections changed
     partitions: dict[int, GoldPartition] = field(default_factory=dict)
     dataset_version: int | None = None
     trees_version: int | None = None
@@ -76,7 +81,7 @@ class GoldIncrement:
     @property
     def changed(self) -> bool:
         """Whether the increment wrote anything."""
-        return bool(self.added or self.rewritten or self.removed)
+        return bool(self.added or self.rewritten or self.removed or self.rejected)
 
     def summary(self) -> dict[str, object]:
         """Counts, as plain JSON-able values."""
@@ -85,6 +90,7 @@ class GoldIncrement:
             "added": len(self.added),
             "rewritten": len(self.rewritten),
             "removed": len(self.removed),
+            "rejections_rewritten": self.rejected,
             "partitions": sorted(self.partitions),
             "dataset_version": self.dataset_version,
             "write_conflicts": self.write_conflicts,
@@ -117,6 +123,8 @@ class AtHand:
 
     tokens: pl.DataFrame | None = None
     _candidates: tuple[tuple, pl.DataFrame] | None = None
+    # per dataset: (its rejections table's version, the fingerprints of that version)
+    rejections: dict[str, tuple[int, pl.DataFrame]] = field(default_factory=dict)
 
     def candidates(self, lake: Lake, versions: dict[str, int | None]) -> pl.DataFrame:
         """`candidate_steps` at `versions`, read once per set of silver versions."""
@@ -158,7 +166,10 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
     if versions[SILVER_STEPS] is None:
         return increment
     table = gold_dataset_table(spec.name)
-    now = with_units(curated(lake, spec, versions, at_hand.candidates(lake, versions)))
+    now, rejected = curated_and_rejected(lake, spec, versions, at_hand.candidates(lake, versions))
+    now = with_units(now)
+    increment.source_versions = versions | spec_sources(lake, spec)
+    rejections = _rejections_to_write(lake, spec, pins, rejected, at_hand)
     stored = with_units(lake.read(table, pins[table], columns=FINGERPRINTED.names))
     segments = _stored_segments(lake, spec, pins)
     judged = unit_fingerprints(now).join(
@@ -172,7 +183,7 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
         pl.col("fingerprint").ne_missing(pl.col("fingerprint_stored"))
         | pl.col("torn").fill_null(False)
     ).with_columns(key=pl.col("policy_version").cast(pl.String) + ":" + pl.col("unit"))
-    if changed.is_empty():
+    if changed.is_empty() and rejections is None:
         return increment
     increment.added = changed.filter(pl.col("fingerprint_stored").is_null())["key"].to_list()
     increment.removed = changed.filter(pl.col("fingerprint").is_null())["key"].to_list()
@@ -193,7 +204,9 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
         version = int(version)
         trees = gone["trees"].explode().unique().drop_nulls().to_list()
         clauses.append(f"(policy_version = {version} AND tree_id IN ({_quoted(trees)}))")
-        part = GoldPartition(spec.name, version, spec, versions, reason=_reason(increment, version))
+        part = GoldPartition(
+            spec.name, version, spec, increment.source_versions, reason=_reason(increment, version)
+        )
         rows = writing.filter(pl.col("policy_version") == version)
         if rows.height:
             part.steps, part.forest = merge_trees(rows)
@@ -210,11 +223,26 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
         lineages.append(part.lineage)
         increment.partitions[version] = part
 
-    writers = tuple(partition_writer(v) for v in sorted(increment.partitions))
+    touched = set(increment.partitions) | set(rejections.versions if rejections else ())
+    writers = tuple(partition_writer(v) for v in sorted(touched))
     guard = Guard(writers, versions[SILVER_TRAJECTORIES] or 0, pins)
+    if rejections is not None:
+        increment.rejected = rejections.versions
+        where_rejected = f"policy_version IN ({', '.join(map(str, rejections.versions))})"
+        meta = {"spec_hash": spec.spec_hash, "source_versions": increment.source_versions}
+        written = lake.overwrite(
+            gold_rejection_spec(spec.name),
+            rejections.rows,
+            metadata=meta,
+            where=where_rejected,
+            guard=guard,
+        )
+        at_hand.rejections[spec.name] = (written, rejections.fingerprints)
+    if changed.is_empty():
+        return increment
     where = " OR ".join(clauses)
     meta = {"increment": increment.summary() | {"partitions": sorted(increment.partitions)}}
-    meta |= {"spec_hash": spec.spec_hash, "source_versions": versions}
+    meta |= {"spec_hash": spec.spec_hash, "source_versions": increment.source_versions}
     # only new units: their trees are disjoint from every stored one, so a plain (guarded)
     # append does what the predicate overwrite would, without scanning the stored files
     only_added = not increment.rewritten and not increment.removed
@@ -236,6 +264,49 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
         part.lineage = row
         part.dataset_version, part.trees_version = row["dataset_version"], row["trees_version"]
     return increment
+
+
+@dataclass
+class RejectionsWrite:
+    """The rejections an increment writes: the policy versions whose set changed, their
+    rows, and every version's fingerprint after the write."""
+
+    versions: list[int]
+    rows: pa.Table
+    fingerprints: pl.DataFrame
+
+
+def rejection_fingerprints(rows: pa.Table) -> pl.DataFrame:
+    """Per policy version: a fingerprint of its `gold/rejections` rows (`landed_at` aside)."""
+    frame = pl.from_arrow(rows.drop_columns(["landed_at"]))
+    assert isinstance(frame, pl.DataFrame)
+    return frame.group_by("policy_version").agg(
+        fingerprint=pl.struct(pl.exclude("policy_version")).hash().sum()
+    )
+
+
+def _rejections_to_write(
+    lake: Lake, spec: CurationSpec, pins: dict[str, int], rejected: pl.DataFrame, at_hand: AtHand
+) -> RejectionsWrite | None:
+    """What the dataset's rejections table must be rewritten with (None: nothing changed):
+    compared per policy version with the table at its pin (its fingerprints kept between
+    increments while no one else writes it)."""
+    table = gold_rejection_table(spec.name)
+    cached = at_hand.rejections.get(spec.name)
+    if cached is not None and cached[0] == pins[table]:
+        stored = cached[1]
+    else:
+        stored = rejection_fingerprints(lake.read(table, pins[table]).to_arrow())
+    rows = rejection_rows(rejected, datetime.now(UTC))
+    now = rejection_fingerprints(rows)
+    both = now.join(stored, on="policy_version", how="full", coalesce=True, suffix="_stored")
+    differ = both.filter(pl.col("fingerprint").ne_missing(pl.col("fingerprint_stored")))
+    if differ.is_empty():
+        at_hand.rejections[spec.name] = (pins[table], stored)
+        return None
+    versions = sorted(int(v) for v in differ["policy_version"])
+    chosen = pl.from_arrow(rows["policy_version"]).is_in(versions).to_arrow()
+    return RejectionsWrite(versions, rows.filter(chosen), now)
 
 
 def _stack(parts: list[pa.Table], schema: pa.Schema) -> pa.Table:

@@ -1,5 +1,6 @@
-"""Where curation specs are kept: `specs/<name>.yaml` in the lake, plus the built-in `default`
-(the spec model itself is claw_pipelines.contracts.specs)."""
+"""Where curation specs are kept: `specs/<name>.yaml` in the lake, plus the built-in ones
+(`default`, always built; `sft-successes` and `preference-pairs`, built once added), the
+spec model itself being claw_pipelines.contracts.specs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import yaml
 from pydantic import ValidationError
 
-from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec
+from claw_pipelines.contracts.specs import BUILTIN_SPECS, DEFAULT_SPEC, CurationSpec
 from claw_pipelines.lake import Lake
 
 SPEC_FOLDER = "specs"
@@ -103,7 +104,14 @@ def load_spec(lake: Lake, name: str) -> CurationSpec:
     text = lake.read_text(path)
     if text is not None:
         return _parse_file(path, name, text)
-    if name == DEFAULT_SPEC.name:
-        return DEFAULT_SPEC
-    known = sorted(read_specs(lake).specs)
+    if name in BUILTIN_SPECS:
+        return BUILTIN_SPECS[name]
+    known = sorted(set(read_specs(lake).specs) | set(BUILTIN_SPECS))
     raise SpecError(f"no spec named {name!r} (known: {', '.join(known)})")
+
+
+def add_builtin(lake: Lake, name: str) -> CurationSpec:
+    """Store a built-in spec in the lake, so its dataset is built from now on."""
+    if name not in BUILTIN_SPECS:
+        raise SpecError(f"no built-in spec named {name!r} (built in: {', '.join(BUILTIN_SPECS)})")
+    return save_spec(lake, BUILTIN_SPECS[name])

@@ -190,6 +190,51 @@ def _cmd_policy_show(args: argparse.Namespace) -> None:
         print(f"v{row['policy_version']}  {row['published_at']:%Y-%m-%d %H:%M:%S}{by}{note}")
 
 
+def _cmd_spec_list(args: argparse.Namespace) -> None:
+    from claw_pipelines.contracts.specs import BUILTIN_SPECS
+    from claw_pipelines.spec_store import read_specs
+
+    shelf = read_specs(_open_lake(args))
+    for name, spec in sorted(shelf.specs.items()):
+        print(f"{name}  {spec.spec_hash}  built  {spec.description}")
+    for name in sorted(set(BUILTIN_SPECS) - set(shelf.specs) - set(shelf.errors)):
+        print(
+            f"{name}  {BUILTIN_SPECS[name].spec_hash}  built in, not added  "
+            f"{BUILTIN_SPECS[name].description}"
+        )
+    for name, error in sorted(shelf.errors.items()):
+        print(f"{name}  invalid: {error}")
+
+
+def _cmd_spec_add(args: argparse.Namespace) -> None:
+    from claw_pipelines.spec_store import SpecError, add_builtin
+
+    lake = _open_lake(args)
+    try:
+        spec = add_builtin(lake, args.name)
+    except SpecError as exc:
+        raise CliError(str(exc)) from None
+    print(f"added {spec.name} (hash {spec.spec_hash}); `claw materialize` builds its dataset")
+
+
+def _cmd_ledger(args: argparse.Namespace) -> None:
+    import polars as pl
+
+    from claw_pipelines.ledger import waste_ledger
+
+    ledger = waste_ledger(_open_lake(args), args.dataset)
+    if ledger.is_empty():
+        print("no gold dataset yet: `claw materialize` builds them")
+        return
+    shown = ledger.with_columns(
+        pl.col("reason").fill_null(""),
+        pl.col("generation_s").round(2),
+        pl.col("readmitted_by").list.join(","),
+    )
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=160, tbl_hide_dataframe_shape=True):
+        print(shown)
+
+
 def _cmd_dashboard(args: argparse.Namespace) -> None:
     import os
 
@@ -316,6 +361,26 @@ def build_parser() -> argparse.ArgumentParser:
     show = policy_verbs.add_parser("show", help="list the published versions")
     show.add_argument("--lake", help="lake URI (overrides CLAW_LAKE_URI)")
     show.set_defaults(handler=_cmd_policy_show)
+
+    specs = verbs.add_parser("spec", help="the curation specs that define gold datasets")
+    spec_verbs = specs.add_subparsers(dest="spec_verb", required=True, metavar="ACTION")
+    listing = spec_verbs.add_parser("list", help="the lake's specs, and the built-in ones")
+    listing.add_argument("--lake", help="lake URI (overrides CLAW_LAKE_URI)")
+    listing.set_defaults(handler=_cmd_spec_list)
+    add = spec_verbs.add_parser(
+        "add", help="add a built-in spec (sft-successes, preference-pairs) to the lake"
+    )
+    add.add_argument("name")
+    add.add_argument("--lake", help="lake URI (overrides CLAW_LAKE_URI)")
+    add.set_defaults(handler=_cmd_spec_add)
+
+    ledger = verb(
+        "ledger",
+        _cmd_ledger,
+        "the waste ledger: per dataset and policy version, steps, tokens and generation time "
+        "admitted, rejected by reason, and re-admitted by another dataset",
+    )
+    ledger.add_argument("--dataset", action="append", help="only these datasets; repeatable")
 
     keys = verbs.add_parser("keys", help="manage gateway API keys")
     key_verbs = keys.add_subparsers(dest="keys_verb", required=True, metavar="ACTION")

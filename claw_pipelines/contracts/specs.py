@@ -22,6 +22,21 @@ Length = Annotated[int, Field(ge=0)]
 JudgeName = Annotated[
     str, StringConstraints(min_length=1, max_length=MAX_UID_CHARS, pattern=UID_PATTERN)
 ]
+# Why a spec leaves a step out of its dataset (`gold/rejections/<name>`), in the order a step's
+# first reason is named: its own filters, then its group's rules, then the spec's selection.
+REJECTION_REASONS = (
+    "superseded",  # a retry orphan (keep_superseded is off)
+    "stale",  # policy version too old, or not one of policy_versions
+    "reward",  # reward status, reward range, rating or trajectory return
+    "label",  # require_labels / exclude_labels
+    "length",  # prompt or response length
+    "source",  # token source, finish reason, source kind or tenant
+    "incomplete",  # its trajectory, or its prompt group, is not complete or big enough yet
+    "deadline",  # its group was still incomplete at its deadline, and the spec skips those
+    "zero_variance",  # every trajectory of its group has the same return
+    "not_selected",  # not the trajectory the spec's `select` picks from its group
+)
+RejectionReason = Literal[REJECTION_REASONS]
 
 
 class JudgeRef(BaseModel):
@@ -31,6 +46,22 @@ class JudgeRef(BaseModel):
 
     name: JudgeName = Field(description="the judge (`claw rescore --judge NAME`)")
     version: JudgeName = Field(description="its version")
+
+
+class Readmission(BaseModel):
+    """Draw a dataset's steps from what another dataset's spec rejects, instead of silver."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dataset: DatasetName = Field(description="the dataset whose rejections are re-admitted")
+    reasons: list[RejectionReason] | None = Field(
+        None, description="only steps rejected for one of these reasons (default: any)"
+    )
+
+
+# fields added after specs were first hashed: left out of the canonical JSON while they hold
+# these values, so an older spec keeps its hash
+_LATER_FIELDS = {"reward_judge": None, "readmit": None, "select": "all", "min_return": None}
 
 
 class CurationSpec(BaseModel):
@@ -104,6 +135,22 @@ class CurationSpec(BaseModel):
         "has none), a trajectory's return the sum over its steps",
     )
 
+    min_return: float | None = Field(
+        None, description="lowest trajectory return kept (e.g. successes only)"
+    )
+    readmit: Readmission | None = Field(
+        None,
+        description="draw steps only from what another dataset's spec rejects (its "
+        "gold/rejections), e.g. SFT on the groups GRPO drops for zero variance",
+    )
+    select: Literal["all", "best_per_group", "best_and_worst"] = Field(
+        "all",
+        description="which of a prompt group's trajectories to keep (after the filters): "
+        "all; the best one by return (SFT on successes); or the best and the worst (a "
+        "preference pair; groups whose returns are all equal are dropped). Ties go to the "
+        "smallest trajectory_uid",
+    )
+
     @model_validator(mode="after")
     def _ranges_are_ordered(self) -> CurationSpec:
         for low, high in (
@@ -114,13 +161,16 @@ class CurationSpec(BaseModel):
             a, b = getattr(self, low), getattr(self, high)
             if a is not None and b is not None and a > b:
                 raise ValueError(f"{low} ({a}) is above {high} ({b})")
+        if self.readmit is not None and self.readmit.dataset == self.name:
+            raise ValueError("readmit: a dataset cannot re-admit its own rejections")
         return self
 
     def canonical_json(self) -> str:
         """The spec as canonical JSON (sorted keys, no spaces): what its hash covers."""
         data = self.model_dump(mode="json")
-        if data["reward_judge"] is None:  # specs from before judges keep their hash
-            del data["reward_judge"]
+        for name, default in _LATER_FIELDS.items():
+            if data[name] == default:
+                del data[name]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @property
@@ -138,3 +188,29 @@ DEFAULT_SPEC = CurationSpec(
     merge="prompt_group",
     advantage="grpo",
 )
+
+
+SFT_SUCCESSES_SPEC = CurationSpec(
+    name="sft-successes",
+    description="Supervised fine-tuning on successes: the best complete trajectory of each "
+    "prompt group, if its return is at least 1 (flat SFT records: `claw export --format "
+    "sft-messages`).",
+    reward_status=["final", "missing"],
+    trajectory_status=["complete"],
+    min_return=1.0,
+    select="best_per_group",
+    merge="trajectory",
+)
+
+PREFERENCE_PAIRS_SPEC = CurationSpec(
+    name="preference-pairs",
+    description="Preference pairs: the best and the worst complete trajectory of each prompt "
+    "group whose returns differ (`claw export --format preference-pairs`).",
+    reward_status=["final", "missing"],
+    trajectory_status=["complete"],
+    select="best_and_worst",
+    merge="prompt_group",
+)
+
+# specs a lake has without a file: `default` is always built; the others once added
+BUILTIN_SPECS = {s.name: s for s in (DEFAULT_SPEC, SFT_SUCCESSES_SPEC, PREFERENCE_PAIRS_SPEC)}

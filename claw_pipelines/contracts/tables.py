@@ -19,6 +19,7 @@ GOLD_CONSUMPTION = "gold/consumption"
 GOLD_POLICY_VERSIONS = "gold/policy_versions"
 GOLD_DATASETS_PREFIX = "gold/datasets"
 GOLD_TREES_PREFIX = "gold/trees"
+GOLD_REJECTIONS_PREFIX = "gold/rejections"
 
 RECORD_KINDS = ("step", "chat_completion", "completion", "feedback", "event", "trajectory_complete")
 STEP_KINDS = ("step", "chat_completion", "completion")
@@ -335,6 +336,7 @@ GOLD_DATASET_SCHEMA = pa.schema(
         ("segment", pa.int64()),
         ("spec_hash", pa.string()),
         ("admission", pa.string()),
+        ("generation_ms", pa.float64()),
         ("landed_at", UTC_MICROS),
     ]
 )
@@ -352,6 +354,45 @@ GOLD_TREE_SCHEMA = pa.schema(
         ("path", pa.list_(pa.int64())),
     ]
 )
+
+
+GOLD_REJECTION_SCHEMA = pa.schema(
+    [
+        pa.field("step_key", pa.string(), nullable=False),
+        pa.field("policy_version", pa.int64(), nullable=False),
+        ("trajectory_uid", pa.string()),
+        ("step_index", pa.int64()),
+        ("group_key", pa.string()),
+        ("reason", pa.string()),
+        ("reasons", pa.list_(pa.string())),
+        ("prompt_len", pa.int64()),
+        ("response_len", pa.int64()),
+        ("generation_ms", pa.float64()),
+        ("reward", pa.float64()),
+        ("reward_status", pa.string()),
+        ("trajectory_status", pa.string()),
+        ("trajectory_return", pa.float64()),
+        ("spec_hash", pa.string()),
+        ("landed_at", UTC_MICROS),
+    ]
+)
+
+
+def gold_rejection_table(name: str) -> str:
+    """Table path of the steps dataset `name`'s spec leaves out."""
+    return f"{GOLD_REJECTIONS_PREFIX}/{name}"
+
+
+def gold_rejection_spec(name: str) -> TableSpec:
+    """The steps dataset `name`'s spec leaves out (a view of silver: keys and small columns,
+    no tokens), each with its `reason` (the first rule it fails) and every rule it fails
+    (`reasons`); partitioned by policy version, rewritten with the dataset's partitions."""
+    return TableSpec(
+        gold_rejection_table(name),
+        GOLD_REJECTION_SCHEMA,
+        partition_by=("policy_version",),
+        description=f"Steps the spec of gold dataset {name} leaves out, and why.",
+    )
 
 
 def gold_dataset_spec(name: str) -> TableSpec:

@@ -10,6 +10,7 @@ from claw_pipelines.contracts.tables import (
     GOLD_DATASETS_PREFIX,
     GOLD_LINEAGE,
     GOLD_POLICY_VERSIONS,
+    GOLD_REJECTIONS_PREFIX,
     GOLD_TREES_PREFIX,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
@@ -19,7 +20,12 @@ from claw_pipelines.defs.checks import check_result, check_spec
 from claw_pipelines.defs.keys import STEP_REWARDS, STEPS, TRAJECTORIES, table_key
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.defs.runs import PRIORITY_TAG, partitions_in_flight
-from claw_pipelines.gold import build_partition, partition_findings, policy_versions
+from claw_pipelines.gold import (
+    build_partition,
+    partition_findings,
+    policy_versions,
+    spec_sources,
+)
 from claw_pipelines.lake import Lake
 from claw_pipelines.live import materializer_running
 from claw_pipelines.silver import silver_state
@@ -33,6 +39,7 @@ GOLD_PARTITIONS = dg.MultiPartitionsDefinition(
 DATASETS_KEY = table_key(GOLD_DATASETS_PREFIX)
 TREES_KEY = table_key(GOLD_TREES_PREFIX)
 LINEAGE_KEY = table_key(GOLD_LINEAGE)
+REJECTIONS_KEY = table_key(GOLD_REJECTIONS_PREFIX)
 SOURCES = [STEPS, STEP_REWARDS, TRAJECTORIES]
 MAX_GOLD_RUNS_IN_FLIGHT = 6  # more only as these finish (claw up runs 4 at a time)
 
@@ -54,6 +61,16 @@ GOLD_SPECS = (
         partitions_def=GOLD_PARTITIONS,
         description="gold/trees/<name>: the dataset's steps merged into prefix trees (scope "
         "from the spec): exactly U tokens, every step rebuilt exactly.",
+    ),
+    dg.AssetSpec(
+        REJECTIONS_KEY,
+        deps=SOURCES,
+        group_name="gold",
+        partitions_def=GOLD_PARTITIONS,
+        description="gold/rejections/<name>: every silver step the dataset's spec leaves "
+        "out, with the reason (stale, reward, label, length, incomplete, deadline, "
+        "zero_variance, ...): a view another spec can re-admit (`readmit`), and the waste "
+        "ledger's source; rewritten with each partition.",
     ),
     dg.AssetSpec(
         LINEAGE_KEY,
@@ -107,9 +124,9 @@ def gold(context: dg.AssetExecutionContext, claw: ClawLake):
     lake = claw.lake()
     try:
         spec = load_spec(lake, keys["dataset"])
+        part = build_partition(lake, spec, int(keys["policy_version"]))
     except SpecError as exc:  # this dataset only: one line naming the file and the field
         raise dg.Failure(description=str(exc), allow_retries=False) from None
-    part = build_partition(lake, spec, int(keys["policy_version"]))
     summary = {
         "dataset": spec.name,
         "spec_hash": spec.spec_hash,
@@ -120,9 +137,11 @@ def gold(context: dg.AssetExecutionContext, claw: ClawLake):
         "token_ratio": round(part.tree_tokens / part.raw_tokens, 4) if part.raw_tokens else 1.0,
         "source_versions": dg.MetadataValue.json(part.source_versions),
     }
+    summary["rejected_steps"] = part.rejected.height
     versions = {
         DATASETS_KEY: part.dataset_version,
         TREES_KEY: part.trees_version,
+        REJECTIONS_KEY: part.rejections_version,
         LINEAGE_KEY: lake.version(GOLD_LINEAGE),
     }
     for spec_ in GOLD_SPECS:
@@ -162,11 +181,20 @@ def partition_fingerprints(lake: Lake, specs: dict[str, CurationSpec]) -> dict[s
     published = lake.version(GOLD_POLICY_VERSIONS)  # staleness counts from it
     return {
         dg.MultiPartitionKey({"dataset": name, "policy_version": str(version)}): (
-            f"{spec.spec_hash}-{fingerprint}-{published}"
+            f"{_specs_hash(lake, spec)}-{fingerprint}-{published}"
         )
         for name, spec in specs.items()
         for version, fingerprint in per_version.iter_rows()
     }
+
+
+def _specs_hash(lake: Lake, spec: CurationSpec) -> str:
+    """The spec's hash, and those of the specs it re-admits from (a broken chain: its
+    builds fail, naming the field)."""
+    try:
+        return "-".join([spec.spec_hash, *spec_sources(lake, spec).values()])
+    except SpecError:
+        return f"{spec.spec_hash}-unresolved"
 
 
 gold_job = dg.define_asset_job(

@@ -78,6 +78,20 @@ def superseded_by(steps: pl.DataFrame) -> pl.Series:
     return marked["superseded_by"].alias("superseded_by")
 
 
+def generation_ms(steps: pl.DataFrame) -> pl.Series:
+    """Per step: how long the model took to generate it, in ms, when known: the client's
+    `metadata.generation_ms`, else the proxied call's upstream time (`metadata.upstream_ms`)
+    shared evenly by the call's choices; null for steps that carry neither."""
+    meta = steps["metadata"]
+    given = meta.str.json_path_match("$.generation_ms").cast(pl.Float64, strict=False)
+    upstream = meta.str.json_path_match("$.upstream_ms").cast(pl.Float64, strict=False)
+    call = meta.str.json_path_match("$.response_id")
+    frame = pl.DataFrame({"given": given, "upstream": upstream, "call": call})
+    share = pl.when(pl.col("call").is_null()).then(1).otherwise(pl.len().over("call"))
+    out = frame.select(pl.coalesce("given", pl.col("upstream") / share))
+    return out.to_series().alias("generation_ms")
+
+
 def judged(frame: pl.DataFrame, facts: pl.DataFrame, judge: str, version: str) -> pl.DataFrame:
     """`candidates` with rewards resolved from one judge version's facts instead: a step's
     reward is the judge's latest for it (by `created_at`, arrival, id); without one, a step
@@ -107,7 +121,7 @@ def candidates(
 ) -> pl.DataFrame:
     """Silver's small step columns beside each step's resolved reward and trajectory, and
     the retry that supersedes it (`superseded_by`)."""
-    steps = steps.with_columns(superseded_by(steps)).drop("metadata")
+    steps = steps.with_columns(superseded_by(steps), generation_ms(steps)).drop("metadata")
     return (
         steps.join(
             rewards.select("step_key", "reward", "reward_status", "rating", "labels"),
@@ -146,36 +160,47 @@ def _at_most(column: str, bound: float | None) -> pl.Expr:
     return pl.lit(True) if bound is None else (pl.col(column) <= bound).fill_null(False)
 
 
+def step_checks(spec: CurationSpec, newest_version: int) -> dict[str, pl.Expr]:
+    """The spec's per-step filters, one predicate per rejection reason (true: passes)."""
+    stale = (
+        None if spec.max_policy_staleness is None else newest_version - spec.max_policy_staleness
+    )
+    labels = [pl.col("labels").list.contains(label) for label in spec.require_labels]
+    labels += [~pl.col("labels").list.contains(label) for label in spec.exclude_labels]
+    checks = {
+        "superseded": [pl.lit(True) if spec.keep_superseded else pl.col("superseded_by").is_null()],
+        "stale": [_in("policy_version", spec.policy_versions), _at_least("policy_version", stale)],
+        "reward": [
+            pl.col("reward_status").is_in(spec.reward_status),
+            _at_least("reward", spec.reward_min),
+            _at_most("reward", spec.reward_max),
+            _at_least("rating", spec.min_rating),
+            _at_least("trajectory_return", spec.min_return),
+        ],
+        "label": labels,
+        "length": [
+            _at_least("prompt_len", spec.min_prompt_tokens),
+            _at_most("prompt_len", spec.max_prompt_tokens),
+            _at_least("response_len", spec.min_response_tokens),
+            _at_most("response_len", spec.max_response_tokens),
+        ],
+        "source": [
+            _in("token_source", spec.token_sources),
+            _in("finish_reason", spec.finish_reasons),
+            _in("source_kind", spec.sources),
+            _in("tenant", spec.tenants),
+        ],
+        "incomplete": [_in("trajectory_status", spec.trajectory_status)],
+    }
+    return {  # null (an unknown value) fails, as a filter drops it
+        reason: pl.all_horizontal(exprs or [pl.lit(True)]).fill_null(False)
+        for reason, exprs in checks.items()
+    }
+
+
 def step_filter(spec: CurationSpec, newest_version: int) -> pl.Expr:
     """The spec's per-step filters as one predicate."""
-    keep = [
-        pl.col("reward_status").is_in(spec.reward_status),
-        _at_least("reward", spec.reward_min),
-        _at_most("reward", spec.reward_max),
-        _at_least("rating", spec.min_rating),
-        _in("token_source", spec.token_sources),
-        _in("finish_reason", spec.finish_reasons),
-        _at_least("prompt_len", spec.min_prompt_tokens),
-        _at_most("prompt_len", spec.max_prompt_tokens),
-        _at_least("response_len", spec.min_response_tokens),
-        _at_most("response_len", spec.max_response_tokens),
-        _in("trajectory_status", spec.trajectory_status),
-        _in("source_kind", spec.sources),
-        _in("tenant", spec.tenants),
-        _in("policy_version", spec.policy_versions),
-        pl.lit(True) if spec.keep_superseded else pl.col("superseded_by").is_null(),
-        _at_least(
-            "policy_version",
-            None
-            if spec.max_policy_staleness is None
-            else newest_version - spec.max_policy_staleness,
-        ),
-    ]
-    for label in spec.require_labels:
-        keep.append(pl.col("labels").list.contains(label))
-    for label in spec.exclude_labels:
-        keep.append(~pl.col("labels").list.contains(label))
-    return pl.all_horizontal(keep)
+    return pl.all_horizontal(list(step_checks(spec, newest_version).values()))
 
 
 def group_stats(frame: pl.DataFrame) -> pl.DataFrame:
@@ -201,6 +226,14 @@ def group_stats(frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def _past_deadline(spec: CurationSpec, clock: pl.Expr) -> pl.Expr:
+    """Whether a step's group is past the spec's deadline (never, without one)."""
+    if spec.group_deadline_s is None:
+        return pl.lit(False)
+    deadline = pl.duration(microseconds=int(spec.group_deadline_s * 1_000_000))
+    return (clock - pl.col("group_first_seen") >= deadline).fill_null(False)
+
+
 def admission(spec: CurationSpec, clock: pl.Expr) -> pl.Expr:
     """Per step (beside its group stats): "ready" when its group meets the spec's waiting
     rules (complete, big enough), "deadline" when it does not but its deadline passed and the
@@ -210,30 +243,89 @@ def admission(spec: CurationSpec, clock: pl.Expr) -> pl.Expr:
         ready = ready & pl.col("group_complete")
     if spec.min_group_size is not None:
         ready = ready & (pl.col("group_size") >= spec.min_group_size)
-    late = pl.lit(False)
-    if spec.group_deadline_s is not None and spec.on_deadline == "release":
-        deadline = pl.duration(microseconds=int(spec.group_deadline_s * 1_000_000))
-        late = (clock - pl.col("group_first_seen") >= deadline).fill_null(False)
+    late = _past_deadline(spec, clock) if spec.on_deadline == "release" else pl.lit(False)
     return pl.when(ready).then(pl.lit("ready")).when(late).then(pl.lit("deadline"))
+
+
+def _selection(rows: pl.DataFrame, spec: CurationSpec) -> pl.DataFrame:
+    """Per trajectory of the rows still in (no reason yet): the reason `spec.select` leaves
+    it out, or null when it keeps it."""
+    trajectories = (
+        rows.filter(pl.col("reasons").list.len() == 0)
+        .group_by("trajectory_uid")
+        .agg(pl.col(GROUP).first(), pl.col("trajectory_return").first())
+    )
+    ranked = trajectories.sort(
+        "trajectory_return", "trajectory_uid", descending=[True, False], nulls_last=True
+    )
+    first = pl.col("trajectory_uid").first().over(GROUP)
+    scored = ranked.filter(pl.col("trajectory_return").is_not_null())
+    worst = scored.sort("trajectory_return", "trajectory_uid", descending=[False, False])
+    worst = worst.group_by(GROUP, maintain_order=True).agg(worst=pl.col("trajectory_uid").first())
+    out = ranked.with_columns(best=first == pl.col("trajectory_uid")).join(
+        worst, on=GROUP, how="left"
+    )
+    out = out.with_columns(
+        distinct=pl.col("trajectory_return").drop_nulls().n_unique().over(GROUP),
+        best=pl.col("best") & pl.col("trajectory_return").is_not_null(),
+    )
+    if spec.select == "best_per_group":
+        reason = pl.when(~pl.col("best")).then(pl.lit("not_selected"))
+    else:
+        pair = pl.col("best") | (pl.col("trajectory_uid") == pl.col("worst"))
+        reason = (
+            pl.when(pl.col("distinct") < 2)
+            .then(pl.lit("zero_variance"))
+            .when(~pair.fill_null(False))
+            .then(pl.lit("not_selected"))
+        )
+    return out.select("trajectory_uid", selection=reason)
+
+
+def classify(frame: pl.DataFrame, spec: CurationSpec, newest: int | None = None) -> pl.DataFrame:
+    """Every step of `frame` beside its group stats, `admission`, and why `spec` leaves it
+    out: `reasons` (every rule it fails, in REJECTION_REASONS order) and `reason` (the first;
+    null for the steps the spec keeps). Staleness counts from `newest` (default: the newest
+    version in `frame`); deadlines from the newest trajectory activity in `frame`."""
+    if newest is None:
+        top = frame["policy_version"].max()
+        newest = 0 if top is None else int(top)
+    clock = pl.lit(frame["trajectory_last_seen"].max(), dtype=frame["trajectory_last_seen"].dtype)
+    failed = [pl.when(~ok).then(pl.lit(r)) for r, ok in step_checks(spec, newest).items()]
+    waiting = pl.col("admission").is_null()
+    skipped = waiting & _past_deadline(spec, clock) & (spec.on_deadline == "skip")
+    failed += [
+        pl.when(skipped).then(pl.lit("deadline")).when(waiting).then(pl.lit("incomplete")),
+        pl.when(
+            pl.lit(spec.drop_zero_variance_groups) & (pl.col("group_distinct_returns") < 2)
+        ).then(pl.lit("zero_variance")),
+    ]
+    rows = (
+        frame.join(group_stats(frame), on=GROUP, how="left", maintain_order="left")
+        .with_columns(admission=admission(spec, clock))
+        .with_columns(reasons=pl.concat_list(failed).list.drop_nulls())
+    )
+    if spec.select != "all":
+        rows = rows.join(_selection(rows, spec), on="trajectory_uid", how="left")
+        rows = rows.with_columns(
+            reasons=pl.concat_list("reasons", pl.col("selection").fill_null("")).list.eval(
+                pl.element().filter(pl.element() != "")
+            )
+        ).drop("selection")
+    return rows.with_columns(
+        reason=pl.col("reasons").list.first(), newest_policy_version=pl.lit(newest, pl.Int64)
+    )
 
 
 def curate(frame: pl.DataFrame, spec: CurationSpec, newest: int | None = None) -> pl.DataFrame:
     """The steps `spec` keeps (all policy versions), with `advantage`, the group stats and
-    their `admission`. Staleness counts from `newest` (default: the newest version in
-    `frame`); deadlines from the newest trajectory activity in `frame`."""
-    if newest is None:
-        top = frame["policy_version"].max()
-        newest = 0 if top is None else int(top)
-    groups = group_stats(frame)
-    clock = pl.lit(frame["trajectory_last_seen"].max(), dtype=frame["trajectory_last_seen"].dtype)
-    kept = (
-        frame.filter(step_filter(spec, newest))
-        .join(groups, on=GROUP, how="left")
-        .with_columns(admission=admission(spec, clock))
-        .filter(pl.col("admission").is_not_null())
-    )
-    if spec.drop_zero_variance_groups:
-        kept = kept.filter(pl.col("group_distinct_returns") > 1)
+    their `admission` (see `classify`)."""
+    return kept_steps(classify(frame, spec, newest), spec)
+
+
+def kept_steps(classified: pl.DataFrame, spec: CurationSpec) -> pl.DataFrame:
+    """The steps of a `classify` result the spec keeps, with `advantage` and `spec_hash`."""
+    kept = classified.filter(pl.col("reason").is_null()).drop("reasons", "reason")
     advantage = pl.lit(None, pl.Float64)
     if spec.advantage == "grpo":
         advantage = (
@@ -244,11 +336,13 @@ def curate(frame: pl.DataFrame, spec: CurationSpec, newest: int | None = None) -
             )
             .otherwise(None)
         )
-    return kept.with_columns(
-        advantage=advantage,
-        spec_hash=pl.lit(spec.spec_hash),
-        newest_policy_version=pl.lit(newest, dtype=pl.Int64),
-    )
+    return kept.with_columns(advantage=advantage, spec_hash=pl.lit(spec.spec_hash))
+
+
+def rejected_steps(classified: pl.DataFrame, spec: CurationSpec) -> pl.DataFrame:
+    """The steps of a `classify` result the spec leaves out, with their reasons."""
+    rejected = classified.filter(pl.col("reason").is_not_null())
+    return rejected.with_columns(spec_hash=pl.lit(spec.spec_hash))
 
 
 def tree_ids(frame: pl.DataFrame, spec: CurationSpec) -> pl.Series:

@@ -20,7 +20,12 @@ import pytest
 from claw_pipelines.app.materialize import follow
 from claw_pipelines.consume import Dataset
 from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.contracts.tables import GOLD_LINEAGE, gold_dataset_table, gold_tree_table
+from claw_pipelines.contracts.tables import (
+    GOLD_LINEAGE,
+    gold_dataset_table,
+    gold_rejection_table,
+    gold_tree_table,
+)
 from claw_pipelines.gold import build_partition
 from claw_pipelines.gold_increments import update_dataset
 from claw_pipelines.lake import Lake
@@ -104,9 +109,15 @@ def test_a_straggler_group_is_released_or_skipped_at_its_deadline(tmp_path):
     rows = lake.read(gold_dataset_table("release")).filter(pl.col("prompt_uid") == "slow")
     assert rows["admission"].to_list() == ["deadline"]  # its complete trajectory only
     assert rows["step_key"].to_list() == ["slow-r0:0"]
-    assert not update_dataset(lake, skip).changed  # skipped: never delivered
+    skipped = update_dataset(lake, skip)
+    assert not skipped.added and not skipped.rewritten  # skipped: never delivered
     kept = lake.read(gold_dataset_table("skip"))["prompt_uid"].unique().to_list()
     assert kept == ["done"]
+    assert skipped.rejected == [1]  # but kept as a rejection, with its reason
+    left_out = lake.read(gold_rejection_table("skip")).filter(pl.col("group_key") == "slow")
+    reasons = dict(zip(left_out["step_key"], left_out["reasons"].to_list(), strict=True))
+    # slow-r1 also waits for its reward, in a trajectory still open
+    assert reasons == {"slow-r0:0": ["deadline"], "slow-r1:0": ["reward", "incomplete", "deadline"]}
 
 
 @pytest.fixture

@@ -87,6 +87,7 @@ def test_definitions_load_with_layered_asset_keys_descriptions_and_automation():
         "bronze/events",
         "gold/datasets",
         "gold/lineage",
+        "gold/rejections",
         "gold/trees",
         "silver/feedback",
         "silver/step_conflicts",

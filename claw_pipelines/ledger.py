@@ -1,0 +1,109 @@
+"""The waste ledger: per dataset and policy version, what its spec admitted and what it left
+out (by reason), in steps, tokens and generation time, and how much of what it left out
+another dataset re-admitted. Read from gold/datasets and gold/rejections (small columns)."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from claw_pipelines.contracts.tables import (
+    GOLD_LINEAGE,
+    gold_dataset_table,
+    gold_rejection_table,
+)
+from claw_pipelines.lake import Lake
+
+ROW_SCHEMA = {
+    "step_key": pl.String,
+    "policy_version": pl.Int64,
+    "prompt_len": pl.Int64,
+    "response_len": pl.Int64,
+    "generation_ms": pl.Float64,
+}
+LEDGER_COLUMNS = list(ROW_SCHEMA)
+LEDGER_SCHEMA = {
+    "dataset": pl.String,
+    "policy_version": pl.Int64,
+    "outcome": pl.String,
+    "reason": pl.String,
+    "steps": pl.Int64,
+    "tokens": pl.Int64,
+    "generation_s": pl.Float64,
+    "readmitted_steps": pl.Int64,
+    "readmitted_tokens": pl.Int64,
+    "readmitted_by": pl.List(pl.String),
+}
+
+
+def gold_datasets(lake: Lake) -> list[str]:
+    """Names of the gold datasets written so far (from lineage), sorted."""
+    if not lake.exists(GOLD_LINEAGE):
+        return []
+    names = set(lake.read(GOLD_LINEAGE, columns=["dataset"])["dataset"].to_list())
+    return sorted(name for name in names if lake.exists(gold_dataset_table(name)))
+
+
+def _rows(lake: Lake, table: str, extra: list[str]) -> pl.DataFrame:
+    """The ledger's columns of a gold table (empty when it does not exist yet)."""
+    if not lake.exists(table):
+        return pl.DataFrame(schema=ROW_SCHEMA | {column: pl.String for column in extra})
+    frame = lake.read(table, columns=[*LEDGER_COLUMNS, *extra])
+    return frame.with_columns(pl.col("generation_ms").cast(pl.Float64))
+
+
+def waste_ledger(lake: Lake, datasets: list[str] | None = None) -> pl.DataFrame:
+    """One row per (dataset, policy version, outcome, reason): `outcome` is `admitted`
+    (reason null) or `rejected`; steps, tokens (prompt + response) and generation seconds
+    (of the steps whose time is known); for rejected rows, the steps and tokens another
+    dataset admitted (`readmitted_*`, `readmitted_by`). Per dataset and policy version,
+    admitted plus rejected is every step its spec looked at."""
+    names = gold_datasets(lake) if datasets is None else datasets
+    admitted = {name: _rows(lake, gold_dataset_table(name), []) for name in gold_datasets(lake)}
+    parts = []
+    for name in names:
+        kept = admitted.get(name)
+        if kept is None:
+            kept = _rows(lake, gold_dataset_table(name), [])
+        elsewhere = [
+            rows.select("step_key", by=pl.lit(other))
+            for other, rows in admitted.items()
+            if other != name
+        ]
+        taken = (
+            pl.concat(elsewhere).group_by("step_key").agg(readmitted_by=pl.col("by").sort())
+            if elsewhere
+            else pl.DataFrame(schema={"step_key": pl.String, "readmitted_by": pl.List(pl.String)})
+        )
+        left_out = _rows(lake, gold_rejection_table(name), ["reason"])
+        steps = pl.concat(
+            [
+                kept.with_columns(outcome=pl.lit("admitted"), reason=pl.lit(None, pl.String)),
+                left_out.with_columns(outcome=pl.lit("rejected")),
+            ],
+            how="diagonal_relaxed",
+        ).join(taken, on="step_key", how="left")
+        tokens = pl.col("prompt_len").fill_null(0) + pl.col("response_len").fill_null(0)
+        again = pl.col("readmitted_by").is_not_null() & (pl.col("outcome") == "rejected")
+        parts.append(
+            steps.group_by("policy_version", "outcome", "reason")
+            .agg(
+                steps=pl.len().cast(pl.Int64),
+                tokens=tokens.sum().cast(pl.Int64),
+                generation_s=pl.col("generation_ms").sum() / 1000,
+                readmitted_steps=again.sum().cast(pl.Int64),
+                readmitted_tokens=tokens.filter(again).sum().cast(pl.Int64),
+                readmitted_by=pl.col("readmitted_by")
+                .filter(again)
+                .explode()
+                .drop_nulls()
+                .unique()
+                .sort(),
+            )
+            .with_columns(dataset=pl.lit(name))
+        )
+    if not parts:
+        return pl.DataFrame(schema=LEDGER_SCHEMA)
+    ledger = pl.concat(parts, how="diagonal_relaxed").select(list(LEDGER_SCHEMA))
+    return ledger.cast(LEDGER_SCHEMA).sort(  # type: ignore[arg-type]
+        "dataset", "policy_version", "outcome", "reason", nulls_last=True
+    )
