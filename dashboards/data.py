@@ -19,10 +19,12 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
     gold_dataset_table,
+    gold_rejection_table,
     gold_tree_table,
 )
 from claw_pipelines.delivery import UNIT_COLUMNS, consumer_positions, unit_keys
 from claw_pipelines.lake import Lake
+from claw_pipelines.ledger import gold_datasets, waste_ledger
 from claw_pipelines.live import materializer_running
 from claw_pipelines.settings import ClawSettings
 
@@ -81,11 +83,21 @@ def versions(at: Where) -> dict[str, int | None]:
 @st.cache_data(ttl=5, show_spinner=False)
 def datasets(at: Where) -> list[str]:
     """Names of the gold datasets written so far (from lineage)."""
+    return gold_datasets(at.lake())
+
+
+def ledger(at: Where) -> pl.DataFrame:
+    """The waste ledger of every dataset (cached per version of the gold tables it reads)."""
     lake = at.lake()
-    if not lake.exists(GOLD_LINEAGE):
-        return []
-    names = sorted(set(lake.read(GOLD_LINEAGE, columns=["dataset"])["dataset"].to_list()))
-    return [name for name in names if lake.exists(gold_dataset_table(name))]
+    names = tuple(datasets(at))
+    tables = [f(name) for name in names for f in (gold_dataset_table, gold_rejection_table)]
+    return _ledger(at, names, tuple(lake.version(t) for t in tables))
+
+
+@st.cache_data(ttl=TTL, show_spinner=False)
+def _ledger(at: Where, names: tuple[str, ...], table_versions: tuple[int | None, ...]):
+    """The ledger at those table versions (they are only the cache key)."""
+    return waste_ledger(at.lake(), list(names))
 
 
 @st.cache_data(ttl=TTL, show_spinner=False)

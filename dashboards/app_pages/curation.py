@@ -6,10 +6,12 @@ import altair as alt
 import polars as pl
 import streamlit as st
 
+from claw_pipelines.contracts.specs import BUILTIN_SPECS, REJECTION_REASONS
 from claw_pipelines.contracts.tables import SILVER_STEP_REWARDS, SILVER_STEPS, SILVER_TRAJECTORIES
+from claw_pipelines.gold import classified, source_versions
 from claw_pipelines.spec_store import SpecError, read_specs, save_spec, to_yaml, validate_spec
-from claw_pipelines.transforms.curation import CANDIDATE_STEP_COLUMNS, candidates, curate
-from dashboards import dagster_graphql, data
+from claw_pipelines.transforms.curation import CANDIDATE_STEP_COLUMNS, candidates, kept_steps
+from dashboards import dagster_graphql, data, ledger_view
 
 st.title("Curation")
 at = data.where()
@@ -35,7 +37,7 @@ def options(column: str) -> list:
 
 
 shelf = read_specs(lake)
-existing = shelf.specs
+existing = BUILTIN_SPECS | shelf.specs
 for error in shelf.errors.values():  # one bad file stops only its own dataset
     st.warning(f"not built until fixed: {error}")
 start_from = st.selectbox("start from", sorted(existing))
@@ -97,6 +99,21 @@ with st.form("spec"):
         ["trajectory", "prompt_group", "none"].index(base.merge),
     )
     advantage = a.selectbox("advantage", ["none", "grpo"], ["none", "grpo"].index(base.advantage))
+    selections = ["all", "best_per_group", "best_and_worst"]
+    select = b.selectbox("select from each group", selections, selections.index(base.select))
+    min_return = c.number_input("min trajectory return", value=base.min_return, step=0.1)
+    others = ["(silver)", *sorted(n for n in existing if n != base.name)]
+    source = base.readmit.dataset if base.readmit else "(silver)"
+    readmit_from = a.selectbox(
+        "draw from: silver, or what another dataset rejects",
+        others,
+        others.index(source) if source in others else 0,
+    )
+    readmit_reasons = b.multiselect(
+        "re-admit only these reasons (empty: all)",
+        list(REJECTION_REASONS),
+        (base.readmit.reasons or []) if base.readmit else [],
+    )
     preview, save = st.columns(2)
     previewed = preview.form_submit_button("preview")
     saved = save.form_submit_button("save spec", type="primary")
@@ -126,6 +143,12 @@ fields = {
     "drop_zero_variance_groups": drop_zero_variance_groups,
     "merge": merge,
     "advantage": advantage,
+    "select": select,
+    "min_return": min_return,
+    "readmit": None
+    if readmit_from == "(silver)"
+    else {"dataset": readmit_from, "reasons": readmit_reasons or None},
+    "reward_judge": base.reward_judge.model_dump() if base.reward_judge else None,
 }
 try:
     spec = validate_spec(fields)
@@ -133,27 +156,51 @@ except SpecError as exc:
     st.error(f"invalid spec: {exc}")
     st.stop()
 
-kept = curate(frame, spec)
+try:
+    rows = classified(lake, spec, source_versions(lake), frame)
+except SpecError as exc:
+    st.error(f"invalid spec: {exc}")
+    st.stop()
+kept = kept_steps(rows, spec)
 a, b, c, d = st.columns(4)
-a.metric("steps kept", f"{kept.height:,} / {frame.height:,}")
+a.metric("steps kept", f"{kept.height:,} / {rows.height:,}")
 b.metric("trajectories", f"{kept['trajectory_uid'].n_unique():,}")
 c.metric("prompt groups", f"{kept['group_key'].n_unique():,}")
 complete = kept.filter(pl.col("group_complete")).height if kept.height else 0
 d.metric("in complete groups", f"{complete:,}")
+left_out = rows.filter(pl.col("reason").is_not_null())
+if left_out.height:
+    st.caption(
+        "Left out, by the first rule each step fails (kept in gold/rejections/<name> once "
+        "built; another spec can re-admit them)"
+    )
+    st.altair_chart(ledger_view.reasons_chart(left_out), width="stretch")
 if kept.height:
     newest = frame["policy_version"].max()
     shown = kept.with_columns(staleness=newest - pl.col("policy_version")).to_pandas()
     charts = st.columns(3)
     charts[0].altair_chart(
-        alt.Chart(shown).mark_bar().encode(alt.X("reward:Q", bin=True), y="count()"),
+        alt.Chart(shown)
+        .mark_bar()
+        .encode(alt.X("reward:Q", bin=True, title="reward"), alt.Y("count()", title="steps")),
         width="stretch",
     )
     charts[1].altair_chart(
-        alt.Chart(shown).mark_bar().encode(alt.X("response_len:Q", bin=True), y="count()"),
+        alt.Chart(shown)
+        .mark_bar()
+        .encode(
+            alt.X("response_len:Q", bin=True, title="response tokens"),
+            alt.Y("count()", title="steps"),
+        ),
         width="stretch",
     )
     charts[2].altair_chart(
-        alt.Chart(shown).mark_bar().encode(alt.X("staleness:O"), y="count()"),
+        alt.Chart(shown)
+        .mark_bar()
+        .encode(
+            alt.X("staleness:O", title="policy versions behind the newest"),
+            alt.Y("count()", title="steps"),
+        ),
         width="stretch",
     )
 st.code(to_yaml(spec), language="yaml")
@@ -190,3 +237,6 @@ if st.button("build this dataset now"):
                 f"built {spec.name} v{version} in-process: {part.steps.height} steps, "
                 f"dataset version {part.dataset_version}"
             )
+
+st.divider()
+ledger_view.show_ledger(at)

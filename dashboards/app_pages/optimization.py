@@ -7,7 +7,7 @@ import polars as pl
 import streamlit as st
 
 from claw_pipelines.contracts.tables import GOLD_LINEAGE
-from dashboards import data
+from dashboards import data, ledger_view
 
 at, names = data.open_dataset_page("Optimization")
 
@@ -37,6 +37,8 @@ st.dataframe(
     hide_index=True,
     width="stretch",
 )
+
+ledger_view.show_ledger(at, name)
 
 version = st.selectbox("policy version", mine["policy_version"].to_list())
 segments = data.tree_segments(at, name, int(version))

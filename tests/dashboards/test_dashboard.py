@@ -129,3 +129,23 @@ def test_representation_shows_judges_side_by_side(tmp_path, monkeypatch):
     assert list(side.iloc[0]) == [1.0, 1.0]
     agreement = next(t for t in tables if "agreement" in t.columns)
     assert agreement.iloc[0]["agreement"] == 1.0 and agreement.iloc[0]["common_steps"] == 6
+
+
+def test_curation_and_optimization_show_what_was_left_out_and_why(filled, monkeypatch):
+    optimization = page("optimization", filled.uri, monkeypatch)
+    assert not optimization.exception and not optimization.error
+    ledger = next(d.value for d in optimization.dataframe if "readmitted_by" in d.value.columns)
+    silver_steps = filled.read("silver/steps", columns=["step_key"]).height
+    assert ledger["steps"].sum() == silver_steps  # admitted + left out = every step
+    assert set(ledger["outcome"]) == {"admitted"}  # the default keeps every complete step
+
+    curation = page("curation", filled.uri, monkeypatch)
+    next(c for c in curation.checkbox if c.label == "drop zero-variance groups").check()
+    next(n for n in curation.number_input if n.label == "min trajectory return").set_value(0.75)
+    next(b for b in curation.button if b.label == "preview").click()
+    curation.run()
+    assert not curation.exception and not curation.error
+    kept = next(m for m in curation.metric if m.label == "steps kept")
+    assert kept.value == f"8 / {silver_steps}"  # the return-1.0 trajectories, 2 steps each
+    assert any(c.value.startswith("Left out, by the first rule") for c in curation.caption)
+    assert "Waste ledger" in [s.value for s in curation.subheader]
