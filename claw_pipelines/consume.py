@@ -40,6 +40,13 @@ import polars as pl
 import pyarrow as pa
 
 from claw_pipelines import policy
+from claw_pipelines.contract import (
+    CONTRACT_COLUMNS,
+    ContractReport,
+    ContractViolation,
+    blocking_failures,
+    contract_report,
+)
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_CONSUMPTION,
@@ -47,10 +54,12 @@ from claw_pipelines.contracts.tables import (
     GOLD_LINEAGE,
     GOLD_POLICY_VERSIONS,
     gold_dataset_table,
+    gold_rejection_table,
     gold_tree_table,
 )
 from claw_pipelines.delivery import (
     NEXT,
+    REFUSED,
     UNIT_COLUMNS,
     Ledger,
     available_units,
@@ -72,6 +81,8 @@ BATCH_STEP_COLUMNS = [
     "reward",
     "advantage",
 ]
+# what a batch's steps are read with: their training columns and what the contract checks
+BATCH_READ_COLUMNS = list(dict.fromkeys([*BATCH_STEP_COLUMNS, *CONTRACT_COLUMNS]))
 
 
 @dataclass
@@ -95,6 +106,7 @@ class Batch:
     groups: list[str] = field(default_factory=list)  # next_batch: the units it delivers
     batch_index: int | None = None  # next_batch: its index in the consumer rank's record
     max_tokens: int | None = None  # the token budget it was packed to, if any
+    contract: ContractReport | None = None  # the checks it satisfies (claw_pipelines.contract)
 
     @property
     def num_tokens(self) -> int:
@@ -240,6 +252,8 @@ class Dataset:
         self._books: dict[tuple[str, int], Ledger] = {}
         self._newest: tuple[int, pl.DataFrame] | None = None
         self._floor: tuple[tuple[int | None, int | None], int | None] | None = None
+        self._specs: tuple[tuple, tuple[CurationSpec | None, dict[int, str]]] | None = None
+        self._rejections: tuple[tuple, dict[str, int]] | None = None
 
     def __repr__(self) -> str:
         return f"Dataset({self.name!r}, version={self.version})"
@@ -305,7 +319,7 @@ class Dataset:
         if layout not in ("tree", "flat"):
             raise ValueError(f"layout must be 'tree' or 'flat', not {layout!r}")
         in_partition = self._scan().filter(pl.col("policy_version") == policy_version)
-        frame = in_partition.select(BATCH_STEP_COLUMNS).collect()
+        frame = in_partition.select(BATCH_READ_COLUMNS).collect()
         if skip_consumed_by is not None:
             taken = self.consumed(skip_consumed_by)
             if taken.height:
@@ -329,6 +343,7 @@ class Dataset:
             first, stop = int(bounds[first_tree]), int(bounds[stop_tree])
             batch = _batch(packed, first, stop, policy_version)
             batch.max_tokens = max_tokens
+            self._certify(batch, frame)
             if consumer is not None:
                 self._log(consumer, policy_version, index, batch.step_keys)
             yield batch
@@ -466,10 +481,11 @@ class Dataset:
             frame = (
                 self.lake.scan(self.table, row["dataset_version"])
                 .filter(pl.col("step_key").is_in(row["step_keys"]))
-                .select(*BATCH_STEP_COLUMNS, "policy_version")
+                .select(BATCH_READ_COLUMNS)
                 .collect()
             )
             batch = self._pack(frame, row["dataset_version"], layout)
+            batch.contract = self.contract(batch, frame, row["dataset_version"])
             batch.groups, batch.batch_index = list(row["groups"]), row["batch_index"]
             yield batch
 
@@ -487,7 +503,7 @@ class Dataset:
         book = self._ledger(consumer, rank)
         version = self.lake.version(self.table)
         if self._newest is None or self._newest[0] != version:
-            columns = list(dict.fromkeys([*BATCH_STEP_COLUMNS, *UNIT_COLUMNS]))
+            columns = list(dict.fromkeys([*BATCH_READ_COLUMNS, *UNIT_COLUMNS]))
             self._newest = version, self.lake.read(self.table, version, columns=columns)
         steps = self._newest[1]
         floor = self.staleness_floor() if min_policy_version is None else min_policy_version
@@ -496,7 +512,9 @@ class Dataset:
         if chosen is None:
             return None
         frame = steps.filter(unit_keys(steps).is_in(chosen))
-        batch = self._pack(frame.select(*BATCH_STEP_COLUMNS, "policy_version"), version, layout)
+        batch = self._pack(frame.select(BATCH_READ_COLUMNS), version, layout)
+        batch.contract = self.contract(batch, frame, version)
+        failed = blocking_failures(batch.contract)
         newest = int(frame["policy_version"].max())
         written = record_delivery(
             self.lake,
@@ -509,10 +527,81 @@ class Dataset:
             chosen,
             batch.step_keys,
             newest,
+            REFUSED if failed else NEXT,
         )
         self._books[consumer, rank] = Ledger(written, book.units | set(chosen), book.next_index + 1)
+        if failed:  # recorded as refused (never offered again), never returned
+            raise ContractViolation(batch.contract, failed)
         batch.groups, batch.batch_index = chosen, book.next_index
         return batch
+
+    # -- contract ---------------------------------------------------------------------------
+    def contract(
+        self, batch: Batch, rows: pl.DataFrame, version: int | None = None
+    ) -> ContractReport:
+        """The contract report of `batch` (its steps' gold rows in `rows`, BATCH_READ_COLUMNS)
+        as of dataset version `version` (default: this one)."""
+        at = self.version if version is None else version
+        versions = tuple(sorted({int(v) for v in batch.step_policy_versions.tolist()}))
+        if not versions:
+            versions = (batch.policy_version,)
+        spec, hashes = self._lineage_specs(at)
+        return contract_report(
+            self.name,
+            at,
+            spec,
+            {v: hashes[v] for v in versions if v in hashes},
+            rows,
+            batch,
+            self.staleness_floor(),
+            self._left_out(versions),
+        )
+
+    def _certify(self, batch: Batch, rows: pl.DataFrame, version: int | None = None) -> None:
+        """Attach the batch's contract report; refuse it if it fails a blocking check."""
+        batch.contract = self.contract(batch, rows, version)
+        failed = blocking_failures(batch.contract)
+        if failed:
+            raise ContractViolation(batch.contract, failed)
+
+    def _lineage_specs(self, at: int) -> tuple[CurationSpec | None, dict[int, str]]:
+        """The spec of the newest write at or before dataset version `at`, and the spec hash
+        of each partition's newest write (cached per lineage version)."""
+        key = (self.lake.version(GOLD_LINEAGE), at)
+        if self._specs is not None and self._specs[0] == key:
+            return self._specs[1]
+        found: tuple[CurationSpec | None, dict[int, str]] = (None, {})
+        if key[0] is not None:
+            rows = (
+                self.lake.scan(GOLD_LINEAGE)
+                .filter((pl.col("dataset") == self.name) & (pl.col("dataset_version") <= at))
+                .select("policy_version", "spec_json", "spec_hash", "written_at")
+                .sort("written_at")
+                .collect()
+            )
+            if rows.height:
+                spec = CurationSpec.model_validate_json(rows["spec_json"][-1])
+                latest = rows.group_by("policy_version").agg(pl.col("spec_hash").last())
+                found = spec, {int(v): h for v, h in latest.iter_rows()}
+        self._specs = key, found
+        return found
+
+    def _left_out(self, versions: tuple[int, ...]) -> dict[str, int]:
+        """Steps the spec left out of these partitions, per reason (gold/rejections)."""
+        table = gold_rejection_table(self.name)
+        if not self.lake.exists(table):
+            return {}
+        key = (self.lake.version(table), versions)
+        if self._rejections is None or self._rejections[0] != key:
+            counts = (
+                self.lake.scan(table)
+                .filter(pl.col("policy_version").is_in(list(versions)))
+                .group_by("reason")
+                .agg(pl.len())
+                .collect()
+            )
+            self._rejections = key, {r: int(n) for r, n in counts.iter_rows()}
+        return self._rejections[1]
 
     def _ledger(self, consumer: str, rank: int) -> Ledger:
         """The consumer rank's deliveries: as this object last wrote them when nobody has

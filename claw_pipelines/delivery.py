@@ -26,6 +26,9 @@ from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_CONSUMPTION_S
 from claw_pipelines.lake import Guard, Lake
 
 NEXT = "next"  # the `kind` of consumption rows written by next_batch
+# a batch next_batch refused (a blocking contract check failed): its groups are never
+# offered to that consumer rank again, and the refusal is on record
+REFUSED = "refused"
 UNIT_COLUMNS = [
     "step_key",
     "policy_version",
@@ -79,7 +82,7 @@ def ledger(lake: Lake, dataset: str, consumer: str, rank: int) -> Ledger:
         .filter(
             (pl.col("dataset") == dataset)
             & (pl.col("consumer") == consumer)
-            & (pl.col("kind") == NEXT)
+            & pl.col("kind").is_in([NEXT, REFUSED])
             & (pl.col("rank") == rank)
         )
         .select("groups", "batch_index")
@@ -139,9 +142,11 @@ def record_delivery(
     units: list[str],
     step_keys: list[str],
     policy_version: int,
+    kind: str = NEXT,
 ) -> int:
-    """Append the batch's consumption row, guarded by the ledger it was chosen from (another
-    process of this rank that delivered first makes this raise WriteConflict)."""
+    """Append the batch's consumption row (`kind`: delivered, or REFUSED), guarded by the
+    ledger it was chosen from (another process of this rank that delivered first makes this
+    raise WriteConflict)."""
     row = {
         "consumer": consumer,
         "dataset": dataset,
@@ -153,7 +158,7 @@ def record_delivery(
         "rank": rank,
         "world_size": world_size,
         "groups": units,
-        "kind": NEXT,
+        "kind": kind,
     }
     guard = Guard(
         (delivery_writer(dataset, consumer, rank),),
@@ -170,7 +175,7 @@ def consumer_positions(lake: Lake, dataset: str) -> pl.DataFrame:
         return pl.DataFrame(schema={"consumer": pl.String, "rank": pl.Int64})
     return (
         lake.scan(GOLD_CONSUMPTION)
-        .filter(pl.col("dataset") == dataset)
+        .filter((pl.col("dataset") == dataset) & (pl.col("kind").ne_missing(REFUSED)))
         .group_by("consumer", pl.col("rank").fill_null(0))
         .agg(
             batches=pl.len(),

@@ -37,6 +37,9 @@ REJECTION_REASONS = (
     "not_selected",  # not the trajectory the spec's `select` picks from its group
 )
 RejectionReason = Literal[REJECTION_REASONS]
+# what every batch's contract report checks (claw_pipelines.contract); a spec may block on any
+CONTRACT_CHECKS = ("spec_hash", "staleness", "group_completeness", "turns_nest", "masks", "filters")
+ContractCheckName = Literal[CONTRACT_CHECKS]
 
 
 class JudgeRef(BaseModel):
@@ -61,7 +64,13 @@ class Readmission(BaseModel):
 
 # fields added after specs were first hashed: left out of the canonical JSON while they hold
 # these values, so an older spec keeps its hash
-_LATER_FIELDS = {"reward_judge": None, "readmit": None, "select": "all", "min_return": None}
+_LATER_FIELDS = {
+    "reward_judge": None,
+    "readmit": None,
+    "select": "all",
+    "min_return": None,
+    "blocking": [],
+}
 
 
 class CurationSpec(BaseModel):
@@ -149,6 +158,13 @@ class CurationSpec(BaseModel):
         "all; the best one by return (SFT on successes); or the best and the worst (a "
         "preference pair; groups whose returns are all equal are dropped). Ties go to the "
         "smallest trajectory_uid",
+    )
+
+    blocking: list[ContractCheckName] = Field(
+        default_factory=list,
+        description="checks of the contract report a batch must pass to be handed out "
+        "(spec_hash, staleness, group_completeness, turns_nest: retokenization drift or "
+        "forks, masks, filters); a batch that fails one is refused, naming the rows",
     )
 
     @model_validator(mode="after")
