@@ -20,6 +20,7 @@ A spec lists in `blocking` the checks a batch must pass: one that fails is refus
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -111,14 +112,11 @@ class ContractViolation(RuntimeError):
         )
 
 
-def _check(name: str, offending: pl.Series, detail: str, blocking: set[str]) -> ContractCheck:
-    keys = offending.to_list()
-    return ContractCheck(name, not keys, detail, len(keys), keys[:SHOWN_ROWS], name in blocking)
-
-
 def nesting_breaks(rows: pl.DataFrame, index: dict[str, np.ndarray], input_ids: np.ndarray):
-    """(pairs of consecutive turns in the batch, the later step keys of those that do not
-    nest): step t+1's first n tokens equal step t's n tokens."""
+    """(the later step keys of every pair of consecutive turns in `rows`, those of the pairs
+    that do not nest): step t+1's first n tokens equal step t's n tokens. In a prefix tree a
+    token stands for its whole prefix, so a pair whose n-th tokens are one token nests; only
+    the others (flat layouts, forks) are compared token by token."""
     turns = rows.select("step_key", "trajectory_uid", "step_index").sort(
         "trajectory_uid", "step_index"
     )
@@ -127,39 +125,175 @@ def nesting_breaks(rows: pl.DataFrame, index: dict[str, np.ndarray], input_ids: 
         gap=pl.col("step_index").diff().over("trajectory_uid"),
     ).filter(pl.col("gap") == 1)
     if pairs.is_empty():
-        return 0, pl.Series("step_key", [], pl.String)
+        return set(), set()
     earlier = [index[k] for k in pairs["before"]]
     later = [index[k] for k in pairs["step_key"]]
-    sizes = np.array([len(e) for e in earlier], dtype=np.int64)
-    fits = np.array([len(lt) >= len(e) for e, lt in zip(earlier, later, strict=True)])
-    sizes = np.where(fits, sizes, 0)  # a later turn shorter than the earlier one: forked
-    a = np.concatenate([e[:n] for e, n in zip(earlier, sizes, strict=True)])
-    b = np.concatenate([lt[:n] for lt, n in zip(later, sizes, strict=True)])
-    owner = np.repeat(np.arange(len(sizes)), sizes)
-    mismatches = np.bincount(owner, weights=input_ids[a] != input_ids[b], minlength=len(sizes))
-    nests = fits & (mismatches == 0)
-    return pairs.height, pairs["step_key"].filter(pl.Series(~nests))
+    sizes = np.fromiter((len(e) for e in earlier), dtype=np.int64, count=len(earlier))
+    fits = np.fromiter(
+        (len(lt) >= len(e) > 0 for e, lt in zip(earlier, later, strict=True)),
+        dtype=bool,
+        count=len(earlier),
+    )
+    same_node = np.fromiter(
+        (ok and lt[len(e) - 1] == e[-1] for e, lt, ok in zip(earlier, later, fits, strict=True)),
+        dtype=bool,
+        count=len(earlier),
+    )
+    compare = np.flatnonzero(fits & ~same_node)
+    nests = same_node.copy()
+    if len(compare):
+        a = np.concatenate([earlier[i] for i in compare])
+        b = np.concatenate([later[i][: sizes[i]] for i in compare])
+        owner = np.repeat(np.arange(len(compare)), sizes[compare])
+        mismatches = np.bincount(
+            owner, weights=input_ids[a] != input_ids[b], minlength=len(compare)
+        )
+        nests[compare] = mismatches == 0
+    return set(pairs["step_key"]), set(pairs["step_key"].filter(pl.Series(~nests)))
 
 
 def mask_breaks(
     rows: pl.DataFrame, index: dict[str, np.ndarray], position_ids: np.ndarray, parent: np.ndarray
-) -> pl.Series:
-    """Step keys whose token indices do not rebuild a sequence of their length, whose
-    positions do not count 0..n-1 or whose parents do not chain along it."""
+) -> set[str]:
+    """Step keys whose sequence is not laid out right: a step's token indices must number
+    its length, run from a root to a token at position length - 1, and every token's
+    position must be its parent's plus one (0 at a root), so positions count 0..n-1 along
+    each step's path. O(tokens laid out + steps)."""
     keys = rows["step_key"].to_list()
     want = (rows["prompt_len"] + rows["response_len"]).to_numpy()
-    got = np.array([len(index[k]) for k in keys], dtype=np.int64)
-    flat = np.concatenate([index[k] for k in keys] or [np.zeros(0, int)]).astype(np.int64)
-    starts = np.r_[0, np.cumsum(got)[:-1]].astype(np.int64)
-    along = np.arange(len(flat)) - np.repeat(starts, got)
-    owner = np.repeat(np.arange(len(keys)), got)
-    wrong_position = position_ids[flat] != along
-    chained = np.where(along == 0, -1, np.r_[-1, flat[:-1]])
-    wrong_parent = parent[flat] != chained
-    broken = np.zeros(len(keys), dtype=bool)
-    np.logical_or.at(broken, owner, wrong_position | wrong_parent)
-    broken |= got != want
-    return rows["step_key"].filter(pl.Series(broken))
+    pieces = [index[k] for k in keys]
+    got = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+    first = np.fromiter((p[0] if len(p) else -1 for p in pieces), dtype=np.int64, count=len(keys))
+    last = np.fromiter((p[-1] if len(p) else -1 for p in pieces), dtype=np.int64, count=len(keys))
+    expected = position_ids[parent] + 1  # a root (-1) reads the last token: set to 0 next
+    expected[parent < 0] = 0
+    bad_token = np.flatnonzero(position_ids != expected)
+    empty = got == 0
+    safe_first, safe_last = np.maximum(first, 0), np.maximum(last, 0)
+    broken = (got != want) | (
+        ~empty & ((parent[safe_first] >= 0) | (position_ids[safe_last] != got - 1))
+    )
+    if len(bad_token):  # the steps whose path holds a badly placed token
+        bad = set(bad_token.tolist())
+        broken |= np.fromiter(
+            (not bad.isdisjoint(p.tolist()) for p in pieces), dtype=bool, count=len(keys)
+        )
+    return set(rows["step_key"].filter(pl.Series(broken)))
+
+
+@dataclass
+class Verdicts:
+    """Per check, the step keys that break it, over some steps (a partition laid out for
+    training, or one batch); `report` reads off any batch of them."""
+
+    spec: CurationSpec | None
+    partition_hashes: dict[int, str]
+    floor: int | None
+    left_out: dict[str, int]
+    failing: dict[str, set[str]]
+    turn_pairs: set[str]  # the later step of every pair of consecutive turns
+    filters: list[str]
+    trajectory_of: dict[str, str]
+
+    def report(self, dataset: str, dataset_version: int, step_keys: list[str]) -> ContractReport:
+        """The contract report of a batch of these steps."""
+        blocking = set(self.spec.blocking) if self.spec is not None else set()
+        n = len(step_keys)
+
+        def check(name: str, detail: str) -> ContractCheck:
+            broken = [k for k in step_keys if k in self.failing[name]] if self.failing[name] else []
+            return ContractCheck(
+                name, not broken, detail, len(broken), broken[:SHOWN_ROWS], name in blocking
+            )
+
+        def failures(name: str) -> int:
+            return sum(k in self.failing[name] for k in step_keys) if self.failing[name] else 0
+
+        hashes = ", ".join(sorted(set(self.partition_hashes.values()))) or "(no lineage)"
+        pairs = sum(k in self.turn_pairs for k in step_keys)
+        forked = failures("turns_nest")
+        trajectories = len({self.trajectory_of.get(k) for k in step_keys})
+        left = ", ".join(f"{r} {c}" for r, c in sorted(self.left_out.items())) or "none"
+        filters = ", ".join(self.filters) or "no filter"
+        checks = [
+            check(
+                "spec_hash", f"{n - failures('spec_hash')} of {n} steps curated by spec {hashes}"
+            ),
+            check(
+                "staleness",
+                "no staleness bound"
+                if self.floor is None
+                else f"policy versions >= {self.floor} only",
+            ),
+            check(
+                "group_completeness",
+                f"{failures('group_completeness')} steps (of {trajectories} trajectories) "
+                "incomplete or released at their deadline",
+            ),
+            check(
+                "turns_nest", f"{pairs - forked} of {pairs} consecutive turns nest, {forked} forked"
+            ),
+            check("masks", f"{n - failures('masks')} of {n} steps"),
+            check(
+                "filters",
+                f"{n - failures('filters')} of {n} steps pass {filters}; left out of these "
+                f"partitions: {left}",
+            ),
+        ]
+        return ContractReport(dataset, dataset_version, self.spec_hash, checks, self.left_out)
+
+    @cached_property
+    def spec_hash(self) -> str | None:
+        """The spec's hash (computed once)."""
+        return self.spec.spec_hash if self.spec else None
+
+
+def verdicts(
+    spec: CurationSpec | None,
+    partition_hashes: dict[int, str],
+    rows: pl.DataFrame,
+    laid_out: Any,
+    floor: int | None,
+    left_out: dict[str, int],
+) -> Verdicts:
+    """Judge the steps of `rows` (gold rows: CONTRACT_COLUMNS) as `laid_out` lays them out
+    (a consume.Batch, or a whole packed partition: `step_keys`, per step its token indices,
+    `input_ids`, `position_ids`, `parent`) against the spec its lineage names
+    (`partition_hashes`: the spec hash per policy version), the staleness floor now, and the
+    partitions' rejection counts."""
+    keys = laid_out.step_keys
+    batch = hasattr(laid_out, "step_token_index")
+    token_of = laid_out.step_token_index if batch else laid_out.token_of
+    index = dict(zip(keys, token_of, strict=True))
+    rows = rows.filter(pl.col("step_key").is_in(keys))
+    expected = rows["policy_version"].replace_strict(partition_hashes, default=None)
+
+    def offending(mask: pl.Series | pl.Expr) -> set[str]:
+        return set(rows.filter(mask)["step_key"])
+
+    failing = {
+        "spec_hash": offending(rows["spec_hash"].ne_missing(expected)),
+        "staleness": set() if floor is None else offending(pl.col("policy_version") < floor),
+        "group_completeness": offending(
+            (pl.col("trajectory_status") != "complete").fill_null(True)
+            | (pl.col("admission") == "deadline").fill_null(False)
+        ),
+        "masks": mask_breaks(rows, index, laid_out.position_ids, laid_out.parent),
+        "filters": set(),
+    }
+    turn_pairs, failing["turns_nest"] = nesting_breaks(rows, index, laid_out.input_ids)
+    filters: list[str] = []
+    if spec is not None and rows.height:
+        checks = step_checks(spec, int(rows["policy_version"].max()))
+        checks.pop("superseded")  # not a gold column (gold keeps no retry orphans)
+        checks.pop("stale")  # the staleness check's, against the floor now
+        failing["filters"] = offending(~pl.all_horizontal(list(checks.values())))
+        filters = list(checks)
+    assert set(failing) == set(CONTRACT_CHECKS)
+    trajectory_of = dict(zip(rows["step_key"], rows["trajectory_uid"], strict=True))
+    return Verdicts(
+        spec, partition_hashes, floor, left_out, failing, turn_pairs, filters, trajectory_of
+    )
 
 
 def contract_report(
@@ -172,75 +306,9 @@ def contract_report(
     floor: int | None,
     left_out: dict[str, int],
 ) -> ContractReport:
-    """The report of `batch` (a consume.Batch) over its steps' gold rows (`rows`:
-    CONTRACT_COLUMNS), against the spec its lineage names (`partition_hashes`: the spec hash
-    per policy version), the staleness floor now, and the partitions' rejection counts."""
-    blocking = set(spec.blocking) if spec is not None else set()
-    index = dict(zip(batch.step_keys, batch.step_token_index, strict=True))
-    rows = rows.filter(pl.col("step_key").is_in(list(index)))
-    expected = rows["policy_version"].replace_strict(partition_hashes, default=None)
-    wrong_spec = rows["step_key"].filter(rows["spec_hash"].ne_missing(expected))
-    stale = rows["step_key"].filter(
-        pl.Series([False] * rows.height) if floor is None else rows["policy_version"] < floor
-    )
-    incomplete = rows.filter(
-        (pl.col("trajectory_status") != "complete").fill_null(True)
-        | (pl.col("admission") == "deadline").fill_null(False)
-    )["step_key"]
-    pairs, forked = nesting_breaks(rows, index, batch.input_ids)
-    masks = mask_breaks(rows, index, batch.position_ids, batch.parent)
-    failing = pl.Series("step_key", [], pl.String)
-    filters: list[str] = []
-    if spec is not None and rows.height:
-        top = int(rows["policy_version"].max())
-        checks = step_checks(spec, top)
-        checks.pop("superseded")  # not a gold column (gold keeps no retry orphans)
-        checks.pop("stale")  # the staleness check's, against the floor now
-        verdict = rows.select("step_key", ok=pl.all_horizontal(list(checks.values())))
-        failing = verdict.filter(~pl.col("ok"))["step_key"]
-        filters = list(checks)
-    trajectories = rows["trajectory_uid"].n_unique()
-    left = ", ".join(f"{reason} {n}" for reason, n in sorted(left_out.items())) or "none"
-    checks_out = [
-        _check(
-            "spec_hash",
-            wrong_spec,
-            f"{rows.height - wrong_spec.len()} of {rows.height} steps curated by spec "
-            f"{', '.join(sorted(set(partition_hashes.values()))) or '(no lineage)'}",
-            blocking,
-        ),
-        _check(
-            "staleness",
-            stale,
-            "no staleness bound" if floor is None else f"policy versions >= {floor} only",
-            blocking,
-        ),
-        _check(
-            "group_completeness",
-            incomplete,
-            f"{incomplete.len()} steps (of {trajectories} trajectories) incomplete or released "
-            "at their deadline",
-            blocking,
-        ),
-        _check(
-            "turns_nest",
-            forked,
-            f"{pairs - forked.len()} of {pairs} consecutive turns nest, {forked.len()} forked",
-            blocking,
-        ),
-        _check("masks", masks, f"{rows.height - masks.len()} of {rows.height} steps", blocking),
-        _check(
-            "filters",
-            failing,
-            f"{rows.height - failing.len()} of {rows.height} steps pass "
-            f"{', '.join(filters) or 'no filter'}; left out of these partitions: {left}",
-            blocking,
-        ),
-    ]
-    assert [c.name for c in checks_out] == list(CONTRACT_CHECKS)
-    return ContractReport(
-        dataset, dataset_version, spec.spec_hash if spec else None, checks_out, left_out
-    )
+    """The report of one `batch` (a consume.Batch) over its steps' gold rows (`verdicts`)."""
+    judged = verdicts(spec, partition_hashes, rows, batch, floor, left_out)
+    return judged.report(dataset, dataset_version, batch.step_keys)
 
 
 def blocking_failures(report: ContractReport) -> list[ContractCheck]:
