@@ -27,13 +27,11 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
@@ -45,7 +43,7 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.gold import curated, source_versions
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import silver_state
-from claw_pipelines.tokenization import IM_END, IM_START, encode, token_bytes
+from claw_pipelines.tokenization import IM_END, IM_START, decode_lists, encode
 
 JudgeFunction = Callable[[pl.DataFrame], pl.Series]
 RESCORE_WRITER = "rescore"  # the bronze `gateway_id` of judges' facts
@@ -94,20 +92,6 @@ class RescoreRun:
 
 
 # -- the built-in judge -------------------------------------------------------------------
-
-
-@lru_cache(maxsize=1)
-def _token_table() -> pa.Array:
-    return pa.array(token_bytes(), pa.binary())
-
-
-def decode_ids(ids: pa.ListArray | pa.ChunkedArray) -> pl.Series:
-    """Texts of token-id lists with the bundled tokenizer (vectorized: byte lookup + join)."""
-    table = _token_table()
-    if isinstance(ids, pa.ChunkedArray):
-        ids = ids.combine_chunks()
-    pieces = pa.ListArray.from_arrays(ids.offsets, pc.take(table, ids.values))
-    return pl.from_arrow(pc.binary_join(pieces, b"").cast(pa.large_string()))
 
 
 SCAN_CHUNK = 1 << 20  # tokens compared per pass: a small buffer, reused (fresh pages cost)
@@ -224,8 +208,8 @@ def exact_match(steps: pl.DataFrame) -> pl.Series:
     """The demo's arithmetic verifier: 1.0 when the last number of the response is the value
     of the `What is a op b?` in the step's last user turn, 0.0 when it is not, null when that
     turn asks no such question."""
-    question = decode_ids(last_user_turns(steps["prompt_ids"].to_arrow()))
-    answer = decode_ids(steps["response_ids"].to_arrow())
+    question = decode_lists(last_user_turns(steps["prompt_ids"].to_arrow()))
+    answer = decode_lists(steps["response_ids"].to_arrow())
     asked = pl.col("q").str.extract_groups(_QUESTION).struct
     parts = pl.DataFrame({"q": question, "a": answer}).select(
         a=asked.field("1").cast(pl.Int64, strict=False),

@@ -17,6 +17,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -31,6 +34,7 @@ __all__ = [
     "TOOL_CALL_START",
     "ChatTokenizer",
     "decode",
+    "decode_lists",
     "encode",
     "encode_chat",
     "load_chat_tokenizer",
@@ -208,6 +212,24 @@ def _token_bytes(tokenizer: Tokenizer) -> tuple[bytes, ...]:
 def token_bytes(tokenizer: Tokenizer | None = None) -> tuple[bytes, ...]:
     """The raw bytes of every token id of a byte-level tokenizer (index = id); cached."""
     return _token_bytes(tokenizer or load_tokenizer())
+
+
+@lru_cache(maxsize=8)
+def _byte_table(path: str | None) -> pa.Array:
+    return pa.array(token_bytes(load_tokenizer(path)), pa.binary())
+
+
+def decode_lists(ids: pa.ListArray | pa.ChunkedArray, tokenizer: str | None = None) -> pl.Series:
+    """Texts of token-id lists with a byte-level tokenizer (default the bundled one),
+    vectorized: a byte lookup per token and one join per list."""
+    table = _byte_table(tokenizer)
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks()
+    pieces = pa.ListArray.from_arrays(ids.offsets, pc.take(table, ids.values))
+    texts = pc.binary_join(pieces, b"").cast(pa.large_string())
+    series = pl.from_arrow(texts)
+    assert isinstance(series, pl.Series)
+    return series
 
 
 def _token_text(value: Any) -> str:

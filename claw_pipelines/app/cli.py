@@ -253,14 +253,36 @@ def _cmd_export(args: argparse.Namespace) -> None:
     from claw_pipelines.consume import open_dataset
     from claw_pipelines.export import export
 
+    settings = _settings(args)
     try:
-        dataset = open_dataset(args.dataset, _settings(args).lake_uri, args.version)
-        written = export(dataset, args.policy_version, args.format, Path(args.out))
+        dataset = open_dataset(args.dataset, settings.lake_uri, args.version)
+        written = export(
+            dataset, args.policy_version, args.format, Path(args.out), settings.tokenizer
+        )
     except LookupError as exc:
         raise CliError(str(exc)) from None
+    what = "pairs" if args.format == "preference-pairs" else "steps"
     print(
-        f"exported {written} steps of {args.dataset} v{args.policy_version} "
+        f"exported {written} {what} of {args.dataset} v{args.policy_version} "
         f"(dataset version {dataset.version}) to {args.out}"
+    )
+
+
+def _cmd_import(args: argparse.Namespace) -> None:
+    from claw_pipelines.interchange import ChatLogError, import_chat_log
+    from claw_pipelines.lake import Lake
+
+    lake = Lake.from_settings(_settings(args)) if args.create else _open_lake(args)
+    try:
+        landed = import_chat_log(lake, Path(args.file), args.tenant, args.keep_request)
+    except (ChatLogError, OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"{args.file}: {exc}") from None
+    if not landed.steps:
+        print(f"{args.file}: its {landed.already} steps were imported before; nothing new")
+        return
+    print(
+        f"imported {landed.steps} steps of {landed.trajectories} trajectories from {args.file} "
+        f"into bronze (version {landed.bronze_version}); `claw materialize` builds them"
     )
 
 
@@ -317,12 +339,34 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--host", default="127.0.0.1", help="loopback by default")
     dash.add_argument("--port", type=int, default=8501)
 
-    exp = verb("export", _cmd_export, "export a gold partition as verl-style Parquet or JSONL")
+    exp = verb(
+        "export",
+        _cmd_export,
+        "export a gold partition: verl-style Parquet or JSONL, SFT messages, preference pairs",
+    )
     exp.add_argument("--dataset", required=True)
     exp.add_argument("--policy-version", type=int, required=True)
-    exp.add_argument("--format", choices=["verl-parquet", "jsonl"], default="verl-parquet")
+    exp.add_argument(
+        "--format",
+        choices=["verl-parquet", "jsonl", "sft-messages", "preference-pairs"],
+        default="verl-parquet",
+    )
     exp.add_argument("--out", required=True, help="file to write")
     exp.add_argument("--version", type=int, help="dataset Delta version (default: newest)")
+
+    imp = verb(
+        "import",
+        _cmd_import,
+        "import trajectories from an OpenAI-style chat log with token ids (JSON lines, one "
+        "call each) into bronze, with their provenance",
+    )
+    imp.add_argument("file", help="the chat log (.jsonl)")
+    imp.add_argument("--format", choices=["openai-chat"], default="openai-chat")
+    imp.add_argument("--tenant", default="default", help="the tenant the steps belong to")
+    imp.add_argument(
+        "--keep-request", action="store_true", help="keep each call's request in its metadata"
+    )
+    imp.add_argument("--create", action="store_true", help="create the lake if it is missing")
 
     judge = verb(
         "rescore",
