@@ -36,6 +36,7 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
+    TableSpec,
     gold_dataset_spec,
     gold_rejection_spec,
     gold_tree_spec,
@@ -418,29 +419,23 @@ def _build_once(lake: Lake, spec: CurationSpec, policy_version: int, reason: str
     guard = Guard((partition_writer(policy_version),), versions[SILVER_TRAJECTORIES] or 0, pins)
     meta = commit_metadata(lineage)
     landed_at = datetime.now(UTC)
-    part.rejections_version = lake.replace_partition(
-        gold_rejection_spec(spec.name),
-        rejection_rows(part.rejected, landed_at),
-        "policy_version",
-        policy_version,
-        metadata=meta,
-        guard=guard,
+
+    def replace(table: TableSpec, rows: pa.Table, metadata: dict[str, Any]) -> int:
+        """Replace this policy version of one of the dataset's tables, guarded."""
+        return lake.replace_partition(
+            table, rows, "policy_version", policy_version, metadata=metadata, guard=guard
+        )
+
+    part.rejections_version = replace(
+        gold_rejection_spec(spec.name), rejection_rows(part.rejected, landed_at), meta
     )
-    part.dataset_version = lake.replace_partition(
-        gold_dataset_spec(spec.name),
-        dataset_rows(part.steps, landed_at),
-        "policy_version",
-        policy_version,
-        metadata=meta,
-        guard=guard,
+    part.dataset_version = replace(
+        gold_dataset_spec(spec.name), dataset_rows(part.steps, landed_at), meta
     )
-    part.trees_version = lake.replace_partition(
+    part.trees_version = replace(
         gold_tree_spec(spec.name),
         tree_rows(policy_version, part.steps, part.forest),
-        "policy_version",
-        policy_version,
-        metadata=meta | {"dataset_version": part.dataset_version, "lineage": [lineage]},
-        guard=guard,
+        meta | {"dataset_version": part.dataset_version, "lineage": [lineage]},
     )
     (part.lineage,) = record_lineage(lake, [lineage], part.dataset_version, part.trees_version)
     return part
