@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import httpx
 
+from claw_pipelines.contracts.tables import GOLD_RUN_TABLES
+
 LOCATION = "claw_pipelines.definitions"
 REPOSITORY = "__repository__"
-GOLD_ASSETS = [["gold", "datasets"], ["gold", "trees"], ["gold", "lineage"]]
+GOLD_ASSETS = [table.split("/") for table in GOLD_RUN_TABLES]  # a run selects the whole asset
 _ADD = """
 mutation Add($repo: RepositorySelector!, $name: String!, $key: String!) {
   addDynamicPartition(repositorySelector: $repo, partitionsDefName: $name, partitionKey: $key) {

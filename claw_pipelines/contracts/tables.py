@@ -20,6 +20,8 @@ GOLD_POLICY_VERSIONS = "gold/policy_versions"
 GOLD_DATASETS_PREFIX = "gold/datasets"
 GOLD_TREES_PREFIX = "gold/trees"
 GOLD_REJECTIONS_PREFIX = "gold/rejections"
+# what one gold run writes: the keys of the gold multi-asset, which runs select whole
+GOLD_RUN_TABLES = (GOLD_DATASETS_PREFIX, GOLD_TREES_PREFIX, GOLD_REJECTIONS_PREFIX, GOLD_LINEAGE)
 
 RECORD_KINDS = ("step", "chat_completion", "completion", "feedback", "event", "trajectory_complete")
 STEP_KINDS = ("step", "chat_completion", "completion")

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import dagster as dg
 
+from claw_pipelines.contracts.tables import GOLD_RUN_TABLES
 from claw_pipelines.definitions import defs
+from claw_pipelines.defs.gold import GOLD_SPECS
+from dashboards.dagster_graphql import GOLD_ASSETS
 
 SNAPSHOT = Path(__file__).parents[1] / "snapshots" / "asset_graph.json"
 
@@ -58,3 +61,9 @@ def test_the_asset_graph_matches_its_snapshot():
     assert current == json.loads(SNAPSHOT.read_text()), (
         "the asset graph changed: review it, then CLAW_UPDATE_SNAPSHOTS=1 to record it"
     )
+
+
+def test_a_gold_run_launched_over_graphql_selects_the_whole_gold_asset():
+    keys = {spec.key.to_user_string() for spec in GOLD_SPECS}
+    assert keys == set(GOLD_RUN_TABLES)  # the multi-asset cannot be subset
+    assert {"/".join(path) for path in GOLD_ASSETS} == keys
