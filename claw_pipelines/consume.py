@@ -270,7 +270,8 @@ class Dataset:
         self._books: dict[tuple[str, int], Ledger] = {}
         self._newest: tuple[int, pl.DataFrame] | None = None
         self._floor: tuple[tuple[int | None, int | None], int | None] | None = None
-        self._specs: tuple[tuple, tuple[CurationSpec | None, dict[int, str]]] | None = None
+        # per dataset version: (the lineage version read, its spec and partition spec hashes)
+        self._specs: dict[int, tuple[int | None, tuple[CurationSpec | None, dict[int, str]]]] = {}
         self._rejections: tuple[tuple, dict[str, int]] | None = None
 
     def __repr__(self) -> str:
@@ -592,11 +593,12 @@ class Dataset:
     def _lineage_specs(self, at: int) -> tuple[CurationSpec | None, dict[int, str]]:
         """The spec of the newest write at or before dataset version `at`, and the spec hash
         of each partition's newest write (cached per lineage version)."""
-        key = (self.lake.version(GOLD_LINEAGE), at)
-        if self._specs is not None and self._specs[0] == key:
-            return self._specs[1]
+        lineage = self.lake.version(GOLD_LINEAGE)
+        kept = self._specs.get(at)
+        if kept is not None and kept[0] == lineage:
+            return kept[1]
         found: tuple[CurationSpec | None, dict[int, str]] = (None, {})
-        if key[0] is not None:
+        if lineage is not None:
             rows = (
                 self.lake.scan(GOLD_LINEAGE)
                 .filter((pl.col("dataset") == self.name) & (pl.col("dataset_version") <= at))
@@ -608,7 +610,7 @@ class Dataset:
                 spec = CurationSpec.model_validate_json(rows["spec_json"][-1])
                 latest = rows.group_by("policy_version").agg(pl.col("spec_hash").last())
                 found = spec, {int(v): h for v, h in latest.iter_rows()}
-        self._specs = key, found
+        self._specs[at] = lineage, found
         return found
 
     def _left_out(self, versions: tuple[int, ...]) -> dict[str, int]:
@@ -647,19 +649,10 @@ class Dataset:
 
     def _staleness_floor(self) -> int | None:
         published = policy.published_version(self.lake)
-        if published is None or not self.lake.exists(GOLD_LINEAGE):
+        if published is None:
             return None
-        specs = (
-            self.lake.scan(GOLD_LINEAGE)
-            .filter(pl.col("dataset") == self.name)
-            .sort("written_at")
-            .select("spec_json")
-            .collect()
-        )
-        if specs.is_empty():
-            return None
-        spec = CurationSpec.model_validate_json(specs["spec_json"][-1])
-        if spec.max_policy_staleness is None:
+        spec, _ = self._lineage_specs(self.lake.version(self.table))  # the newest write's
+        if spec is None or spec.max_policy_staleness is None:
             return None
         return published - spec.max_policy_staleness
 

@@ -208,7 +208,7 @@ def readmit_source(lake: Lake, spec: CurationSpec, trail: tuple[str, ...] = ()) 
     cycle."""
     assert spec.readmit is not None
     name = spec.readmit.dataset
-    if name in trail[:-1] or name == spec.name:
+    if name in (*trail, spec.name):
         raise SpecError(f"readmit: {' -> '.join((*trail, name))} is a cycle")
     try:
         return load_spec(lake, name)

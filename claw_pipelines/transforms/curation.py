@@ -198,11 +198,6 @@ def step_checks(spec: CurationSpec, newest_version: int) -> dict[str, pl.Expr]:
     }
 
 
-def step_filter(spec: CurationSpec, newest_version: int) -> pl.Expr:
-    """The spec's per-step filters as one predicate."""
-    return pl.all_horizontal(list(step_checks(spec, newest_version).values()))
-
-
 def group_stats(frame: pl.DataFrame) -> pl.DataFrame:
     """Per prompt group, over its trajectories in silver: size, completeness, return stats."""
     per_trajectory = frame.group_by("trajectory_uid").agg(
@@ -315,12 +310,6 @@ def classify(frame: pl.DataFrame, spec: CurationSpec, newest: int | None = None)
     return rows.with_columns(
         reason=pl.col("reasons").list.first(), newest_policy_version=pl.lit(newest, pl.Int64)
     )
-
-
-def curate(frame: pl.DataFrame, spec: CurationSpec, newest: int | None = None) -> pl.DataFrame:
-    """The steps `spec` keeps (all policy versions), with `advantage`, the group stats and
-    their `admission` (see `classify`)."""
-    return kept_steps(classify(frame, spec, newest), spec)
 
 
 def kept_steps(classified: pl.DataFrame, spec: CurationSpec) -> pl.DataFrame:
