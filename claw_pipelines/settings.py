@@ -102,6 +102,11 @@ class ClawSettings(BaseSettings):
     trajectory_reward_to: Literal["last", "every"] = Field(
         "last", description="steps a trajectory-level reward addresses"
     )
+    metrics_public: bool = Field(
+        False,
+        description="answer GET /metrics without an API key (health routes always are); "
+        "by default it needs one, like every other route, when keys are configured",
+    )
     gateway_url: str | None = Field(
         None, description="the gateway the dashboard shows health from (its /metrics)"
     )

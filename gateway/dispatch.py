@@ -1,7 +1,9 @@
 """The gateway's outer layer: limits, metrics, and routing through the one route table.
 
 Every request passes here first. Bodies are refused early (a declared Content-Length over the
-limit: 413; a body that is not JSON: 415); a request whose method and path are in the route
+limit: 413; a body that is not JSON: 415); with API keys configured, every request but health
+(and /metrics when `CLAW_METRICS_PUBLIC`) must present one (401), on the table's routes and on
+FastAPI's (/docs, /openapi.json, 404, 405) alike; a request whose method and path are in the route
 table (gateway.routes) is answered straight from ASGI by its handler; anything else (the
 OpenAPI docs, a 404 or 405) goes on to FastAPI. FastAPI's per-request machinery costs more
 than a durable write itself (benchmarks/gateway_ingest.py), so no table route runs through it,
@@ -18,8 +20,9 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.asgi import send_answer, send_body
+from gateway.auth import KeyRing
 from gateway.errors import ApiError, envelope
-from gateway.incoming import Incoming
+from gateway.incoming import Incoming, tenant_of
 from gateway.metrics import GatewayMetrics, labelled
 from gateway.routes.table import RouteTable
 from gateway.services import GatewayServices
@@ -43,12 +46,20 @@ class Dispatcher:
     """Serves the route table's requests; passes everything else to `fallback` (FastAPI)."""
 
     def __init__(
-        self, fallback: ASGIApp, routes: RouteTable, metrics: GatewayMetrics, max_body_bytes: int
+        self,
+        fallback: ASGIApp,
+        routes: RouteTable,
+        metrics: GatewayMetrics,
+        max_body_bytes: int,
+        keys: KeyRing | None = None,
+        open_paths: frozenset[str] = frozenset(),
     ) -> None:
         self.fallback = fallback
         self.routes = routes
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.keys = keys or KeyRing()
+        self.open_paths = open_paths  # answered without a key
         self.services: GatewayServices | None = None  # set by the app's lifespan
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -69,14 +80,15 @@ class Dispatcher:
             if refusal is not None:
                 return await _answer_error(send_with_status, refusal)
             try:
+                tenant = self._authenticate(scope["path"], headers)
                 matched = self.routes.match(scope["method"], scope["path"])
-            except ApiError as invalid_path:  # a path parameter that is no uid
-                return await _answer_error(send_with_status, invalid_path)
+            except ApiError as refused:  # no or a wrong key; a path parameter that is no uid
+                return await _answer_error(send_with_status, refused)
             if matched is None or self.services is None:
                 return await self.fallback(scope, receive, send_with_status)
             route, params = matched
             label = route.path
-            incoming = Incoming(self.services, headers, params, receive, scope)
+            incoming = Incoming(self.services, headers, params, receive, scope, tenant)
             try:
                 answer = await route.handle(incoming)
             except ApiError as exc:
@@ -90,6 +102,13 @@ class Dispatcher:
             label = label or getattr(scope.get("route"), "path", None) or "unmatched"
             labelled(self.metrics.requests, label, str(status)).inc()
             labelled(self.metrics.request_seconds, label).observe(time.perf_counter() - started)
+
+    def _authenticate(self, path: str, headers: dict[str, str]) -> str | None:
+        """The tenant of the request's key (401 without a valid one), or None when keys are
+        off or the path is open."""
+        if not self.keys.enabled or path in self.open_paths:
+            return None
+        return tenant_of(self.keys, headers)
 
     def _inspect(self, scope: Scope) -> tuple[dict[str, str], ApiError | None]:
         """One pass over the headers: all of them by lower-case name (the first of repeated

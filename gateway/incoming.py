@@ -36,6 +36,7 @@ class Incoming:
     params: Mapping[str, str]
     receive: Receive
     scope: Scope
+    authenticated: str | None = None  # the tenant, once the dispatcher checked the key
 
     @property
     def base_url(self) -> str:
@@ -48,7 +49,9 @@ class Incoming:
 
     def tenant(self) -> str:
         """The tenant of the presented API key (401 when missing or unknown)."""
-        return tenant_of(self.services.keys, self.headers)
+        if self.authenticated is None:
+            self.authenticated = tenant_of(self.services.keys, self.headers)
+        return self.authenticated
 
     def idempotency_key(self) -> str | None:
         """The `Idempotency-Key` header, validated like an event_id (422 otherwise)."""

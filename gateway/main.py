@@ -22,6 +22,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openapi import document_routes, registered_routes
 from gateway.proxy import ProxyService, Upstream
 from gateway.routes import ROUTES
+from gateway.routes.ops import open_paths
 from gateway.services import GatewayServices
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,12 @@ def create_app(settings: ClawSettings | None = None, landing: Landing | None = N
     )
     install_error_handlers(app)
     app.dispatcher = Dispatcher(
-        partial(FastAPI.__call__, app), ROUTES, metrics, settings.max_body_bytes
+        partial(FastAPI.__call__, app),
+        ROUTES,
+        metrics,
+        settings.max_body_bytes,
+        keys,
+        open_paths(settings),
     )
     document_routes(app, ROUTES, lambda: app.dispatcher.services)
     return app

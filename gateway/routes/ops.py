@@ -1,15 +1,23 @@
-"""Operations: liveness, readiness and Prometheus metrics (no API key needed)."""
+"""Operations: liveness and readiness (never need an API key), Prometheus metrics (need
+one when keys are configured, unless `CLAW_METRICS_PUBLIC=true`)."""
 
 from __future__ import annotations
 
 import json
 
+from claw_pipelines.settings import ClawSettings
 from gateway.asgi import Answer
 from gateway.incoming import Incoming
 from gateway.routes.table import Route
 
 TAG = "operations"
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+HEALTH_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+def open_paths(settings: ClawSettings) -> frozenset[str]:
+    """The paths answered without an API key: health, and /metrics when asked for."""
+    return HEALTH_PATHS | ({"/metrics"} if settings.metrics_public else set())
 
 
 async def healthz(incoming: Incoming) -> Answer:
