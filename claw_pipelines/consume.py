@@ -29,16 +29,18 @@ built only when asked (`attention_mask()`, `block_attention_mask(b)`, `to_torch(
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cache
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
+from deltalake.exceptions import DeltaError
 
 from claw_pipelines import policy
 from claw_pipelines.contract import (
@@ -83,6 +85,38 @@ BATCH_STEP_COLUMNS = [
     "reward",
     "advantage",
 ]
+
+
+class NotFound(LookupError):
+    """What was asked for (lake, dataset, dataset version, policy version) does not exist;
+    the message names it and what does exist, in one line."""
+
+
+def _listed(values: Sequence[object], none: str) -> str:
+    """`values` as '1, 2, 3' (a range as '0..12' when contiguous), or `none`."""
+    if not values:
+        return none
+    ints = all(isinstance(v, int) for v in values)
+    if ints and len(values) > 3 and list(values) == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}..{values[-1]}"
+    return ", ".join(str(v) for v in values)
+
+
+def dataset_names(lake: Lake) -> list[str]:
+    """The gold datasets of a lake (those lineage records whose table exists)."""
+    if not lake.exists(GOLD_LINEAGE):
+        return []
+    names = lake.read(GOLD_LINEAGE, columns=["dataset"])["dataset"].unique().sort()
+    return [n for n in names.to_list() if lake.exists(gold_dataset_table(n))]
+
+
+def require_lake(lake: Lake) -> None:
+    """Raise NotFound when a local lake's directory does not exist (object stores have no
+    directories to look for: a missing table says so instead)."""
+    if not lake.is_remote and not Path(lake.uri).is_dir():
+        raise NotFound(f"no lake at {lake.uri} (the directory does not exist)")
+
+
 # what a batch's steps are read with: their training columns and what the contract checks
 BATCH_READ_COLUMNS = list(dict.fromkeys([*BATCH_STEP_COLUMNS, *CONTRACT_COLUMNS]))
 
@@ -263,9 +297,12 @@ class Dataset:
         self.lake, self.name = lake, name
         self.table = gold_dataset_table(name)
         self.trees_table = gold_tree_table(name)
-        if not lake.exists(self.table):
-            raise LookupError(f"no gold dataset {name!r} in {lake.uri}")
-        self.version: int = lake.version(self.table) if version is None else int(version)
+        require_lake(lake)
+        newest = lake.version(self.table)
+        if newest is None:
+            known = _listed(dataset_names(lake), "none yet: `claw materialize` builds them")
+            raise NotFound(f"no gold dataset {name!r} in {lake.uri} (datasets: {known})")
+        self.version: int = newest if version is None else self._readable(version, newest)
         # live delivery keeps what it read while the tables it came from have not moved
         self._books: dict[tuple[str, int], Ledger] = {}
         self._newest: tuple[int, pl.DataFrame] | None = None
@@ -276,6 +313,29 @@ class Dataset:
 
     def __repr__(self) -> str:
         return f"Dataset({self.name!r}, version={self.version})"
+
+    def _readable(self, version: object, newest: int) -> int:
+        """`version` if this dataset has it and its log still reads; NotFound otherwise."""
+        has = f"dataset {self.name!r} has versions 0..{newest}"
+        try:
+            number = int(version)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            raise NotFound(f"{has}; version {version!r} is not a version number") from None
+        if not 0 <= number <= newest:
+            raise NotFound(f"{has}; version {number} does not exist")
+        try:
+            self.lake.open(self.table, number)
+        except DeltaError:  # the log of old versions may have been cleaned up
+            raise NotFound(f"{has}; version {number} can no longer be read") from None
+        return number
+
+    def _missing_policy_version(self, policy_version: int) -> NotFound:
+        """The error for a policy version this dataset version does not hold."""
+        held = _listed(self.policy_versions(), "none")
+        return NotFound(
+            f"dataset {self.name!r} (version {self.version}) has policy versions {held}; "
+            f"policy version {policy_version} does not exist"
+        )
 
     def __reduce__(self):
         """Pickles as lake, name and pinned version (e.g. into spawned DataLoader workers)."""
@@ -290,11 +350,15 @@ class Dataset:
         return sorted(int(v) for v in versions["policy_version"].to_list())
 
     def steps(self, policy_version: int | None = None) -> pl.DataFrame:
-        """The dataset's steps (of one policy version when given), in step order."""
+        """The dataset's steps (of one policy version when given: NotFound when it holds
+        none of it), in step order."""
         frame = self._scan()
         if policy_version is not None:
             frame = frame.filter(pl.col("policy_version") == policy_version)
-        return frame.sort("policy_version", "tree_id", "segment").collect()
+        steps = frame.sort("policy_version", "tree_id", "segment").collect()
+        if policy_version is not None and steps.is_empty():
+            raise self._missing_policy_version(policy_version)
+        return steps
 
     def consumed(self, consumer: str) -> pl.DataFrame:
         """Batches `consumer` pulled from this dataset (any version), oldest first."""
@@ -339,6 +403,8 @@ class Dataset:
             raise ValueError(f"layout must be 'tree' or 'flat', not {layout!r}")
         in_partition = self._scan().filter(pl.col("policy_version") == policy_version)
         frame = in_partition.select(BATCH_READ_COLUMNS).collect()
+        if frame.is_empty():
+            raise self._missing_policy_version(policy_version)
         if skip_consumed_by is not None:
             taken = self.consumed(skip_consumed_by)
             if taken.height:

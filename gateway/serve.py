@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import ipaddress
 import logging
+import socket
 
 import uvicorn
 
@@ -24,12 +26,37 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class InsecureBind(Exception):
+class GatewayRefused(Exception):
+    """The gateway will not start; the message says why in one line."""
+
+
+class InsecureBind(GatewayRefused):
     """A non-loopback bind was asked for with no API keys configured."""
 
 
-class UnusableTokenizer(Exception):
+class UnusableTokenizer(GatewayRefused):
     """`CLAW_TOKENIZER` names no loadable tokenizer and chat template."""
+
+
+class PortUnavailable(GatewayRefused):
+    """The address and port cannot be listened on (taken, or not this host's)."""
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (as uvicorn binds one), before anything starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+        raise PortUnavailable(
+            f"port {port} on {host} {why}: choose another with --port, or stop what listens there"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8080) -> None:
@@ -46,6 +73,7 @@ def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8
             raise UnusableTokenizer(f"CLAW_TOKENIZER: {exc}") from None
     # a store that would lose concurrent commits is refused here, in one line, before "ready"
     verify_lake_store(settings.lake_uri, settings.storage_options)
+    listener = bind_listener(host, port)  # a taken port is refused before the WAL opens
     from gateway.main import create_app
 
     # A server's heap is mostly long-lived (modules, schemas): move it out of the collector's
@@ -55,7 +83,7 @@ def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8
     gc.set_threshold(20_000, 20, 20)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(settings),
         host=host,
         port=port,
@@ -66,3 +94,12 @@ def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8
         limit_concurrency=4096,
         timeout_keep_alive=30,
     )
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[listener])
+    except KeyboardInterrupt:  # the server has stopped and flushed by then
+        pass
+    finally:
+        listener.close()
+    if not server.started:  # as uvicorn.run: a failed start is a failed exit
+        raise SystemExit(3)

@@ -24,9 +24,13 @@ def _settings(args: argparse.Namespace) -> ClawSettings:
 
 
 def _cmd_gateway(args: argparse.Namespace) -> None:
-    from gateway.serve import serve_gateway
+    from claw_pipelines.object_store import UnsafeStore
+    from gateway.serve import GatewayRefused, serve_gateway
 
-    serve_gateway(_settings(args), host=args.host, port=args.port)
+    try:
+        serve_gateway(_settings(args), host=args.host, port=args.port)
+    except (GatewayRefused, UnsafeStore) as exc:
+        raise CliError(str(exc)) from None
 
 
 def _cmd_sim_llm(args: argparse.Namespace) -> None:
@@ -82,6 +86,8 @@ def _cmd_materialize(args: argparse.Namespace) -> None:
             stop.set()
         return
 
+    if not args.create:
+        _open_lake(args, hint="; --create makes one")
     try:
         report = materialize(_settings(args), args.select, args.dataset, args.policy_version)
     except LookupError as exc:
@@ -101,13 +107,14 @@ def _say_now(line: str) -> None:
     print(line, flush=True)
 
 
-def _open_lake(args: argparse.Namespace):
+def _open_lake(args: argparse.Namespace, hint: str = ""):
+    """The lake of `--lake` / `CLAW_LAKE_URI`; a local one must exist (readers never create)."""
     from claw_pipelines.lake import Lake
 
     settings = _settings(args)
     lake = Lake.from_settings(settings)
     if not lake.is_remote and not Path(lake.uri).is_dir():
-        raise CliError(f"no lake at {lake.uri}")
+        raise CliError(f"no lake at {lake.uri} (the directory does not exist{hint})")
     return lake
 
 
@@ -220,9 +227,17 @@ def _cmd_spec_add(args: argparse.Namespace) -> None:
 def _cmd_ledger(args: argparse.Namespace) -> None:
     import polars as pl
 
+    from claw_pipelines.consume import dataset_names
     from claw_pipelines.ledger import waste_ledger
 
-    ledger = waste_ledger(_open_lake(args), args.dataset)
+    lake = _open_lake(args)
+    known = dataset_names(lake)
+    unknown = [name for name in args.dataset or [] if name not in known]
+    if unknown:
+        raise CliError(
+            f"no gold dataset {unknown[0]!r} in {lake.uri} (datasets: {', '.join(known) or 'none'})"
+        )
+    ledger = waste_ledger(lake, args.dataset)
     if ledger.is_empty():
         print("no gold dataset yet: `claw materialize` builds them")
         return
@@ -272,7 +287,7 @@ def _cmd_import(args: argparse.Namespace) -> None:
     from claw_pipelines.interchange import ChatLogError, import_chat_log
     from claw_pipelines.lake import Lake
 
-    lake = Lake.from_settings(_settings(args)) if args.create else _open_lake(args)
+    lake = Lake.from_settings(_settings(args)) if args.create else _open_lake(args, "; --create")
     try:
         landed = import_chat_log(lake, Path(args.file), args.tenant, args.keep_request)
     except (ChatLogError, OSError, UnicodeDecodeError) as exc:
@@ -333,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mat.add_argument(
         "--poll-s", type=float, default=0.2, help="with --follow: how often bronze is looked at"
+    )
+    mat.add_argument(
+        "--create",
+        action="store_true",
+        help="create the lake if it is missing (else a missing local lake is an error; "
+        "--follow waits for the gateway to create it)",
     )
 
     dash = verb("dashboard", _cmd_dashboard, "run the Streamlit dashboard on the lake")
@@ -477,6 +498,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"claw: error: {exc}", file=sys.stderr)
         return 1
+    except LookupError as exc:  # the Python API's NotFound; a KeyError or IndexError is a bug
+        consume = sys.modules.get("claw_pipelines.consume")
+        if consume is None or not isinstance(exc, consume.NotFound):
+            return _unexpected(exc)
+        print(f"claw: error: {exc}", file=sys.stderr)
+        return 1
     except ValidationError as exc:  # settings from the environment
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
@@ -484,11 +511,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"claw: error: {name}: {first['msg']}", file=sys.stderr)
         return 1
     except Exception as exc:  # one clear line for users; the traceback goes to a log file
-        where = log_traceback(exc)
-        first = (str(exc).strip().splitlines() or [""])[0]
-        print(f"claw: error: {type(exc).__name__}: {first} (traceback: {where})", file=sys.stderr)
-        return 1
+        return _unexpected(exc)
     return 0
+
+
+def _unexpected(exc: Exception) -> int:
+    """Report an error no verb expected in one line; its traceback goes to the error log."""
+    where = log_traceback(exc)
+    first = (str(exc).strip().splitlines() or [""])[0]
+    print(f"claw: error: {type(exc).__name__}: {first} (traceback: {where})", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -110,7 +110,16 @@ def materialize(
         graph = defs.resolve_asset_graph()
         chosen = _selection(select).resolve(graph)
         if not chosen:
-            raise LookupError(f"no asset matches {' '.join(select or [])!r}")
+            assets = ", ".join(sorted(k.to_user_string() for k in graph.materializable_asset_keys))
+            raise LookupError(f"no asset matches {' '.join(select or [])!r} (assets: {assets})")
+        shelf = read_specs(Lake.from_settings(settings))
+        known = sorted(set(shelf.specs) | set(shelf.errors))
+        for name in datasets or []:
+            if name not in known:
+                raise LookupError(
+                    f"no dataset {name!r}: its spec does not exist (specs: "
+                    f"{', '.join(known)}; `claw spec list` shows them)"
+                )
         partitioned = {k for k in chosen if graph.get(k).partitions_def is not None}
         plain = {k for k in chosen - partitioned if graph.get(k).is_materializable}
         instance = (
@@ -140,7 +149,11 @@ def materialize(
             for name, error in sorted(bad.items()):
                 if not datasets or name in datasets:
                     report.fail(str(error))
-            for key in all_partition_keys(lake):
+            keys = all_partition_keys(lake)
+            missing = _missing_policy_versions(keys, policy_versions)
+            if missing:
+                report.fail(missing)
+            for key in keys:
                 dims = key.keys_by_dimension
                 if datasets and dims["dataset"] not in datasets:
                     continue
@@ -150,6 +163,16 @@ def materialize(
                 instance.add_dynamic_partitions(POLICY_VERSIONS.name, [dims["policy_version"]])
                 report.add(run(partitioned, key), str(key))
     return report
+
+
+def _missing_policy_versions(keys, asked: Sequence[int] | None) -> str | None:
+    """Why some asked-for policy versions have no gold partition (None when all have one)."""
+    held = sorted({int(key.keys_by_dimension["policy_version"]) for key in keys})
+    missing = [version for version in asked or [] if version not in held]
+    if not missing:
+        return None
+    shown = ", ".join(map(str, held)) or "none"
+    return f"silver/steps has policy versions {shown}; policy version {missing[0]} does not exist"
 
 
 def follow(

@@ -187,7 +187,11 @@ def test_claw_export_writes_verl_parquet_and_jsonl(lake, tmp_path):
         r["step_key"] for r in table
     ]
     missing = subprocess.run([*base[:-1], "9", "--out", str(out)], capture_output=True, text=True)
-    assert missing.returncode == 1 and missing.stderr.startswith("claw: error: train has no steps")
+    assert missing.returncode == 1
+    assert missing.stderr == (
+        "claw: error: dataset 'train' (version 3) has policy versions 1, 2; "
+        "policy version 9 does not exist\n"
+    )
 
 
 def test_tree_batches_from_the_stored_trees_equal_rebuilt_ones(lake):
@@ -215,11 +219,12 @@ def test_tree_batches_from_the_stored_trees_equal_rebuilt_ones(lake):
 
 
 def test_an_unexpected_cli_error_is_one_line_and_its_traceback_is_logged(lake, tmp_path):
-    log = tmp_path / "errors.log"
+    log, blocker = tmp_path / "errors.log", tmp_path / "a-file"
+    blocker.write_text("")  # --out beneath a file: an OSError no verb expects
     command = [sys.executable, "-m", "claw_pipelines.app.cli", "export", "--lake", lake.uri]
-    command += ["--dataset", "train", "--policy-version", "1", "--out", str(tmp_path / "x")]
+    command += ["--dataset", "train", "--policy-version", "1", "--out", str(blocker / "x")]
     done = subprocess.run(
-        [*command, "--version", "9999"],
+        command,
         capture_output=True,
         text=True,
         env={**os.environ, "CLAW_ERROR_LOG": str(log)},
