@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--create",
         action="store_true",
         help="create the lake if it is missing (else a missing local lake is an error; "
-        "--follow waits for the gateway to create it)",
+        "--follow, a service beside the gateway, creates it as the gateway does)",
     )
 
     dash = verb("dashboard", _cmd_dashboard, "run the Streamlit dashboard on the lake")
