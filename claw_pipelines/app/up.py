@@ -1,5 +1,9 @@
 """`claw up`: the local stack as child processes, each health-checked, their URLs printed;
-a child that dies is reported; Ctrl-C (or SIGTERM) stops them all."""
+a child that dies is reported; Ctrl-C (or SIGTERM) stops them all.
+
+While it runs, stdout gets one status line (rewritten in place on a terminal, one compact
+line per interval otherwise); every child's output, and the demo traffic's, goes to a log
+file under `<lake>/_logs` (`.claw/_logs` for a remote lake), named once at start."""
 
 from __future__ import annotations
 
@@ -9,11 +13,16 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import httpx
+import polars as pl
 
 from claw_pipelines.app.processes import ServiceProcess, free_port
+from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
 from claw_pipelines.lake import Lake
 from claw_pipelines.live import materializer_running
 from claw_pipelines.settings import ClawSettings
@@ -33,6 +42,7 @@ concurrency:
 """
 STOP_TIMEOUT_S = 60.0  # for all children together; SIGKILL after
 SLOW_STOP_S = 10.0  # a child that takes longer to stop is reported
+STATUS_EVERY_S = {True: 5.0, False: 15.0}  # on a terminal / piped
 DAEMONS_QUERY = "{ instance { daemonHealth { allDaemonStatuses { daemonType healthy } } } }"
 
 
@@ -189,18 +199,85 @@ class Stack:
                     print(f"claw up: {child.verb} stopped after {took:.0f} s", file=sys.stderr)
 
 
-def _traffic(stack: Stack, stopping: threading.Event) -> None:
-    """Simulated agents, round after round, until `claw up` stops."""
+@dataclass
+class Traffic:
+    """What `--demo-traffic` has sent so far."""
+
+    rounds: int = 0
+    steps: int = 0
+    errors: int = 0
+
+
+def _traffic(stack: Stack, stopping: threading.Event, traffic: Traffic) -> None:
+    """Simulated agents, round after round, until `claw up` stops; a log line per round."""
     from claw_pipelines.app.demo import drive_agents
 
     rng = random.Random(11)
     sim = stack.urls.get("simulated model")
-    while not stopping.is_set() and sim:
-        try:
-            drive_agents(sim, stack.urls["gateway"], rng)
-        except Exception as exc:  # a stopping gateway; report and keep going
-            print(f"claw up: demo traffic: {exc}", file=sys.stderr)
-            stopping.wait(2)
+    with open(stack.logs / "demo-traffic.log", "a", encoding="utf-8") as log:
+        while not stopping.is_set() and sim:
+            try:
+                tally = drive_agents(sim, stack.urls["gateway"], rng)
+            except Exception as exc:  # a stopping gateway; log it and keep going
+                traffic.errors += 1
+                print(f"{time.strftime('%H:%M:%S')} round failed: {exc!r}", file=log, flush=True)
+                stopping.wait(2)
+                continue
+            traffic.rounds += 1
+            traffic.steps += tally.steps
+            print(
+                f"{time.strftime('%H:%M:%S')} round {traffic.rounds}: {tally.steps} steps, "
+                f"{tally.trajectories} trajectories acknowledged",
+                file=log,
+                flush=True,
+            )
+
+
+class StatusLine:
+    """One line of status: rewritten in place on a terminal, else a line per interval."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.every_s = STATUS_EVERY_S[self.tty]
+        self.due = 0.0
+        self.shown = False
+
+    def update(self, text: Callable[[], str]) -> None:
+        """Show `text()` if the interval has passed since the last time."""
+        now = time.monotonic()
+        if now < self.due:
+            return
+        self.due = now + self.every_s
+        line = text()
+        self.stream.write(f"\r\x1b[K{line}" if self.tty else f"{line}\n")
+        self.stream.flush()
+        self.shown = True
+
+    def end(self) -> None:
+        """Finish the line in place, so what follows starts on a line of its own."""
+        if self.tty and self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown = False
+
+
+def _rows(lake: Lake, table: str) -> str:
+    try:
+        return str(lake.scan(table).select(pl.len()).collect().item())
+    except Exception:  # not created yet, or mid-commit: say nothing rather than fail
+        return "-"
+
+
+def status_text(lake: Lake, started: float, traffic: Traffic | None) -> str:
+    """The status line: uptime, what bronze and silver hold, what the traffic sent."""
+    up = time.strftime("%H:%M:%S", time.gmtime(time.monotonic() - started))
+    text = f"up {up}: bronze {_rows(lake, BRONZE_EVENTS)} records, "
+    text += f"silver {_rows(lake, SILVER_STEPS)} steps"
+    if traffic is not None:
+        text += f"; demo traffic {traffic.steps} steps in {traffic.rounds} rounds"
+        text += f" ({traffic.errors} failed)" if traffic.errors else ""
+    return text
 
 
 def run_up(
@@ -218,24 +295,39 @@ def run_up(
     # Ctrl-C stops the stack even when started with SIGINT ignored (as a shell without job
     # control starts background commands, and Python then keeps it ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    print(f"lake             {settings.lake_uri}; logs in {stack.logs}", flush=True)
+    traffic = Traffic() if demo_traffic else None
+    status = StatusLine(sys.stdout)
     try:
         stack.up(port, dashboard_port or free_port(), dagster_port or free_port())
-        print(f"lake             {settings.lake_uri}; logs in {stack.logs}")
-        if demo_traffic:
-            threading.Thread(target=_traffic, args=(stack, stopping), daemon=True).start()
-            print("demo traffic     simulated agents keep sending steps")
+        if traffic is not None:
+            thread = threading.Thread(target=_traffic, args=(stack, stopping, traffic))
+            thread.daemon = True
+            thread.start()
+            print("demo traffic     simulated agents keep sending steps (demo-traffic.log)")
         print("Ctrl-C stops everything.", flush=True)
-        while not stopping.is_set():
-            dead = stack.dead()
-            if dead is not None:
-                print(
-                    f"claw up: {dead.verb} exited with {dead.proc.returncode}; see {dead.log_path}",
-                    file=sys.stderr,
-                )
-                break
-            time.sleep(0.5)
+        _supervise(stack, stopping, status, traffic)
     except KeyboardInterrupt:
         pass
     finally:
+        status.end()
         stopping.set()
         stack.stop()
+
+
+def _supervise(
+    stack: Stack, stopping: threading.Event, status: StatusLine, traffic: Traffic | None
+) -> None:
+    """Keep the status line fresh until stopping or a child's death (reported)."""
+    lake, started = Lake.from_settings(stack.settings), time.monotonic()
+    while not stopping.is_set():
+        dead = stack.dead()
+        if dead is not None:
+            status.end()
+            print(
+                f"claw up: {dead.verb} exited with {dead.proc.returncode}; see {dead.log_path}",
+                file=sys.stderr,
+            )
+            return
+        status.update(lambda: status_text(lake, started, traffic))
+        time.sleep(0.5)

@@ -3,10 +3,14 @@ Dagster daemon's sensors launch silver and gold runs as data arrives, the run qu
 small, a spec saved midway is built within a minute, the dashboard's build button joins runs
 in flight, and Ctrl-C leaves no child behind. Afterwards silver holds each step once, every
 gold partition holds each step once, and every partition's tree batches load and equal
-those of a lake rebuilt from scratch out of the same bronze."""
+those of a lake rebuilt from scratch out of the same bronze.
+
+A shorter run checks what the terminal sees: the URLs, where the logs are, then one compact
+status line per interval (rewritten in place on a terminal), never a child's output."""
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
@@ -20,7 +24,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from claw_pipelines.app.up import daemons_healthy
+from claw_pipelines.app.up import StatusLine, daemons_healthy
 from claw_pipelines.consume import open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import GOLD_LINEAGE, SILVER_STEPS, gold_dataset_table
@@ -210,3 +214,73 @@ def _alive(pid: int) -> bool:
             return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_claw_up_with_demo_traffic_prints_a_few_short_lines_and_logs_the_rest(tmp_path):
+    port, dashboard, dagster = free_port(), free_port(), free_port()
+    lake_path = tmp_path / "lake"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "claw_pipelines.app.cli", "up", "--demo-traffic",
+         "--port", str(port), "--dashboard-port", str(dashboard),
+         "--dagster-port", str(dagster), "--lake", str(lake_path)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"},
+        start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: any("Ctrl-C" in line for line in lines), 240, what="claw up ready")
+        ready_at = len(lines)
+        traffic_log = lake_path / "_logs" / "demo-traffic.log"
+        wait_until(lambda: "round 2:" in _text(traffic_log), 120, what="two rounds of traffic")
+        time.sleep(20)  # status lines accumulate meanwhile
+        assert proc.poll() is None, "".join(lines)[-3000:]
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines)
+    assert lines[0].startswith("lake ") and str(lake_path / "_logs") in lines[0]  # once, first
+    assert output.count("logs in") == 1
+    assert "\r" not in output and "%|" not in output and "task/s" not in output  # no bars
+    assert "Traceback" not in output, output[-3000:]
+    assert all(len(line.replace(str(lake_path), "LAKE")) <= 120 for line in lines), output
+    status = lines[ready_at:]
+    assert 1 <= len(status) <= 12, output  # a compact line per interval, nothing else
+    assert all(line.startswith("up ") and "demo traffic" in line for line in status), output
+    assert len(lines) <= 25, output
+    for name in ("sim-llm", "gateway", "dagster-webserver", "dagster-daemon", "materializer",
+                 "dashboard", "demo-traffic"):  # fmt: skip
+        assert (lake_path / "_logs" / f"{name}.log").stat().st_size > 0, name
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_status_line_is_rewritten_on_a_terminal_and_a_line_per_interval_otherwise():
+    for stream, tty in ((Terminal(), True), (io.StringIO(), False)):
+        status = StatusLine(stream)
+        for n in range(3):
+            status.due = 0.0  # the interval has passed
+            status.update(lambda n=n: f"up {n}")
+        status.update(lambda: "too soon")  # within the interval: nothing
+        status.end()
+        if tty:
+            assert stream.getvalue() == "\r\x1b[Kup 0\r\x1b[Kup 1\r\x1b[Kup 2\n"
+        else:
+            assert stream.getvalue() == "up 0\nup 1\nup 2\n"
+
+
+def _text(path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
