@@ -336,6 +336,19 @@ class Lake:
             for entry in self._commits(name, newest, after + 1):
                 yield int(entry["version"]), _claw_metadata(entry)
 
+    def recent_commits(self, name: str, limit: int = 50) -> list[dict[str, Any]]:
+        """The newest `limit` commits to table `name`, newest first: version, commit time
+        (ms since the epoch) and claw metadata (empty when the table does not exist)."""
+        newest = self.version(name)
+        if newest is None:
+            return []
+        oldest = max(0, newest - limit + 1)
+        return [
+            {"version": int(e["version"]), "timestamp_ms": e.get("timestamp")}
+            | {"metadata": _claw_metadata(e)}
+            for e in self._commits(name, newest, oldest)
+        ]
+
     def last_commit_with(
         self, name: str, key: str, at: int | None = None
     ) -> tuple[int, dict[str, Any]] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import altair as alt
 import httpx
 import polars as pl
 import streamlit as st
@@ -27,6 +28,7 @@ from claw_pipelines.lake import Lake
 from claw_pipelines.ledger import gold_datasets, waste_ledger
 from claw_pipelines.live import materializer_running
 from claw_pipelines.settings import ClawSettings
+from claw_pipelines.transforms.curation import CANDIDATE_STEP_COLUMNS, candidates
 
 TABLES = (
     BRONZE_EVENTS,
@@ -113,17 +115,78 @@ def table(at: Where, name: str, columns: tuple[str, ...]) -> pl.DataFrame | None
 
 
 @st.cache_data(ttl=TTL, show_spinner=False)
-def records_per_second(at: Where, version: int) -> pl.DataFrame:
-    """Bronze records per second by source, over time."""
-    return (
+def records_per_second(at: Where, version: int, buckets: int = 240) -> pl.DataFrame:
+    """Bronze records per second by source, over time, in at most `buckets` time buckets
+    (every bucket present, zero when nothing arrived, so lines do not bridge gaps)."""
+    frame = (
         at.lake()
         .scan(BRONZE_EVENTS, version)
-        .select("received_at", "kind")
-        .with_columns(source=pl.col("kind").replace_strict(SOURCE_OF_KIND, default="other"))
-        .group_by(pl.col("received_at").dt.truncate("1s").alias("second"), "source")
-        .agg(records=pl.len())
-        .sort("second")
+        .select(
+            "received_at", source=pl.col("kind").replace_strict(SOURCE_OF_KIND, default="other")
+        )
         .collect()
+    )
+    first, last = frame["received_at"].min(), frame["received_at"].max()
+    width_s = max(1, int(-(-(last - first).total_seconds() // buckets)))
+    bucket = pl.col("received_at").dt.truncate(f"{width_s}s").alias("time")
+    counts = frame.group_by(bucket, "source").agg(records=pl.len())
+    grid = pl.DataFrame(
+        {
+            "time": pl.datetime_range(
+                counts["time"].min(), counts["time"].max(), f"{width_s}s", eager=True
+            )
+        }
+    ).join(counts.select("source").unique(), how="cross")
+    return (
+        grid.join(counts, on=["time", "source"], how="left")
+        .with_columns(
+            records=pl.col("records").fill_null(0),
+            per_second=pl.col("records").fill_null(0) / width_s,
+        )
+        .sort("time", "source")
+    )
+
+
+@st.cache_data(ttl=5, show_spinner=False)
+def bronze_lag(at: Where, version: int, commits: int = 50) -> pl.DataFrame:
+    """Per gateway, over its newest bronze commits: records, and seconds from acknowledgement
+    (received_at) to the commit that landed them (oldest record's and newest record's)."""
+    lake = at.lake()
+    landed = [
+        {"gateway_id": c["metadata"]["gateway_id"], "batch_seq": c["metadata"]["batch_seq"]}
+        | {"committed_ms": c["timestamp_ms"]}
+        for c in lake.recent_commits(BRONZE_EVENTS, commits)
+        if "batch_seq" in c["metadata"] and c["timestamp_ms"] is not None
+    ]
+    if not landed:
+        return pl.DataFrame()
+    batches = pl.DataFrame(landed)
+    received = (
+        lake.scan(BRONZE_EVENTS, version)
+        .select("gateway_id", "batch_seq", "received_at")
+        .join(batches.lazy().select("gateway_id", "batch_seq"), on=["gateway_id", "batch_seq"])
+        .group_by("gateway_id", "batch_seq")
+        .agg(
+            records=pl.len(),
+            oldest=pl.col("received_at").min().dt.epoch("ms"),
+            newest=pl.col("received_at").max().dt.epoch("ms"),
+        )
+        .collect()
+    )
+    waits = received.join(batches, on=["gateway_id", "batch_seq"]).with_columns(
+        oldest_wait_s=(pl.col("committed_ms") - pl.col("oldest")) / 1000,
+        newest_wait_s=(pl.col("committed_ms") - pl.col("newest")) / 1000,
+    )
+    return (
+        waits.group_by("gateway_id")
+        .agg(
+            commits=pl.len(),
+            records=pl.col("records").sum(),
+            lag_p50_s=pl.col("oldest_wait_s").median().round(2),
+            lag_max_s=pl.col("oldest_wait_s").max().round(2),
+            last_commit=pl.from_epoch(pl.col("committed_ms").max(), time_unit="ms"),
+        )
+        .sort("gateway_id")
     )
 
 
@@ -171,38 +234,154 @@ def tree_segments(at: Where, name: str, policy_version: int) -> pl.DataFrame:
             "start_depth",
             "end_depth",
             "step_key",
-            own=pl.col("tokens").list.len(),
+            own=pl.col("end_depth") - pl.col("start_depth"),  # no token column read
         )
         .collect()
     )
 
 
-def gateway_health(url: str | None) -> dict[str, float] | None:
-    """A few gauges from the gateway's /metrics, or None when it does not answer."""
-    if not url:
+def curation_candidates(at: Where) -> pl.DataFrame | None:
+    """Every silver step with its reward and trajectory facts (no tokens), or None."""
+    found = versions(at)
+    if found[SILVER_STEPS] is None:
         return None
+    keys = tuple(found[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES))
+    return _candidates(at, keys)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False, max_entries=2)
+def _candidates(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFrame:
+    """The candidates at those table versions (they are only the cache key)."""
+    steps = table(at, SILVER_STEPS, tuple(CANDIDATE_STEP_COLUMNS))
+    rewards = table(
+        at, SILVER_STEP_REWARDS, ("step_key", "reward", "reward_status", "rating", "labels")
+    )
+    trajectories = table(
+        at,
+        SILVER_TRAJECTORIES,
+        ("trajectory_uid", "status", "resolved_return", "first_seen_at", "last_seen_at"),
+    )
+    return candidates(steps, rewards, trajectories)
+
+
+def step_table(at: Where) -> pl.DataFrame:
+    """One row per silver step for browsing (ids, group, reward, statuses, version, time)."""
+    found = versions(at)
+    keys = tuple(found[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES))
+    return _step_table(at, keys)
+
+
+@st.cache_data(ttl=TTL, show_spinner=False, max_entries=2)
+def _step_table(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFrame:
+    """The step table at those table versions (they are only the cache key)."""
+    times = table(at, SILVER_STEPS, ("step_key", "created_at"))
+    return (
+        curation_candidates(at)
+        .join(times, on="step_key", how="left")
+        .select(
+            "step_key",
+            "trajectory_uid",
+            "group_key",
+            "step_index",
+            "policy_version",
+            "reward",
+            "reward_status",
+            "trajectory_status",
+            "tenant",
+            "prompt_len",
+            "response_len",
+            "created_at",
+        )
+    )
+
+
+def lineage_table(lineage: pl.DataFrame) -> pl.DataFrame:
+    """Lineage rows with each source table's version in its own column (not JSON)."""
+    sources = lineage["source_versions"].str.json_decode().struct.unnest()
+    sources = sources.rename({c: f"source {c}" for c in sources.columns})
+    return pl.concat([lineage.drop("source_versions"), sources], how="horizontal")
+
+
+def distinct(frame: pl.DataFrame, column: str) -> list:
+    """The sorted non-null values of a column."""
+    return frame[column].drop_nulls().unique().sort().to_list()
+
+
+def histogram_chart(frame: pl.DataFrame, column: str, title: str, unit: str) -> alt.Chart:
+    """A histogram of `column`, binned in polars (the browser gets the bins, not the rows)."""
+    values = frame[column].drop_nulls()
+    if values.is_empty():
+        values = pl.Series(column, [0.0])
+    low, high = float(values.min()), float(values.max())
+    width = (high - low) / 30 or 1.0
+    bins = (
+        values.to_frame()
+        .group_by(start=((pl.col(column) - low) / width).floor().clip(upper_bound=29) * width + low)
+        .agg(count=pl.len())
+        .with_columns(end=pl.col("start") + width)
+    )
+    return (
+        alt.Chart(bins.to_pandas())
+        .mark_bar()
+        .encode(
+            alt.X("start:Q", title=title, bin="binned"),
+            alt.X2("end:Q"),
+            alt.Y("count:Q", title=unit),
+            tooltip=["start", "end", "count"],
+        )
+    )
+
+
+@dataclass(frozen=True)
+class GatewayScrape:
+    """One gateway's /metrics, parsed: samples by series name, each (labels, value)."""
+
+    url: str
+    samples: dict[str, list[tuple[dict[str, str], float]]]
+
+    def total(self, name: str) -> float:
+        """The sum of a series over its labels (0 when absent)."""
+        return sum(value for _, value in self.samples.get(name, []))
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        """A series summed per value of one label."""
+        out: dict[str, float] = {}
+        for labels, value in self.samples.get(name, []):
+            out[labels.get(label, "")] = out.get(labels.get(label, ""), 0.0) + value
+        return out
+
+    def identity(self) -> tuple[str, str] | None:
+        """(gateway_id, lake uri) from `claw_gateway_info`, or None for an older gateway."""
+        for labels, _ in self.samples.get("claw_gateway_info", []):
+            return labels.get("gateway_id", ""), labels.get("lake", "")
+        return None
+
+
+def _labels(text: str) -> dict[str, str]:
+    """`a="x",b="y"` as a dict (our label values hold no quotes or commas)."""
+    pairs = (part.split("=", 1) for part in text.split(",") if "=" in part)
+    return {key.strip(): value.strip().strip('"') for key, value in pairs}
+
+
+def scrape_gateway(url: str) -> GatewayScrape | None:
+    """A gateway's /metrics, or None when it does not answer 200."""
     try:
-        text = httpx.get(url.rstrip("/") + "/metrics", timeout=1.0).text
+        response = httpx.get(url.rstrip("/") + "/metrics", timeout=1.0)
     except httpx.HTTPError:
         return None
-    wanted = (
-        "claw_gateway_records_total",
-        "claw_gateway_requests_total",
-        "claw_gateway_wal_backlog_bytes",
-        "claw_gateway_wal_sealed_segments",
-        "claw_gateway_rejected_requests_total",
-        "claw_flusher_",
-    )
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(wanted) and " " in line:
-            series, _, value = line.rpartition(" ")
-            name = series.split("{", 1)[0]
-            try:
-                values[name] = values.get(name, 0.0) + float(value)
-            except ValueError:
-                continue
-    return values
+    if response.status_code != 200:
+        return None
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in response.text.splitlines():
+        if not line.startswith("claw_") or " " not in line:
+            continue
+        series, _, value = line.rpartition(" ")
+        name, _, rest = series.partition("{")
+        try:
+            samples.setdefault(name, []).append((_labels(rest.rstrip("}")), float(value)))
+        except ValueError:
+            continue
+    return GatewayScrape(url, samples)
 
 
 def open_page(title: str, needs: str) -> tuple[Where, dict[str, int | None]]:

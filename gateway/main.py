@@ -91,6 +91,7 @@ def create_app(settings: ClawSettings | None = None, landing: Landing | None = N
         proxy = ProxyService(settings, landed, upstream, metrics.registry)
         services = GatewayServices(settings, keys, metrics, landed, proxy, upstream)
         await landed.start()
+        metrics.info.labels(settings.gateway_id, landed.lake.uri).set(1)
         app.dispatcher.services = services
         log.info("gateway %s ready; lake %s", settings.gateway_id, landed.lake.uri)
         try:

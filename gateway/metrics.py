@@ -32,6 +32,10 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self.info = Gauge(
+            "claw_gateway_info", "1, labelled with this gateway's id and the lake it writes",
+            ["gateway_id", "lake"], registry=r,
+        )  # fmt: skip
         self.requests = Counter(
             "claw_gateway_requests", "HTTP requests by route and status", ["route", "status"],
             registry=r,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import altair as alt
 import polars as pl
 import streamlit as st
@@ -11,39 +13,89 @@ from dashboards import data
 
 st.title("Collection")
 at = data.where()
-gateway = st.text_input(
-    "gateway URL (for /metrics)", value=at.gateway_url or "http://127.0.0.1:8080"
+urls = st.text_input(
+    "gateway URLs for /metrics (comma-separated)",
+    value=at.gateway_url or "http://127.0.0.1:8080",
+    help="only gateways writing this lake are shown (their claw_gateway_info names the lake); "
+    "with API keys set, start them with CLAW_METRICS_PUBLIC=true",
 )
+
+
+def gateway_figures(scrape: data.GatewayScrape) -> None:
+    """The figures that matter of one gateway: acknowledged/s, rejections by reason, WAL
+    backlog, its flusher."""
+    gateway_id, _ = scrape.identity()
+    acknowledged = scrape.total("claw_gateway_records_total")
+    seen = st.session_state.setdefault("acknowledged", {})
+    before = seen.get(scrape.url)
+    now = time.monotonic()
+    seen[scrape.url] = (now, acknowledged)
+    rate = (acknowledged - before[1]) / (now - before[0]) if before and now > before[0] else None
+    st.markdown(f"**gateway `{gateway_id}`** at {scrape.url}")
+    a, b, c, d, e = st.columns(5)
+    a.metric("acknowledged records", f"{acknowledged:,.0f}")
+    b.metric("acknowledged / s", "—" if rate is None else f"{rate:,.1f}")
+    c.metric("rejected requests", f"{scrape.total('claw_gateway_rejected_requests_total'):,.0f}")
+    d.metric("WAL backlog", f"{scrape.total('claw_gateway_wal_backlog_bytes') / 1024:,.1f} KiB")
+    e.metric("flusher", "up" if scrape.total("claw_flusher_up") else "down")
+    reasons = scrape.by_label("claw_gateway_rejected_requests_total", "reason")
+    if reasons:
+        st.dataframe(
+            pl.DataFrame({"rejected because": list(reasons), "requests": list(reasons.values())}),
+            hide_index=True,
+        )
+
+
+def gateways(lake_uri: str) -> None:
+    """Live figures of each listed gateway that writes this lake."""
+    for url in (u.strip() for u in urls.split(",") if u.strip()):
+        scrape = data.scrape_gateway(url)
+        if scrape is None:
+            st.caption(f"gateway at {url} is not answering (start it with `claw up`).")
+        elif scrape.identity() is None or scrape.identity()[1] != lake_uri:
+            writes = scrape.identity()[1] if scrape.identity() else "an unknown lake"
+            st.caption(f"gateway at {url} writes {writes}, not this lake: not shown.")
+        else:
+            gateway_figures(scrape)
 
 
 @st.fragment(run_every=5)
 def live() -> None:
     """Refreshes every 5 s."""
     versions = data.versions(at)
-    health = data.gateway_health(gateway)
-    if health is None:
-        st.caption(f"gateway at {gateway} is not answering (start it with `claw up`).")
-    else:
-        columns = st.columns(min(4, max(1, len(health))))
-        for slot, (name, value) in zip(columns * 10, sorted(health.items())[:8], strict=False):
-            slot.metric(name.removeprefix("claw_"), f"{value:,.0f}")
+    gateways(at.lake().uri)
     if versions[BRONZE_EVENTS] is None:
         st.info(data.empty_lake_help())
         return
+    st.subheader("Acknowledged → bronze, per gateway (its newest 50 commits)")
+    lag = data.bronze_lag(at, versions[BRONZE_EVENTS])
+    if lag.is_empty():
+        st.caption("no gateway commit in bronze yet")
+    else:
+        st.dataframe(
+            lag.rename({"lag_p50_s": "lag p50 (s)", "lag_max_s": "lag max (s)"}),
+            hide_index=True,
+            width="stretch",
+        )
     per_second = data.records_per_second(at, versions[BRONZE_EVENTS])
     st.subheader("Records entering, by source")
     st.altair_chart(
         alt.Chart(per_second.to_pandas())
-        .mark_line(point=True)
-        .encode(x="second:T", y="records:Q", color="source:N"),
+        .mark_line()
+        .encode(
+            alt.X("time:T", title="received at"),
+            alt.Y("per_second:Q", title="records / s"),
+            alt.Color("source:N", title="source"),
+            tooltip=["time", "source", "records"],
+        ),
         width="stretch",
     )
     recent = (
         at.lake()
         .scan(BRONZE_EVENTS, versions[BRONZE_EVENTS])
-        .select("received_at", "kind", "tenant", "trajectory_uid", "event_id")
+        .select("received_at", "kind", "tenant", "gateway_id", "trajectory_uid", "event_id")
+        .top_k(50, by="received_at")
         .sort("received_at", descending=True)
-        .head(50)
         .collect()
         .with_columns(source=pl.col("kind").replace_strict(data.SOURCE_OF_KIND, default="other"))
     )

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
-import numpy as np
 import polars as pl
 import streamlit as st
 
 from claw_pipelines.consume import Dataset
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_LINEAGE, gold_dataset_table
-from dashboards import data
+from dashboards import data, tree_view
 
 at, names = data.open_dataset_page("Consumption")
 lake = at.lake()
@@ -27,6 +24,7 @@ policy = a.selectbox("policy version", partitions)
 layout = b.radio("layout", ["tree", "flat"], horizontal=True)
 size = c.number_input("batch size (steps)", min_value=1, value=32)
 
+
 st.subheader("First batch, as `consume.batches` yields it")
 batch = next(dataset.batches(int(policy), int(size), layout=layout), None)
 if batch is not None:
@@ -35,15 +33,19 @@ if batch is not None:
     middle.metric("tokens", f"{batch.num_tokens:,}")
     right.metric("trained tokens", f"{int(batch.loss_mask.sum()):,}")
     first_tree = int(batch.tree_offsets[1] - batch.tree_offsets[0])
-    if first_tree <= 2000:
-        mask = batch.block_attention_mask(0)
-        st.image(
-            (~mask).astype(np.uint8) * 255,
-            caption="ancestor mask of the first tree (black: may attend)",
-            clamp=True,
+    if first_tree <= 4000:
+        st.caption(
+            f"Ancestor mask of the first tree ({first_tree} tokens, in blocks): a query token "
+            "attends to the keys of its own path from the root only"
         )
+        st.altair_chart(tree_view.mask_chart(batch.block_attention_mask(0)), width="stretch")
     else:
-        st.caption(f"first tree has {first_tree} tokens: mask not drawn")
+        st.caption(f"first tree has {first_tree:,} tokens: mask not drawn")
+    segments = data.tree_segments(at, name, int(policy))
+    holding = segments.filter(pl.col("step_key") == batch.step_keys[0])["tree_id"]
+    if holding.len():
+        st.caption("the stored prefix tree of the batch's first step")
+        st.graphviz_chart(tree_view.tree_dot(segments.filter(pl.col("tree_id") == holding[0])))
     st.dataframe(
         pl.DataFrame(
             {"step_key": batch.step_keys, "tokens": [len(i) for i in batch.step_token_index]}
@@ -104,11 +106,9 @@ lineage = data.table(
     ),
 )
 if lineage is not None:
-    st.dataframe(
-        lineage.filter(pl.col("dataset") == name).sort("dataset_version"),
-        hide_index=True,
-        width="stretch",
-    )
+    mine = lineage.filter(pl.col("dataset") == name).sort("dataset_version")
+    st.dataframe(data.lineage_table(mine), hide_index=True, width="stretch")
+    st.caption("`source ...` columns: the version of each table the build read")
 
 st.subheader("Diff between two versions")
 a, b = st.columns(2)
@@ -123,18 +123,28 @@ changed = after.join(before, on="step_key", suffix="_before").filter(
     (pl.col("reward") != pl.col("reward_before"))
     | (pl.col("advantage") != pl.col("advantage_before"))
 )
-st.write(
-    json.dumps(
-        {
-            "added": added.height,
-            "removed": removed.height,
-            "reward or advantage changed": changed.height,
-        }
-    )
-)
-st.dataframe(
-    pl.concat(
-        [added.with_columns(change=pl.lit("added")), removed.with_columns(change=pl.lit("removed"))]
-    ),
-    hide_index=True,
-)
+a, b, c = st.columns(3)
+a.metric("steps added", f"{added.height:,}")
+b.metric("steps removed", f"{removed.height:,}")
+c.metric("reward or advantage changed", f"{changed.height:,}")
+what_changed = pl.concat(
+    [
+        added.select("step_key", "policy_version", change=pl.lit("added"), now=pl.col("reward")),
+        removed.select(
+            "step_key", "policy_version", change=pl.lit("removed"), before=pl.col("reward")
+        ),
+        changed.select(
+            "step_key",
+            "policy_version",
+            change=pl.lit("reward/advantage changed"),
+            before=pl.col("reward_before"),
+            now=pl.col("reward"),
+        ),
+    ],
+    how="diagonal_relaxed",
+).rename({"before": "reward before", "now": "reward now"})
+if what_changed.is_empty():
+    st.caption(f"versions {old} and {new} hold the same steps with the same rewards")
+else:
+    st.dataframe(what_changed.head(1000), hide_index=True, width="stretch")
+    st.caption(f"{what_changed.height:,} changed steps (the first 1,000 listed)")

@@ -7,29 +7,19 @@ import polars as pl
 import streamlit as st
 
 from claw_pipelines.contracts.specs import BUILTIN_SPECS, REJECTION_REASONS
-from claw_pipelines.contracts.tables import SILVER_STEP_REWARDS, SILVER_STEPS, SILVER_TRAJECTORIES
 from claw_pipelines.gold import classified, source_versions
 from claw_pipelines.spec_store import SpecError, read_specs, save_spec, to_yaml, validate_spec
-from claw_pipelines.transforms.curation import CANDIDATE_STEP_COLUMNS, candidates, kept_steps
+from claw_pipelines.transforms.curation import kept_steps
 from dashboards import dagster_graphql, data, ledger_view
 
 st.title("Curation")
 at = data.where()
 lake = at.lake()
 versions = data.versions(at)
-steps = data.table(at, SILVER_STEPS, tuple(CANDIDATE_STEP_COLUMNS))
-if steps is None or steps.is_empty():
+frame = data.curation_candidates(at)
+if frame is None or frame.is_empty():
     st.info(data.empty_lake_help())
     st.stop()
-rewards = data.table(
-    at, SILVER_STEP_REWARDS, ("step_key", "reward", "reward_status", "rating", "labels")
-)
-trajectories = data.table(
-    at,
-    SILVER_TRAJECTORIES,
-    ("trajectory_uid", "status", "resolved_return", "first_seen_at", "last_seen_at"),
-)
-frame = candidates(steps, rewards, trajectories)
 
 
 def options(column: str) -> list:
@@ -177,29 +167,20 @@ if left_out.height:
     st.altair_chart(ledger_view.reasons_chart(left_out), width="stretch")
 if kept.height:
     newest = frame["policy_version"].max()
-    shown = kept.with_columns(staleness=newest - pl.col("policy_version")).to_pandas()
     charts = st.columns(3)
-    charts[0].altair_chart(
-        alt.Chart(shown)
-        .mark_bar()
-        .encode(alt.X("reward:Q", bin=True, title="reward"), alt.Y("count()", title="steps")),
-        width="stretch",
+    histograms = (
+        ("reward", "reward"),
+        ("response_len", "response tokens"),
     )
-    charts[1].altair_chart(
-        alt.Chart(shown)
-        .mark_bar()
-        .encode(
-            alt.X("response_len:Q", bin=True, title="response tokens"),
-            alt.Y("count()", title="steps"),
-        ),
-        width="stretch",
-    )
+    for slot, (column, title) in zip(charts, histograms, strict=False):
+        slot.altair_chart(data.histogram_chart(kept, column, title, "steps"), width="stretch")
+    staleness = kept.group_by(staleness=newest - pl.col("policy_version")).agg(steps=pl.len())
     charts[2].altair_chart(
-        alt.Chart(shown)
+        alt.Chart(staleness.to_pandas())
         .mark_bar()
         .encode(
             alt.X("staleness:O", title="policy versions behind the newest"),
-            alt.Y("count()", title="steps"),
+            alt.Y("steps:Q", title="steps"),
         ),
         width="stretch",
     )

@@ -7,7 +7,7 @@ import polars as pl
 import streamlit as st
 
 from claw_pipelines.contracts.tables import GOLD_LINEAGE
-from dashboards import data, ledger_view
+from dashboards import data, ledger_view, tree_view
 
 at, names = data.open_dataset_page("Optimization")
 
@@ -60,7 +60,10 @@ st.subheader("token_ratio per tree")
 st.altair_chart(
     alt.Chart(per_tree.to_pandas())
     .mark_bar()
-    .encode(alt.X("token_ratio:Q", bin=alt.Bin(maxbins=30)), y="count()"),
+    .encode(
+        alt.X("token_ratio:Q", bin=alt.Bin(maxbins=30), title="token_ratio (tree / flat tokens)"),
+        alt.Y("count()", title="trees"),
+    ),
     width="stretch",
 )
 saved_attention = 1 - per_tree["tree_attention"].sum() / max(1, per_tree["raw_attention"].sum())
@@ -68,14 +71,4 @@ st.metric("attention work saved (query x key pairs)", f"{saved_attention:.0%}")
 
 st.subheader("A tree")
 tree_id = st.selectbox("tree", per_tree.sort("steps", descending=True)["tree_id"].to_list())
-nodes = segments.filter(pl.col("tree_id") == tree_id).sort("segment")
-lines = ["digraph tree {", "rankdir=LR;", "node [shape=box, fontsize=10];"]
-for row in nodes.iter_rows(named=True):
-    label = (
-        f"{row['step_key']}\\n+{row['own']} tokens (depth {row['start_depth']}-{row['end_depth']})"
-    )
-    lines.append(f's{row["segment"]} [label="{label}"];')
-    if row["parent"] >= 0:
-        lines.append(f's{row["parent"]} -> s{row["segment"]} [label="at {row["start_depth"]}"];')
-lines.append("}")
-st.graphviz_chart("\n".join(lines))
+st.graphviz_chart(tree_view.tree_dot(segments.filter(pl.col("tree_id") == tree_id)))

@@ -34,14 +34,28 @@ st.subheader("Records per second, by source")
 st.altair_chart(
     alt.Chart(bronze.to_pandas())
     .mark_bar()
-    .encode(x="second:T", y="records:Q", color="source:N", tooltip=["second", "source", "records"]),
+    .encode(
+        alt.X("time:T", title="received at"),
+        alt.Y("per_second:Q", title="records / s"),
+        alt.Color("source:N", title="source"),
+        tooltip=["time", "source", "records"],
+    ),
     width="stretch",
 )
 
 if trajectories is not None and trajectories.height:
     st.subheader("Trajectories by status")
-    counts = trajectories.group_by("status").len().sort("status")
-    st.bar_chart(counts.to_pandas(), x="status", y="len")
+    counts = trajectories.group_by("status").agg(trajectories=pl.len()).sort("status")
+    st.altair_chart(
+        alt.Chart(counts.to_pandas())
+        .mark_bar()
+        .encode(
+            alt.X("status:N", title="status"),
+            alt.Y("trajectories:Q", title="trajectories"),
+            tooltip=["status", "trajectories"],
+        ),
+        width="stretch",
+    )
 else:
     st.caption("No silver yet: run `claw materialize` (or let the Dagster sensor do it).")
 

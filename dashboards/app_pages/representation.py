@@ -21,19 +21,49 @@ from dashboards import data
 
 at, versions = data.open_page("Representation", needs=SILVER_STEPS)
 
-by = st.radio(
-    "find by", ["step_key", "trajectory_uid", "prompt_id", "response_id"], horizontal=True
+steps = data.step_table(at)
+st.subheader("Steps")
+a, b, c, d = st.columns(4)
+policy = a.selectbox("policy version", ["all", *data.distinct(steps, "policy_version")])
+reward_status = b.selectbox("reward status", ["all", *data.distinct(steps, "reward_status")])
+status = c.selectbox("trajectory status", ["all", *data.distinct(steps, "trajectory_status")])
+text = d.text_input("id contains (step, trajectory or group)")
+chosen = steps
+for column, value in (
+    ("policy_version", policy),
+    ("reward_status", reward_status),
+    ("trajectory_status", status),
+):
+    if value != "all":
+        chosen = chosen.filter(pl.col(column) == value)
+if text:
+    chosen = chosen.filter(
+        pl.any_horizontal(
+            pl.col(c).str.contains(text, literal=True)
+            for c in ("step_key", "trajectory_uid", "group_key")
+        )
+    )
+SHOWN = 500
+st.caption(
+    f"{chosen.height:,} of {steps.height:,} steps match; the newest {min(SHOWN, chosen.height)} "
+    "are listed. Pick a row to open the step."
 )
-index = data.table(at, SILVER_STEPS, ("step_key", "trajectory_uid", "prompt_id", "response_id"))
-suggestion = index[by][0] if index is not None and index.height else ""
-value = st.text_input(by, value=suggestion)
-found = data.steps_matching(at, versions[SILVER_STEPS], by, value) if value else pl.DataFrame()
-if found.is_empty():
-    st.warning(f"no step with {by} = {value!r}")
+listed = chosen.top_k(SHOWN, by="created_at").sort("created_at", descending=True)
+picked = st.dataframe(
+    listed,
+    hide_index=True,
+    width="stretch",
+    height=280,
+    on_select="rerun",
+    selection_mode="single-row",
+    key="steps",
+)
+if listed.is_empty():
+    st.warning("no step matches these filters")
     st.stop()
-key = (
-    st.selectbox("step", found["step_key"].to_list()) if found.height > 1 else found["step_key"][0]
-)
+rows = picked.selection.rows if picked is not None else []
+key = listed["step_key"][rows[0] if rows else 0]
+found = data.steps_matching(at, versions[SILVER_STEPS], "step_key", key)
 step = found.filter(pl.col("step_key") == key).to_dicts()[0]
 
 left, right = st.columns(2)
@@ -123,13 +153,18 @@ st.subheader("Lineage: the bronze record")
 st.dataframe(data.bronze_event(at, versions[BRONZE_EVENTS], step["event_id"]), hide_index=True)
 
 st.subheader("Trajectory timeline")
-turns = data.steps_matching(at, versions[SILVER_STEPS], "trajectory_uid", step["trajectory_uid"])
-timeline = turns.select("step_index", "created_at", "prompt_len", "response_len").to_pandas()
+turns = steps.filter(pl.col("trajectory_uid") == step["trajectory_uid"]).sort("step_index")
+timeline = turns.select(
+    "step_index", "created_at", "prompt_len", "response_len", "reward"
+).to_pandas()
 st.altair_chart(
     alt.Chart(timeline)
     .mark_circle(size=120)
     .encode(
-        x="created_at:T", y="step_index:O", size="response_len:Q", tooltip=list(timeline.columns)
+        alt.X("created_at:T", title="acknowledged at", axis=alt.Axis(format="%H:%M:%S")),
+        alt.Y("step_index:O", title="step (turn)"),
+        alt.Size("response_len:Q", title="response tokens"),
+        tooltip=list(timeline.columns),
     ),
     width="stretch",
 )
