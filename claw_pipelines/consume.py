@@ -1,5 +1,5 @@
-"""Trainer consumption (DESIGN §8): gold partitions by policy version, as tree-packed or flat
-batches, exact and reproducible. Needs nothing of the agent runtime (no gateway, no Dagster).
+"""Trainer consumption (docs/DESIGN.md §8): gold partitions by policy version, as tree-packed or
+flat batches, exact and reproducible. Needs nothing of the agent runtime (no gateway, no Dagster).
 
 ```python
 ds = open_dataset("default", lake_uri="./lake")          # version=N: time travel

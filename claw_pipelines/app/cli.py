@@ -1,4 +1,5 @@
-"""`claw`: the command line of the lakehouse (DESIGN §9). Errors are one line, not a traceback."""
+"""`claw`: the command line of the lakehouse (docs/DESIGN.md §9). Errors are one line, not a
+traceback."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Curation specs (DESIGN §6): which silver steps make a gold dataset, how they are merged and
-what advantage they carry. Stored as YAML in the lake (`specs/<name>.yaml`)."""
+"""Curation specs (docs/DESIGN.md §6): which silver steps make a gold dataset, how they are merged
+and what advantage they carry. Stored as YAML in the lake (`specs/<name>.yaml`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Table names and Arrow schemas of every lake table (DESIGN §5), declared once."""
+"""Table names and Arrow schemas of every lake table (docs/DESIGN.md §5), declared once."""
 
 from __future__ import annotations
 

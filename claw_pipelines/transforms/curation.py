@@ -1,4 +1,4 @@
-"""Curation: which silver steps a spec keeps, and their GRPO advantages (DESIGN §6).
+"""Curation: which silver steps a spec keeps, and their GRPO advantages (docs/DESIGN.md §6).
 
 Works on the small columns only (no token ids): the gold build fetches tokens for the rows
 kept. Rules:

@@ -1,4 +1,4 @@
-"""Prefix-tree merge (DESIGN §7): steps that share token prefixes store those tokens once.
+"""Prefix-tree merge (docs/DESIGN.md §7): steps that share token prefixes store those tokens once.
 
 Within each tree (a trajectory, a prompt group, or a single step), sequences are sorted
 lexicographically; each one then shares with its sorted predecessor exactly the longest

@@ -1,6 +1,6 @@
 """Every user error is one clear line naming what is missing and what exists, the same in the
-CLI and the Python API (DESIGN §9): a table of wrong invocations on one small real lake. CLI
-rows run as real `claw` processes (in a few threads, sharing one lake); API rows call
+CLI and the Python API (docs/DESIGN.md §9): a table of wrong invocations on one small real lake.
+CLI rows run as real `claw` processes (in a few threads, sharing one lake); API rows call
 `claw_pipelines.consume` and expect its NotFound."""
 
 from __future__ import annotations

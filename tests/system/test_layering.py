@@ -1,4 +1,4 @@
-"""The dependency rules of DESIGN §2 hold (import-linter contracts and import probes)."""
+"""The dependency rules of docs/DESIGN.md §2 hold (import-linter contracts and import probes)."""
 
 from __future__ import annotations
 
