@@ -50,6 +50,13 @@ SOURCE_OF_KIND = {
 TTL = 30
 
 
+def frame_cache(ttl: int = TTL, max_entries: int = 16):
+    """Cache a function that returns polars frames, shared between reruns and sessions (polars
+    frames are immutable): unlike `st.cache_data`, no pickled copy is kept and unpickled per
+    call, which on a large lake doubles memory."""
+    return st.cache_resource(ttl=ttl, max_entries=max_entries, show_spinner=False)
+
+
 @dataclass(frozen=True)
 class Where:
     """The lake the dashboard reads (and optional live services)."""
@@ -96,13 +103,13 @@ def ledger(at: Where) -> pl.DataFrame:
     return _ledger(at, names, tuple(lake.version(t) for t in tables))
 
 
-@st.cache_data(ttl=TTL, show_spinner=False)
+@frame_cache()
 def _ledger(at: Where, names: tuple[str, ...], table_versions: tuple[int | None, ...]):
     """The ledger at those table versions (they are only the cache key)."""
     return waste_ledger(at.lake(), list(names))
 
 
-@st.cache_data(ttl=TTL, show_spinner=False)
+@frame_cache()
 def read(at: Where, table: str, version: int | None, columns: tuple[str, ...]) -> pl.DataFrame:
     """Some columns of a table at a version (cached per version)."""
     return at.lake().read(table, version=version, columns=list(columns))
@@ -114,7 +121,34 @@ def table(at: Where, name: str, columns: tuple[str, ...]) -> pl.DataFrame | None
     return None if version is None else read(at, name, version, columns)
 
 
-@st.cache_data(ttl=TTL, show_spinner=False)
+def rows_of_step(
+    at: Where, name: str, step_key: str, trajectory_uid: str, columns: tuple[str, ...]
+) -> pl.DataFrame | None:
+    """Some columns of a fixed table's rows about one step: its `step_key`, its trajectory
+    (where the table has one) and judge scores (feedback), filtered in the scan; None when
+    the table does not exist."""
+    version = versions(at).get(name)
+    return (
+        None
+        if version is None
+        else _rows_of_step(at, name, version, step_key, trajectory_uid, columns)
+    )
+
+
+@frame_cache()
+def _rows_of_step(
+    at: Where, name: str, version: int, step_key: str, trajectory_uid: str, columns: tuple
+) -> pl.DataFrame:
+    """The step's rows at a table version."""
+    where = pl.col("step_key") == step_key
+    if "trajectory_uid" in columns:
+        where = where | (pl.col("trajectory_uid") == trajectory_uid)
+    if "judge" in columns:
+        where = where | pl.col("judge").is_not_null()
+    return at.lake().scan(name, version).filter(where).select(columns).collect()
+
+
+@frame_cache()
 def records_per_second(at: Where, version: int, buckets: int = 240) -> pl.DataFrame:
     """Bronze records per second by source, over time, in at most `buckets` time buckets
     (every bucket present, zero when nothing arrived, so lines do not bridge gaps)."""
@@ -147,7 +181,7 @@ def records_per_second(at: Where, version: int, buckets: int = 240) -> pl.DataFr
     )
 
 
-@st.cache_data(ttl=5, show_spinner=False)
+@frame_cache(ttl=5)
 def bronze_lag(at: Where, version: int, commits: int = 50) -> pl.DataFrame:
     """Per gateway, over its newest bronze commits: records, and seconds from acknowledgement
     (received_at) to the commit that landed them (oldest record's and newest record's)."""
@@ -190,7 +224,7 @@ def bronze_lag(at: Where, version: int, commits: int = 50) -> pl.DataFrame:
     )
 
 
-@st.cache_data(ttl=TTL, show_spinner=False)
+@frame_cache()
 def steps_matching(at: Where, version: int, column: str, value: str) -> pl.DataFrame:
     """Silver steps whose `column` equals `value` (filter pushed into the scan)."""
     return (
@@ -202,7 +236,7 @@ def steps_matching(at: Where, version: int, column: str, value: str) -> pl.DataF
     )
 
 
-@st.cache_data(ttl=TTL, show_spinner=False)
+@frame_cache()
 def bronze_event(at: Where, version: int, event_id: str) -> pl.DataFrame:
     """The bronze envelope of one record (its lineage)."""
     return (
@@ -214,13 +248,13 @@ def bronze_event(at: Where, version: int, event_id: str) -> pl.DataFrame:
     )
 
 
-@st.cache_data(ttl=TTL, show_spinner=False)
+@frame_cache()
 def dataset_steps(at: Where, name: str, version: int, columns: tuple[str, ...]) -> pl.DataFrame:
     """Some columns of a gold dataset at a version."""
     return at.lake().read(gold_dataset_table(name), version=version, columns=list(columns))
 
 
-@st.cache_data(ttl=TTL, show_spinner=False)
+@frame_cache()
 def tree_segments(at: Where, name: str, policy_version: int) -> pl.DataFrame:
     """A dataset partition's stored tree segments (without their tokens)."""
     return (
@@ -249,7 +283,7 @@ def curation_candidates(at: Where) -> pl.DataFrame | None:
     return _candidates(at, keys)
 
 
-@st.cache_data(ttl=TTL, show_spinner=False, max_entries=2)
+@frame_cache(ttl=TTL, max_entries=2)
 def _candidates(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFrame:
     """The candidates at those table versions (they are only the cache key)."""
     steps = table(at, SILVER_STEPS, tuple(CANDIDATE_STEP_COLUMNS))
@@ -271,7 +305,7 @@ def step_table(at: Where) -> pl.DataFrame:
     return _step_table(at, keys)
 
 
-@st.cache_data(ttl=TTL, show_spinner=False, max_entries=2)
+@frame_cache(ttl=TTL, max_entries=2)
 def _step_table(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFrame:
     """The step table at those table versions (they are only the cache key)."""
     times = table(at, SILVER_STEPS, ("step_key", "created_at"))
@@ -414,7 +448,7 @@ def empty_lake_help() -> str:
     )
 
 
-@st.cache_data(ttl=TTL, show_spinner=False)
+@frame_cache()
 def freshness(at: Where, name: str, version: int) -> pl.DataFrame:
     """Per prompt group of a gold dataset version, newest landed first: when its last step was
     acknowledged, when it became available to trainers, and the lag between (seconds)."""
@@ -433,7 +467,7 @@ def freshness(at: Where, name: str, version: int) -> pl.DataFrame:
     )
 
 
-@st.cache_data(ttl=5, show_spinner=False)
+@frame_cache(ttl=5)
 def consumers(at: Where, name: str, version: int) -> pl.DataFrame:
     """Each consumer rank's position in a dataset: batches and groups taken, the newest policy
     version taken, when, and (live consumers) how many groups it has not been given yet."""

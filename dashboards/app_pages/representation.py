@@ -100,9 +100,11 @@ st.subheader("Response (shaded by how unlikely each sampled token was)")
 st.html(render(step["response_ids"], step["rollout_log_probs"]))
 
 st.subheader("Reward facts and how they resolved")
-rewards = data.table(
+rewards = data.rows_of_step(
     at,
     SILVER_STEP_REWARDS,
+    key,
+    step["trajectory_uid"],
     (
         "step_key",
         "reward",
@@ -115,10 +117,12 @@ rewards = data.table(
     ),
 )
 if rewards is not None:
-    st.dataframe(rewards.filter(pl.col("step_key") == key), hide_index=True)
-facts = data.table(
+    st.dataframe(rewards, hide_index=True)
+facts = data.rows_of_step(
     at,
     SILVER_FEEDBACK,
+    key,
+    step["trajectory_uid"],
     (
         "feedback_id",
         "step_key",
