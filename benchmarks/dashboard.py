@@ -69,7 +69,8 @@ def time_pages(lake: Path, loads: int, log: Path) -> dict:
         rss = peak_rss(process.proc.pid)
     finally:
         process.stop()
-    exceptions = sum(v.exceptions for v in [*cold.values(), *sum(warm.values(), [])])
+    visits = [*cold.values(), *(visit for page in warm.values() for visit in page)]
+    exceptions = sum(v.exceptions for v in visits)
     return {
         "cold_s": {name: round(v.done_s, 3) for name, v in cold.items()},
         "warm_p50_s": {
