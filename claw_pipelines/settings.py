@@ -110,6 +110,9 @@ class ClawSettings(BaseSettings):
     gateway_url: str | None = Field(
         None, description="the gateway the dashboard shows health from (its /metrics)"
     )
+    gateway_key: str | None = Field(
+        None, description="API key the dashboard sends to read a keyed gateway's /metrics"
+    )
     dagster_url: str | None = Field(
         None, description="Dagster webserver the dashboard asks for runs (GraphQL)"
     )

@@ -4,7 +4,7 @@ table version (so a new commit shows at once, and repeated interactions hit the 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import altair as alt
 import httpx
@@ -65,6 +65,7 @@ class Where:
     storage_options: str  # JSON, so the whole thing is hashable for caches
     gateway_url: str | None
     dagster_url: str | None
+    gateway_key: str | None = field(default=None, repr=False)  # a secret: never shown
 
     def lake(self) -> Lake:
         """The lake."""
@@ -79,6 +80,7 @@ def where() -> Where:
         json.dumps(settings.storage_options, sort_keys=True),
         settings.gateway_url,
         settings.dagster_url,
+        settings.gateway_key,
     )
 
 
@@ -160,6 +162,9 @@ def records_per_second(at: Where, version: int, buckets: int = 240) -> pl.DataFr
         )
         .collect()
     )
+    if frame.is_empty():  # a gateway created the table, nothing flushed yet
+        schema = {"time": frame["received_at"].dtype, "source": pl.String}
+        return pl.DataFrame(schema=schema | {"records": pl.UInt32, "per_second": pl.Float64})
     first, last = frame["received_at"].min(), frame["received_at"].max()
     width_s = max(1, int(-(-(last - first).total_seconds() // buckets)))
     bucket = pl.col("received_at").dt.truncate(f"{width_s}s").alias("time")
@@ -397,10 +402,11 @@ def _labels(text: str) -> dict[str, str]:
     return {key.strip(): value.strip().strip('"') for key, value in pairs}
 
 
-def scrape_gateway(url: str) -> GatewayScrape | None:
-    """A gateway's /metrics, or None when it does not answer 200."""
+def scrape_gateway(url: str, key: str | None = None) -> GatewayScrape | None:
+    """A gateway's /metrics (sending `key` when given), or None when it does not answer 200."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        response = httpx.get(url.rstrip("/") + "/metrics", timeout=1.0)
+        response = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=1.0)
     except httpx.HTTPError:
         return None
     if response.status_code != 200:

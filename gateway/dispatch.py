@@ -78,12 +78,12 @@ class Dispatcher:
         try:
             headers, refusal = self._inspect(scope)
             if refusal is not None:
-                return await _answer_error(send_with_status, refusal)
+                return await self._refuse(send_with_status, refusal)
             try:
                 tenant = self._authenticate(scope["path"], headers)
                 matched = self.routes.match(scope["method"], scope["path"])
             except ApiError as refused:  # no or a wrong key; a path parameter that is no uid
-                return await _answer_error(send_with_status, refused)
+                return await self._refuse(send_with_status, refused)
             if matched is None or self.services is None:
                 return await self.fallback(scope, receive, send_with_status)
             route, params = matched
@@ -92,16 +92,23 @@ class Dispatcher:
             try:
                 answer = await route.handle(incoming)
             except ApiError as exc:
-                return await _answer_error(send_with_status, exc)
+                return await self._refuse(send_with_status, exc)
             except Exception:
                 log.exception("unhandled error on %s %s", scope["method"], scope["path"])
-                error = ApiError(500, "internal error; the request was not stored")
-                return await _answer_error(send_with_status, error)
+                error = ApiError(
+                    500, "internal error; the request was not stored", code="internal_error"
+                )
+                return await self._refuse(send_with_status, error)
             await send_answer(answer, scope, receive, send_with_status)
         finally:
             label = label or getattr(scope.get("route"), "path", None) or "unmatched"
             labelled(self.metrics.requests, label, str(status)).inc()
             labelled(self.metrics.request_seconds, label).observe(time.perf_counter() - started)
+
+    async def _refuse(self, send: Send, error: ApiError) -> None:
+        """Answer an error, counted by its reason (its code, else its status)."""
+        labelled(self.metrics.rejected, error.code or f"http_{error.status}").inc()
+        await _answer_error(send, error)
 
     def _authenticate(self, path: str, headers: dict[str, str]) -> str | None:
         """The tenant of the request's key (401 without a valid one), or None when keys are

@@ -139,7 +139,6 @@ class Landing:
         segment = self.wal.current
         backlog = self._sealed_bytes + (segment.nbytes if segment else 0)
         if backlog > self.settings.wal_max_backlog_bytes:
-            self.metrics.rejected.labels("backlog").inc()
             raise Overloaded(
                 f"write-ahead log backlog is {backlog} bytes, over its bound; retry shortly",
                 retry_after=2,
@@ -175,7 +174,6 @@ class Landing:
         ok = not future.cancelled() and future.exception() is None
         self.index.finish([r.event_id for r in fresh], ok=ok)
         if not ok:
-            self.metrics.rejected.labels("wal").inc()
             return
         for record in fresh:
             labelled(self.metrics.records, record.kind).inc()

@@ -51,7 +51,10 @@ class GatewayMetrics:
             "claw_gateway_duplicate_records", "Retried records acknowledged again", registry=r
         )
         self.rejected = Counter(
-            "claw_gateway_rejected_requests", "Requests refused, by reason", ["reason"], registry=r
+            "claw_gateway_rejected_requests",
+            "Requests answered with an error, by its code (e.g. invalid_value, overloaded)",
+            ["reason"],
+            registry=r,
         )
         self.wal_backlog_bytes = Gauge(
             "claw_gateway_wal_backlog_bytes", "Durable WAL bytes not yet in bronze", registry=r

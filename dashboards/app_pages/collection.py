@@ -17,7 +17,8 @@ urls = st.text_input(
     "gateway URLs for /metrics (comma-separated)",
     value=at.gateway_url or "http://127.0.0.1:8080",
     help="only gateways writing this lake are shown (their claw_gateway_info names the lake); "
-    "with API keys set, start them with CLAW_METRICS_PUBLIC=true",
+    "with API keys set, give the dashboard one in CLAW_GATEWAY_KEY (or start the gateways "
+    "with CLAW_METRICS_PUBLIC=true)",
 )
 
 
@@ -49,9 +50,12 @@ def gateway_figures(scrape: data.GatewayScrape) -> None:
 def gateways(lake_uri: str) -> None:
     """Live figures of each listed gateway that writes this lake."""
     for url in (u.strip() for u in urls.split(",") if u.strip()):
-        scrape = data.scrape_gateway(url)
+        scrape = data.scrape_gateway(url, at.gateway_key)
         if scrape is None:
-            st.caption(f"gateway at {url} is not answering (start it with `claw up`).")
+            st.caption(
+                f"gateway at {url} is not answering /metrics (start it with `claw up`; "
+                "a keyed gateway needs CLAW_GATEWAY_KEY)."
+            )
         elif scrape.identity() is None or scrape.identity()[1] != lake_uri:
             writes = scrape.identity()[1] if scrape.identity() else "an unknown lake"
             st.caption(f"gateway at {url} writes {writes}, not this lake: not shown.")
