@@ -346,6 +346,17 @@ def distinct(frame: pl.DataFrame, column: str) -> list:
     return frame[column].drop_nulls().unique().sort().to_list()
 
 
+def records_chart(per_second: pl.DataFrame, bars: bool = False) -> alt.Chart:
+    """Records per second by source over time (from `records_per_second`), lines or bars."""
+    base = alt.Chart(per_second.to_pandas())
+    return (base.mark_bar() if bars else base.mark_line()).encode(
+        alt.X("time:T", title="received at"),
+        alt.Y("per_second:Q", title="records / s"),
+        alt.Color("source:N", title="source"),
+        tooltip=["time", "source", "records"],
+    )
+
+
 def histogram_chart(frame: pl.DataFrame, column: str, title: str, unit: str) -> alt.Chart:
     """A histogram of `column`, binned in polars (the browser gets the bins, not the rows)."""
     values = frame[column].drop_nulls()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import altair as alt
 import polars as pl
 import streamlit as st
 
@@ -83,17 +82,7 @@ def live() -> None:
         )
     per_second = data.records_per_second(at, versions[BRONZE_EVENTS])
     st.subheader("Records entering, by source")
-    st.altair_chart(
-        alt.Chart(per_second.to_pandas())
-        .mark_line()
-        .encode(
-            alt.X("time:T", title="received at"),
-            alt.Y("per_second:Q", title="records / s"),
-            alt.Color("source:N", title="source"),
-            tooltip=["time", "source", "records"],
-        ),
-        width="stretch",
-    )
+    st.altair_chart(data.records_chart(per_second), width="stretch")
     recent = (
         at.lake()
         .scan(BRONZE_EVENTS, versions[BRONZE_EVENTS])

@@ -31,17 +31,7 @@ right.metric("tokens in steps", f"{tokens:,}")
 last.metric("trajectories", f"{trajectories.height:,}" if trajectories is not None else "—")
 
 st.subheader("Records per second, by source")
-st.altair_chart(
-    alt.Chart(bronze.to_pandas())
-    .mark_bar()
-    .encode(
-        alt.X("time:T", title="received at"),
-        alt.Y("per_second:Q", title="records / s"),
-        alt.Color("source:N", title="source"),
-        tooltip=["time", "source", "records"],
-    ),
-    width="stretch",
-)
+st.altair_chart(data.records_chart(bronze, bars=True), width="stretch")
 
 if trajectories is not None and trajectories.height:
     st.subheader("Trajectories by status")

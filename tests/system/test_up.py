@@ -44,6 +44,19 @@ FIELDS = ("input_ids", "parent", "position_ids", "loss_mask", "advantages", "tok
 QUEUED = "{ runsOrError(filter: {statuses: [QUEUED]}) { ... on Runs { count } } }"
 
 
+def start_up_with_traffic(port: int, dashboard: int, dagster: int, lake) -> subprocess.Popen:
+    """`claw up --demo-traffic` on these ports, output piped, in its own process group (so a
+    failed test can stop the whole group)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "claw_pipelines.app.cli", "up", "--demo-traffic",
+         "--port", str(port), "--dashboard-port", str(dashboard),
+         "--dagster-port", str(dagster), "--lake", str(lake)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"},
+        start_new_session=True,
+    )  # fmt: skip
+
+
 def children_of(pid: int) -> set[int]:
     """Every descendant process id of `pid` (from /proc)."""
     found, frontier = set(), {pid}
@@ -92,14 +105,7 @@ def test_claw_up_with_demo_traffic_keeps_every_step_once_and_ctrl_c_stops_it_all
     # background command (a CI runner may): Ctrl-C must stop it all the same.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "claw_pipelines.app.cli", "up", "--demo-traffic",
-             "--port", str(port), "--dashboard-port", str(dashboard),
-             "--dagster-port", str(dagster), "--lake", str(lake_path)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"},
-            start_new_session=True,  # so a failed test can stop the whole group
-        )  # fmt: skip
+        proc = start_up_with_traffic(port, dashboard, dagster, lake_path)
     finally:
         signal.signal(signal.SIGINT, previous)
     lines: list[str] = []
@@ -221,14 +227,7 @@ def _alive(pid: int) -> bool:
 def test_claw_up_with_demo_traffic_prints_a_few_short_lines_and_logs_the_rest(tmp_path):
     port, dashboard, dagster = free_port(), free_port(), free_port()
     lake_path = tmp_path / "lake"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "claw_pipelines.app.cli", "up", "--demo-traffic",
-         "--port", str(port), "--dashboard-port", str(dashboard),
-         "--dagster-port", str(dagster), "--lake", str(lake_path)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"},
-        start_new_session=True,
-    )  # fmt: skip
+    proc = start_up_with_traffic(port, dashboard, dagster, lake_path)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
