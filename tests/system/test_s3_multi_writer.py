@@ -42,7 +42,7 @@ from tests.crash_load import make_request
 from tests.s3 import s3_options, seaweed_server
 from tests.servers import REPO, GatewayProcess
 
-CHAOS_S = float(os.environ.get("CLAW_SOAK_S", "120"))
+CHAOS_S = float(os.environ.get("CLAW_SOAK_S", "90"))
 REPLICAS = ("gw-a", "gw-b", "gw-c")
 SPEC = CurationSpec(name="soak", reward_status=["pending", "missing", "final"])
 MAINTAINED = (BRONZE_EVENTS, SILVER_STEPS, SILVER_FEEDBACK, "silver/trajectories")
