@@ -4,7 +4,8 @@ In one run:
   (a) tokens/s of producing tree batches from a gold partition vs reading the same
       partition's token columns with polars (the ceiling). Target >= 0.5x.
   (b) forward + backward time of a small transformer on tree batches vs flat batches of the
-      same steps (tree: each step's own tokens attend to its path; flat: each step alone).
+      same steps (tree: each token attends to its ancestors through the block-sparse tree
+      attention; flat: each step alone, causal; both torch's fused CPU attention kernel).
       Target: tree/flat time <= 1.25 x token_ratio.
 Prints one JSON line.
 """
@@ -16,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -97,34 +99,42 @@ def production(lake: Lake, rounds: int) -> dict:
 
 
 def compute(lake: Lake, rounds: int, vocab: int) -> dict:
-    """(b): forward + backward on tree batches vs flat batches of the same steps."""
+    """(b): forward + backward on tree batches vs flat batches of the same steps, both through
+    torch's fused attention kernel (tree: the block-sparse tree attention; flat: causal SDPA)."""
     import torch
+    from torch.nn.functional import scaled_dot_product_attention
 
-    from tests.tiny_transformer import TinyLM, forward_by_path
+    from claw_pipelines.block_attention import tree_attention, tree_plan
+    from tests.tiny_transformer import TinyLM
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
     model = TinyLM(vocab, width=256, heads=4, layers=2, positions=8192)
     ds = open_dataset("bench", lake.uri)
-    trees = list(ds.batches(1, batch_size=1, layout="tree"))  # one prompt group per batch
+    trees = [b.to_torch() for b in ds.batches(1, batch_size=1, layout="tree")]  # one group each
     flats = list(ds.batches(1, batch_size=1, layout="flat"))
-    tree_inputs = [(b.to_torch(dense_mask=True), [int(s) for s in b.step_starts]) for b in trees]
     flat_inputs = [
         (b.to_torch()["input_ids"][i], torch.arange(len(i)))
         for b in flats
         for i in b.to_torch()["step_token_index"]
     ]
 
+    def causal(q, k, v):
+        return scaled_dot_product_attention(q, k, v, is_causal=True)
+
     def run_trees() -> None:
-        for tensors, starts in tree_inputs:
+        for t in trees:  # the plan is built inside: its cost is the tree arm's
+            plan = tree_plan(t["subtree_end"])
             model.zero_grad()
-            forward_by_path(model, tensors, starts).float().logsumexp(-1).sum().backward()
+            logits = model.forward_with(
+                t["input_ids"], t["position_ids"], partial(tree_attention, plan=plan)
+            )
+            logits.logsumexp(-1).sum().backward()
 
     def run_flat() -> None:
         for ids, positions in flat_inputs:
             model.zero_grad()
-            causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
-            model(ids, positions, causal).logsumexp(-1).sum().backward()
+            model.forward_with(ids, positions, causal).logsumexp(-1).sum().backward()
 
     tree_times, flat_times = [], []
     for _ in range(rounds):  # alternate, so noise hits both alike
@@ -134,7 +144,7 @@ def compute(lake: Lake, rounds: int, vocab: int) -> dict:
         started = time.perf_counter()
         run_flat()
         flat_times.append(time.perf_counter() - started)
-    tree_tokens = sum(t["input_ids"].numel() for t, _ in tree_inputs)
+    tree_tokens = sum(t["input_ids"].numel() for t in trees)
     flat_tokens = sum(ids.numel() for ids, _ in flat_inputs)
     return {
         "tree_s": round(min(tree_times), 3),

@@ -2,9 +2,10 @@
 
 GRPO groups with a long shared context (a 4096-token prompt, 8 rollouts, 3 turns) go through
 the real pipeline (bronze, silver, one gold partition); one tree batch (one group, >= 16k
-tree tokens) is trained forward + backward on a randomly initialised Qwen2 (RoPE, RMSNorm,
-grouped-query attention), against the same steps flat through the same model: right-padded
-micro-batches of at most the tree batch's tokens, SDPA causal, gradients accumulated.
+tree tokens) is trained forward + backward on a randomly initialised 2-layer Qwen2 (RoPE,
+RMSNorm, grouped-query attention; by default Qwen2.5-0.5B's layer shape, see SHAPES), against
+the same steps flat through the same model: right-padded micro-batches of at most the tree
+batch's tokens, SDPA causal, gradients accumulated.
 
 The tree arm attends through FlexAttention with the tree BlockMask where flex has a
 backward (CUDA); on CPU (torch 2.13 flex has no backward) through the block-sparse tree
@@ -17,7 +18,7 @@ T×T or more elements in the tree step (every op's output watched). Prints one J
 Tokens are not the whole cost: each token attends to all its ancestors in both layouts, so
 attention work falls by `attention_pairs_ratio` (the shared prompt's pairs are computed
 once instead of once per step), not by `token_ratio`; the more of the flat time attention
-takes (a small model on long contexts: most), the closer the time ratio comes to it.
+takes (a narrow model on long contexts: most), the closer the time ratio comes to it.
 """
 
 from __future__ import annotations
@@ -57,9 +58,19 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def qwen2(attention: str):
-    """The benchmark's model: hidden 128, MLP 384, 2 layers (see `small_qwen2`), training."""
-    return small_qwen2(attention, VOCAB, hidden=128, intermediate=384, positions=16384).train()
+# Layer shapes. "qwen2.5-0.5b" is that model's layer (hidden 896, MLP 4864, 14 query heads of
+# 64 over 2 key-value heads) with 2 layers and the small vocabulary: the share of attention
+# in a training step is a real model's. "narrow" (hidden 128, 4 heads of 32) spends most of
+# its time in attention, as no real model at these lengths does.
+SHAPES = {
+    "qwen2.5-0.5b": {"hidden": 896, "intermediate": 4864, "heads": 14, "kv_heads": 2},
+    "narrow": {"hidden": 128, "intermediate": 384, "heads": 4, "kv_heads": 2},
+}
+
+
+def qwen2(attention: str, shape: str):
+    """The benchmark's model: 2 layers of `SHAPES[shape]` (see `small_qwen2`), training."""
+    return small_qwen2(attention, VOCAB, positions=16384, **SHAPES[shape]).train()
 
 
 def flex_has_backward() -> bool:
@@ -148,7 +159,7 @@ class LargestTensor:
         self._mode.__exit__(*exc)
 
 
-def run_arm(arm: str, lake_uri: str, rounds: int) -> dict:
+def run_arm(arm: str, lake_uri: str, rounds: int, shape: str) -> dict:
     """One arm in this process: times, peak RSS increase, and (tree) the largest tensor."""
     import torch
 
@@ -163,7 +174,7 @@ def run_arm(arm: str, lake_uri: str, rounds: int) -> dict:
     flex = flex_has_backward()
     if arm == "tree":
         implementation = "flex_attention" if flex else register_hf_tree_attention()
-        model = qwen2(implementation)
+        model = qwen2(implementation, shape)
 
         def step() -> None:
             mask = (
@@ -174,7 +185,7 @@ def run_arm(arm: str, lake_uri: str, rounds: int) -> dict:
             tree_step(model, t, mask)
     else:
         implementation = "sdpa"
-        model = qwen2("sdpa")
+        model = qwen2("sdpa", shape)
         steps = ds.steps(1).filter(pl.col("step_key").is_in(batch.step_keys))
         micro = flat_micro_batches(steps, tree_tokens)
         flat_tokens = int(
@@ -225,10 +236,13 @@ def run_arm(arm: str, lake_uri: str, rounds: int) -> dict:
     return result
 
 
-def spawn_arm(arm: str, lake_uri: str, rounds: int) -> dict:
+def spawn_arm(arm: str, lake_uri: str, rounds: int, shape: str) -> dict:
     """`run_arm` in a fresh interpreter; its one JSON line."""
     done = subprocess.run(
-        [sys.executable, __file__, "--arm", arm, "--lake", lake_uri, "--rounds", str(rounds)],
+        [
+            *(sys.executable, __file__, "--arm", arm, "--lake", lake_uri),
+            *("--rounds", str(rounds), "--shape", shape),
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -243,11 +257,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--response-tokens", type=int, default=384, help="per turn")
     parser.add_argument("--rounds", type=int, default=2, help="timed steps per arm (best kept)")
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen2.5-0.5b")
     parser.add_argument("--arm", choices=["tree", "flat"], help=argparse.SUPPRESS)
     parser.add_argument("--lake", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.arm:
-        print(json.dumps(run_arm(args.arm, args.lake, args.rounds)))
+        print(json.dumps(run_arm(args.arm, args.lake, args.rounds, args.shape)))
         return
     with tempfile.TemporaryDirectory(prefix="claw-bench-tree-attention-") as tmp:
         lake = grpo_lake(
@@ -259,8 +274,8 @@ def main() -> None:
             vocab=VOCAB,
             prompt_tokens=args.prompt_tokens,
         )
-        tree = spawn_arm("tree", lake.uri, args.rounds)
-        flat = spawn_arm("flat", lake.uri, args.rounds)
+        tree = spawn_arm("tree", lake.uri, args.rounds, args.shape)
+        flat = spawn_arm("flat", lake.uri, args.rounds, args.shape)
     token_ratio = tree["tree_tokens"] / flat["flat_tokens"]
     time_ratio = tree["seconds"] / flat["seconds"]
     memory_ratio = tree["peak_rss_increase_mib"] / flat["peak_rss_increase_mib"]
@@ -269,6 +284,7 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "tree_attention",
+                "model": {"shape": args.shape, "layers": 2, "vocab": VOCAB, **SHAPES[args.shape]},
                 "tree": tree,
                 "flat": flat,
                 "token_ratio": round(token_ratio, 4),

@@ -6,9 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 
-def small_qwen2(attention: str, vocab: int, hidden: int, intermediate: int, positions: int) -> Any:
-    """A 2-layer Qwen2 (4 query heads over 2 key-value heads), seeded: the same weights for
-    every attention implementation. transformers and torch: the `train` extra."""
+def small_qwen2(
+    attention: str,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    positions: int,
+    heads: int = 4,
+    kv_heads: int = 2,
+    layers: int = 2,
+) -> Any:
+    """A Qwen2 (by default 2 layers, 4 query heads over 2 key-value heads), seeded: the same
+    weights for every attention implementation. transformers and torch: the `train` extra."""
     import torch
     import transformers
 
@@ -16,9 +25,9 @@ def small_qwen2(attention: str, vocab: int, hidden: int, intermediate: int, posi
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=positions,
         tie_word_embeddings=False,
     )

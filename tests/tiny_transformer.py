@@ -4,13 +4,26 @@ enough to prove that training on tree batches equals training on flat sequences.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def masked_attention(mask: torch.Tensor) -> Attend:
+    """Attention of q, k, v [H, T, d] in which row i sees row j iff mask[i, j] (explicit)."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+    return attend
+
 
 class Block(nn.Module):
-    """Pre-norm attention + MLP."""
+    """Pre-norm attention + MLP; the attention itself is a function of q, k, v."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
@@ -22,14 +35,12 @@ class Block(nn.Module):
             nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
         )
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         tokens, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
         shape = (tokens, self.heads, width // self.heads)
         q, k, v = (t.view(shape).transpose(0, 1) for t in (q, k, v))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(width // self.heads)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        mixed = (scores.softmax(-1) @ v).transpose(0, 1).reshape(tokens, width)
+        mixed = attend(q, k, v).transpose(0, 1).reshape(tokens, width)
         x = x + self.out(mixed)
         return x + self.mlp(self.norm2(x))
 
@@ -51,9 +62,13 @@ class TinyLM(nn.Module):
         self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """Logits [T, vocab]; row i may see row j iff mask[i, j]."""
+        return self.forward_with(ids, positions, masked_attention(mask))
+
+    def forward_with(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend):
+        """Logits [T, vocab], every block attending through `attend(q, k, v)`."""
         x = self.tokens(ids) + self.positions(positions)
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, attend)
         return self.head(self.norm(x))
 
 
@@ -71,23 +86,16 @@ def forward_by_path(model: TinyLM, tensors: dict, starts: list[int]) -> torch.Te
     """The same logits as `model(...)` with the ancestor mask, computed sparsely: each step's
     own tokens (its path after `start`, the depth where it left its parent) attend only to its
     path. Attention work is then sum(own x path), not (tree tokens)^2."""
-    ids, positions = tensors["input_ids"], tensors["position_ids"]
     paths = tensors["step_token_index"]
-    x = model.tokens(ids) + model.positions(positions)
     pieces = [(path, path[start:], start) for path, start in zip(paths, starts, strict=True)]
     pieces = [p for p in pieces if len(p[1])]
-    for block in model.blocks:
-        tokens, width = x.shape
-        heads = block.heads
-        q, k, v = block.qkv(block.norm1(x)).split(width, dim=-1)
-        shape = (tokens, heads, width // heads)
-        q, k, v = (t.view(shape).transpose(0, 1) for t in (q, k, v))
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         mixed = torch.zeros_like(q)
         for path, own, start in pieces:
-            scores = q[:, own] @ k[:, path].transpose(-1, -2) / math.sqrt(width // heads)
             visible = torch.ones(len(own), len(path), dtype=torch.bool).tril(start)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            mixed = mixed.index_copy(1, own, scores.softmax(-1) @ v[:, path])
-        x = x + block.out(mixed.transpose(0, 1).reshape(tokens, width))
-        x = x + block.mlp(block.norm2(x))
-    return model.head(model.norm(x))
+            seen = masked_attention(visible)(q[:, own], k[:, path], v[:, path])
+            mixed = mixed.index_copy(1, own, seen)
+        return mixed
+
+    return model.forward_with(tensors["input_ids"], tensors["position_ids"], attend)
