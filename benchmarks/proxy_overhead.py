@@ -118,6 +118,37 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children_cpu_seconds(pid: int) -> float:
+    """CPU seconds so far of a process's live children (the gateway's syncer and flusher)."""
+    found = Path(f"/proc/{pid}/task/{pid}/children")
+    kids = found.read_text().split() if found.exists() else []
+    total = 0.0
+    for kid in kids:
+        try:
+            total += cpu_seconds(int(kid))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def fdatasync_ms(directory: Path, writes: int = 500, size: int = 8192) -> tuple[float, float]:
+    """p50 and p99 ms of an append + fdatasync on this file system: what a durable
+    acknowledgement costs at least, beside any relay."""
+    path = directory / "fdatasync.probe"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    took = []
+    try:
+        for _ in range(writes):
+            os.write(fd, b"x" * size)
+            started = time.perf_counter()
+            os.fdatasync(fd)
+            took.append((time.perf_counter() - started) * 1000)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return percentiles_ms(took)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--connections", type=int, default=32)
@@ -189,6 +220,7 @@ def main() -> None:
     results = {name: LoadResult() for name in targets}
     sim_busy = {name: 0.0 for name in targets}
     gateway_busy = {name: 0.0 for name in gateways}
+    children_busy = {name: 0.0 for name in gateways}  # the syncer and flusher processes
     by_round: list[float] = []  # added p50 of each run (round)
     try:
         for port in targets.values():  # connections, caches, the first WAL segment: not measured
@@ -212,6 +244,9 @@ def main() -> None:
                 request = encode_post("127.0.0.1", port, "/v1/chat/completions", body)
                 cpu_before = cpu_seconds(sim.pid)
                 gw_before = {g: cpu_seconds(proc.pid) for g, (_, proc) in gateways.items()}
+                kids_before = {
+                    g: children_cpu_seconds(proc.pid) for g, (_, proc) in gateways.items()
+                }
                 started = time.perf_counter()
                 run = asyncio.run(
                     run_load(
@@ -228,10 +263,13 @@ def main() -> None:
                 if name in gateways:
                     used = cpu_seconds(gateways[name][1].pid) - gw_before[name]
                     gateway_busy[name] += used / wall / args.rounds
+                    kids = children_cpu_seconds(gateways[name][1].pid) - kids_before[name]
+                    children_busy[name] += kids / wall / args.rounds
                 results[name].merge(run)
                 this_round[name] = run.summary()["p50_ms"]
             by_round.append(round(this_round["gateway"] - this_round["direct"], 3))
         syncs = wal_syncs(f"http://127.0.0.1:{gw_port}/metrics")
+        sync_p50, sync_p99 = fdatasync_ms(workdir / "gateway")
     finally:
         procs = [proc for _, proc in gateways.values()] + [sim]
         for proc in procs:
@@ -307,6 +345,13 @@ def main() -> None:
                     "added_p50_ms": floor_added,
                     "cpu_ms_per_call": floor_cpu_ms,
                 },
+                # The gateway's syncer and flusher (other processes, on the same cores).
+                "children_cpu_ms_per_call": cpu_per_call(children_busy["gateway"], through),
+                # A 2xx waits for an fdatasync (docs/DESIGN.md §4): measured on the WAL's
+                # file system after the rounds. The relay floor plus its p50 is as low as a
+                # durable proxy's added p50 can go on this machine.
+                "fdatasync_ms": {"p50": sync_p50, "p99": sync_p99},
+                "durable_floor_added_p50_ms": round(floor_added + sync_p50, 3),
                 "recording_costs": {
                     "added_p50_ms": round(added_p50 - floor_added, 3),
                     "cpu_ms_per_call": round(cpu_ms - floor_cpu_ms, 3),
