@@ -236,7 +236,11 @@ def test_claw_up_with_demo_traffic_prints_a_few_short_lines_and_logs_the_rest(tm
         ready_at = len(lines)
         traffic_log = lake_path / "_logs" / "demo-traffic.log"
         wait_until(lambda: "round 2:" in _text(traffic_log), 120, what="two rounds of traffic")
-        time.sleep(20)  # status lines accumulate meanwhile
+        wait_until(
+            lambda: any(line.startswith("up ") for line in lines[ready_at:]),
+            30,
+            what="a status line",
+        )
         assert proc.poll() is None, "".join(lines)[-3000:]
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
