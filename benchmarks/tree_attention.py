@@ -62,6 +62,7 @@ def reset_peak_rss() -> None:
 # 64 over 2 key-value heads) with 2 layers and the small vocabulary: the share of attention
 # in a training step is a real model's. "narrow" (hidden 128, 4 heads of 32) spends most of
 # its time in attention, as no real model at these lengths does.
+LAYERS = 2
 SHAPES = {
     "qwen2.5-0.5b": {"hidden": 896, "intermediate": 4864, "heads": 14, "kv_heads": 2},
     "narrow": {"hidden": 128, "intermediate": 384, "heads": 4, "kv_heads": 2},
@@ -69,8 +70,8 @@ SHAPES = {
 
 
 def qwen2(attention: str, shape: str):
-    """The benchmark's model: 2 layers of `SHAPES[shape]` (see `small_qwen2`), training."""
-    return small_qwen2(attention, VOCAB, positions=16384, **SHAPES[shape]).train()
+    """The benchmark's model: LAYERS layers of `SHAPES[shape]` (see `small_qwen2`), training."""
+    return small_qwen2(attention, VOCAB, positions=16384, layers=LAYERS, **SHAPES[shape]).train()
 
 
 def flex_has_backward() -> bool:
@@ -284,7 +285,12 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "tree_attention",
-                "model": {"shape": args.shape, "layers": 2, "vocab": VOCAB, **SHAPES[args.shape]},
+                "model": {
+                    "shape": args.shape,
+                    "layers": LAYERS,
+                    "vocab": VOCAB,
+                    **SHAPES[args.shape],
+                },
                 "tree": tree,
                 "flat": flat,
                 "token_ratio": round(token_ratio, 4),
