@@ -21,6 +21,7 @@ from gateway.landing import Landing
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import document_routes, registered_routes
 from gateway.proxy import ProxyService, Upstream
+from gateway.proxy.capture_mode import CaptureMode
 from gateway.routes import ROUTES
 from gateway.routes.ops import open_paths
 from gateway.services import GatewayServices
@@ -72,11 +73,18 @@ def check_only_table_routes(app: FastAPI) -> None:
         )
 
 
-def create_app(settings: ClawSettings | None = None, landing: Landing | None = None) -> GatewayApp:
+def create_app(
+    settings: ClawSettings | None = None,
+    landing: Landing | None = None,
+    capture: CaptureMode | None = None,
+) -> GatewayApp:
     """A gateway app for `settings` (default: from the environment). `landing` replaces the
     durable landing (WAL, syncer and flusher processes), e.g. to serve in-process in tests
-    of validation and routing: it is started and stopped with the app."""
+    of validation and routing: it is started and stopped with the app. `capture`: how token
+    ids are captured, as `gateway.serve` found it at start (default: from CLAW_TOKENIZER,
+    the upstream not asked)."""
     settings = settings or ClawSettings()
+    capture = capture or CaptureMode(settings.tokenizer)
     metrics = GatewayMetrics()
     keys = KeyRing.from_settings(settings)
 
@@ -88,12 +96,14 @@ def create_app(settings: ClawSettings | None = None, landing: Landing | None = N
             upstream = Upstream(
                 settings.upstream_url, settings.upstream_timeout_s, settings.upstream_client
             )
-        proxy = ProxyService(settings, landed, upstream, metrics.registry)
+        proxy = ProxyService(settings, landed, upstream, metrics.registry, capture)
         services = GatewayServices(settings, keys, metrics, landed, proxy, upstream)
         await landed.start()
         metrics.info.labels(settings.gateway_id, landed.lake.uri).set(1)
         app.dispatcher.services = services
         log.info("gateway %s ready; lake %s", settings.gateway_id, landed.lake.uri)
+        if upstream is not None:
+            log.info("capture: %s", capture.summary())
         try:
             yield
         finally:

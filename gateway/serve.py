@@ -12,8 +12,8 @@ import uvicorn
 
 from claw_pipelines.object_store import verify_lake_store
 from claw_pipelines.settings import ClawSettings
-from claw_pipelines.tokenization import load_chat_tokenizer
 from gateway.auth import KeyRing
+from gateway.proxy.capture_mode import CaptureMode, probe_upstream
 
 
 def is_loopback(host: str) -> bool:
@@ -38,6 +38,10 @@ class UnusableTokenizer(GatewayRefused):
     """`CLAW_TOKENIZER` names no loadable tokenizer and chat template."""
 
 
+class NoTokenSource(GatewayRefused):
+    """The upstream returns no token ids and no tokenizer is configured to compute them."""
+
+
 class PortUnavailable(GatewayRefused):
     """The address and port cannot be listened on (taken, or not this host's)."""
 
@@ -59,6 +63,21 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def capture_mode(settings: ClawSettings) -> CaptureMode:
+    """How this gateway will capture token ids: the upstream asked once, the tokenizer
+    loaded (refused at start, in one line, rather than on the first call)."""
+    probe = probe_upstream(settings.upstream_url) if settings.upstream_url else None
+    capture = CaptureMode(settings.tokenizer, probe)
+    if (why := capture.refusal()) is not None:
+        raise NoTokenSource(f"CLAW_TOKENIZER: {why}")
+    if settings.tokenizer is not None:
+        try:
+            capture.tokenizer  # noqa: B018 (loads it)
+        except Exception as exc:
+            raise UnusableTokenizer(f"CLAW_TOKENIZER: {exc}") from None
+    return capture
+
+
 def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8080) -> None:
     """Serve the gateway until SIGINT/SIGTERM, then flush everything to bronze."""
     if not KeyRing.from_settings(settings).enabled and not is_loopback(host):
@@ -66,11 +85,7 @@ def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8
             f"refusing to bind {host}: no API keys configured (set CLAW_API_KEYS or "
             "CLAW_API_KEYS_FILE, or bind 127.0.0.1)"
         )
-    if settings.tokenizer is not None:  # refused at start, not on the first local tokenization
-        try:
-            load_chat_tokenizer(settings.tokenizer)
-        except Exception as exc:
-            raise UnusableTokenizer(f"CLAW_TOKENIZER: {exc}") from None
+    capture = capture_mode(settings)
     # a store that would lose concurrent commits is refused here, in one line, before "ready"
     verify_lake_store(settings.lake_uri, settings.storage_options)
     listener = bind_listener(host, port)  # a taken port is refused before the WAL opens
@@ -84,7 +99,7 @@ def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, capture=capture),
         host=host,
         port=port,
         log_level="warning",

@@ -84,9 +84,12 @@ class SimProcess:
         self.stop()
 
 
-def openai_answer(content: str = "Hello from the scripted upstream.") -> dict:
-    """A chat completion the way a server without vLLM extensions answers (no token ids)."""
-    return {
+def openai_answer(
+    content: str = "Hello from the scripted upstream.", usage: tuple[int, int] | None = None
+) -> dict:
+    """A chat completion the way a server without vLLM extensions answers (no token ids);
+    `usage`: the (prompt, completion) token counts it reports, if any."""
+    answer = {
         "id": "chatcmpl-scripted",
         "object": "chat.completion",
         "created": 1,
@@ -99,17 +102,52 @@ def openai_answer(content: str = "Hello from the scripted upstream.") -> dict:
                 "finish_reason": "stop",
             }
         ],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
     }
+    if usage is not None:
+        prompt, completion = usage
+        answer["usage"] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+    return answer
+
+
+# error bodies of servers that do not speak OpenAI's error envelope, by the `model` asking
+FOREIGN_ERRORS = {
+    "detail": (
+        400,
+        "application/json",
+        b"{\"detail\": \"Server is pinned to 'm'; requested 'detail'.\"}",
+    ),
+    "detail-list": (
+        422,
+        "application/json",
+        b'{"detail": [{"loc": ["body", "max_tokens"], "msg": "Input should be a valid integer"}]}',
+    ),
+    "flat": (
+        400,
+        "application/json",
+        b'{"object": "error", "message": "prompt is too long", "type": "BadRequestError", '
+        b'"code": 400}',
+    ),
+    "text": (404, "text/plain", b"Not Found"),
+    "html": (
+        403,
+        "text/html",
+        b"<html><head><title>403 Forbidden</title></head><body><h1>403</h1></body></html>",
+    ),
+}
 
 
 class ScriptedUpstream:
     """An OpenAI-shaped server whose behaviour is chosen by the request's `model`: `hang`
     never answers in time, `boom` answers 500, `bad` answers 400, `busy` answers 429 with
-    Retry-After, `strict` refuses vLLM's `return_token_ids` like OpenAI does; anything else
-    answers without token ids."""
+    Retry-After, `strict` refuses vLLM's `return_token_ids` like OpenAI does, the names of
+    FOREIGN_ERRORS answer those bodies; anything else answers without token ids, reporting
+    `usage` (prompt, completion) when given."""
 
-    def __init__(self) -> None:
+    def __init__(self, usage: tuple[int, int] | None = None) -> None:
         self.requests: list[dict] = []
         self.release = threading.Event()
         outer = self
@@ -126,7 +164,7 @@ class ScriptedUpstream:
                 model = body.get("model")
                 if model == "hang":
                     outer.release.wait(10)
-                    return self._send(200, openai_answer())
+                    return self._send(200, openai_answer(usage=usage))
                 if model == "boom":
                     return self._send(500, {"error": {"message": "the GPU caught fire"}})
                 if model == "busy":
@@ -138,7 +176,16 @@ class ScriptedUpstream:
                         message = "model 'bad' does not exist"
                     error = {"message": message, "type": "invalid_request_error"}
                     return self._send(400, {"error": error})
-                return self._send(200, openai_answer())
+                if model in FOREIGN_ERRORS:
+                    return self._send_raw(*FOREIGN_ERRORS[model])
+                return self._send(200, openai_answer(usage=usage))
+
+            def _send_raw(self, status: int, content_type: str, data: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             def _send(self, status: int, payload: dict, headers: dict | None = None) -> None:
                 data = json.dumps(payload).encode()

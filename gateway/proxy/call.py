@@ -12,7 +12,7 @@ from gateway.errors import ApiError
 from gateway.proxy.capture import COMPLETION_KIND, CapturedChoice, Endpoint
 from gateway.proxy.failures import UpstreamFailure
 from gateway.proxy.scope import Scope
-from gateway.proxy.steps import StepPlace
+from gateway.proxy.steps import CallSteps, StepPlace
 from gateway.records import BronzeRecord
 
 if TYPE_CHECKING:
@@ -84,14 +84,16 @@ def parse_request(raw: bytes) -> tuple[dict[str, Any], bytes]:
 class CallRecorder(Protocol):
     """What records a call's steps (gateway.proxy.service.ProxyService)."""
 
-    def records(
+    def call_steps(
         self,
         call: ProxyCall,
         captured: list[CapturedChoice],
         model: str | None,
         upstream_ms: float | None,
-    ) -> tuple[list[BronzeRecord], list[StepPlace]]:
-        """One step record per choice, and where each went."""
+        usage: Any = None,
+        places: list[StepPlace] | None = None,
+    ) -> CallSteps:
+        """The call's step records (and events of choices without ids)."""
 
     def failure_record(
         self, failure: UpstreamFailure, tenant: str, call: ProxyCall | None
@@ -99,11 +101,6 @@ class CallRecorder(Protocol):
         """The `upstream_error` event of a failed call."""
 
     async def land_steps(
-        self,
-        call: ProxyCall,
-        captured: list[CapturedChoice],
-        steps: list[BronzeRecord],
-        places: list[StepPlace],
-        also: list[BronzeRecord] | None = None,
+        self, call: ProxyCall, steps: CallSteps, also: list[BronzeRecord] | None = None
     ) -> bool:
         """Make a call's step records (and `also`) durable; False when the gateway could not."""

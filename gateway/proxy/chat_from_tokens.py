@@ -12,7 +12,7 @@ from typing import Any
 
 import pydantic_core
 
-from claw_pipelines.tokenization import TOOL_CALL_END, TOOL_CALL_START, ChatTokenizer, decode
+from claw_pipelines.tokenization import TOOL_CALL_END, TOOL_CALL_START, ChatTokenizer
 
 _TOOL_CALL = re.compile(
     re.escape(TOOL_CALL_START) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_END), re.DOTALL
@@ -54,7 +54,7 @@ def reply_message(
     ids = list(response_ids)
     if ids and ids[-1] == eos_id:
         ids.pop()
-    content, calls = parse_tool_calls(decode(ids, tokenizer.tokenizer))
+    content, calls = parse_tool_calls(tokenizer.decode(ids))
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls

@@ -1,12 +1,17 @@
 """Relay a streamed answer: chunks go to the client as they arrive, the steps are recorded
 when the stream ends, however it ends.
 
-Endings and the finish_reason of choices the upstream had not finished:
+The step keys are assigned when the stream opens, one per choice the call asks for, and sent
+as the response's `X-Claw-Step-Keys` header; a choice the stream never delivers has no step
+under its key. Only the choices that arrived are recorded.
+
+Endings and the finish_reason of choices that arrived but were not finished:
 - the upstream's `data: [DONE]`: the steps are made durable, then `[DONE]` is relayed;
 - the client goes away: `client_disconnected` (what was received so far is recorded);
 - the upstream connection breaks or stalls: `upstream_error`, plus an `upstream_error`
   event, and the client gets an OpenAI error event (its status line was already sent);
-- the upstream closes without `[DONE]`: `upstream_ended`.
+- the upstream closes without `[DONE]`: `upstream_ended` (servers that never send `[DONE]`,
+  such as `transformers serve`, finish their choices first, so nothing is marked cut).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from gateway.errors import envelope
 from gateway.proxy.call import CallRecorder, ProxyCall
 from gateway.proxy.capture import Added, stripped
 from gateway.proxy.http1 import Http1Response
+from gateway.proxy.steps import StepPlace, step_keys
 from gateway.proxy.stream import DONE, StreamAccumulator, sse_data
 from gateway.proxy.upstream import UpstreamFailure
 
@@ -45,11 +51,13 @@ class StreamRelay:
         call: ProxyCall,
         response: Http1Response,
         added: Added,
+        places: list[StepPlace],
     ) -> None:
         self.service = service
         self.call = call
         self.response = response
         self.added = added
+        self.places = places  # by choice index, assigned as the stream opened
         self.status = response.status
         self.content_type = response.headers.get("content-type", "text/event-stream")
         self.accumulator = StreamAccumulator(call.endpoint.kind)
@@ -73,7 +81,10 @@ class StreamRelay:
                 if isinstance(chunk, dict):
                     self._accumulate(chunk)
                     if self.added.any:
-                        data = pydantic_core.to_json(stripped(chunk, self.added))
+                        view = stripped(chunk, self.added)
+                        if view is None:
+                            continue  # a usage chunk only the gateway asked for
+                        data = pydantic_core.to_json(view)
                 yield b"data: " + data + b"\n\n"
             await self._record("upstream_ended")
         except UpstreamFailure as failure:
@@ -100,14 +111,15 @@ class StreamRelay:
             return
         self.recorded = True
         with anyio.CancelScope(shield=True):
-            call, service = self.call, self.service
-            expected = call.n * call.prompts
-            captured = self.accumulator.captured(unfinished, expected)
-            model = self.accumulator.envelope.get("model")
+            call, service, accumulator = self.call, self.service, self.accumulator
+            captured = accumulator.captured(unfinished)
+            model = accumulator.envelope.get("model")
             elapsed_ms = round((time.perf_counter() - self.started) * 1000, 2)
-            steps, places = service.records(call, captured, model, elapsed_ms)
+            steps = service.call_steps(
+                call, captured, model, elapsed_ms, accumulator.usage, self.places
+            )
             failed = [] if failure is None else [service.failure_record(failure, call.tenant, call)]
-            await service.land_steps(call, captured, steps, places, also=failed)
+            await service.land_steps(call, steps, also=failed)
 
 
 async def _drain(events: AsyncIterator[bytes]) -> None:
@@ -129,7 +141,11 @@ class RelayResponse(StreamingResponse):
             relay.body,
             status_code=relay.status,
             media_type=relay.content_type,
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                "X-Claw-Step-Keys": step_keys(relay.places),
+            },
         )
         self.relay = relay
 

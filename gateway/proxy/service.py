@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
 from typing import Any, NoReturn
 
 import pydantic_core
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from claw_pipelines.contracts.ids import new_event_id, step_key
+from claw_pipelines.contracts.ids import new_event_id
 from claw_pipelines.settings import ClawSettings
-from claw_pipelines.tokenization import load_chat_tokenizer
 from gateway.asgi import JSON, Answer
 from gateway.errors import ApiError
 from gateway.landing import Landing, Overloaded
@@ -29,21 +27,32 @@ from gateway.proxy.capture import (
     COMPLETIONS,
     Added,
     CapturedChoice,
+    Uncapturable,
     augment,
     captured_choices,
     step_tokens,
     stripped,
+    verified,
 )
+from gateway.proxy.capture_mode import CaptureMode
 from gateway.proxy.chat_from_tokens import chat_chunks
 from gateway.proxy.relay import StreamRelay
 from gateway.proxy.scope import TrajectoryBook
-from gateway.proxy.steps import StepPlace, step_record, upstream_error_record
+from gateway.proxy.steps import (
+    CallSteps,
+    StepPlace,
+    step_keys,
+    step_record,
+    uncaptured_record,
+    upstream_error_record,
+)
 from gateway.proxy.token_in import TokenIn, TokenInPlan
 from gateway.proxy.upstream import (
     Upstream,
     UpstreamFailure,
     UpstreamReply,
     failure_of_status,
+    openai_error_body,
 )
 from gateway.records import BronzeRecord, event_ids
 
@@ -61,12 +70,14 @@ class ProxyService:
         landing: Landing,
         upstream: Upstream | None,
         registry: CollectorRegistry | None = None,
+        capture: CaptureMode | None = None,
     ) -> None:
         self.settings = settings
         self.landing = landing
         self.upstream = upstream
+        self.capture = capture or CaptureMode(settings.tokenizer)
         self.book = TrajectoryBook()
-        self.token_in = TokenIn(settings, landing, self.book)
+        self.token_in = TokenIn(settings, landing, self.book, self.capture)
         self._overloaded_until = 0.0
         self.failures = Counter(
             "claw_gateway_upstream_failures",
@@ -90,6 +101,11 @@ class ProxyService:
         self.unrecorded = Counter(
             "claw_gateway_proxy_unrecorded",
             "Proxied answers sent although their records could not be stored",
+            registry=registry,
+        )
+        self.uncaptured = Counter(
+            "claw_gateway_proxy_uncaptured",
+            "Choices answered without token ids that could not be tokenized here (events)",
             registry=registry,
         )
 
@@ -156,14 +172,14 @@ class ProxyService:
     async def complete(self, call: ProxyCall) -> Answer | StreamRelay:
         """Forward a (chat) completion; record its choices; answer as the upstream did."""
         upstream = self.admit()
-        call.token_in_plan = plan = await self.token_in.plan(call, upstream.token_ids_supported)
+        call.token_in_plan = plan = await self.token_in.plan(call, upstream.returns_token_ids())
         if plan is not None and not plan.via_chat:
             answer = await self._complete_token_in(call, upstream, plan)
             if answer is not None:
                 return answer
             call.token_in_plan = None  # the upstream refused token ids: the call goes as it came
         path, kind = call.endpoint.path, call.endpoint.kind
-        ask_token_ids = upstream.token_ids_supported
+        ask_token_ids = upstream.returns_token_ids(call.stream)
         self.stamp_dispatch(call)
         try:
             while True:
@@ -172,13 +188,14 @@ class ProxyService:
                 if call.stream:
                     response = await upstream.open_stream(path, body)
                     if response.status < 400 and _is_event_stream(response.headers):
-                        return StreamRelay(self, call, response, added)
+                        places = self._places(call, range(call.n * call.prompts))
+                        return StreamRelay(self, call, response, added, places)
                     reply = await UpstreamReply.read(response)
                 else:
                     reply = await upstream.post(path, body)
                 if not (added.token_ids and _refuses_token_ids(reply.status, reply.body)):
                     break
-                self._token_ids_unsupported(upstream)
+                self._token_ids_unsupported(upstream, call.stream)
                 ask_token_ids = False
         except UpstreamFailure as failure:
             await self.fail(failure, call.tenant, call)
@@ -201,10 +218,12 @@ class ProxyService:
             failure = UpstreamFailure(502, "upstream_error", "upstream answered invalid JSON")
             await self.fail(failure, call.tenant, call)
         upstream_ms = upstream_s * 1000
-        records, places = self.records(call, captured, answer.get("model"), round(upstream_ms, 2))
+        steps = self.call_steps(
+            call, captured, answer.get("model"), round(upstream_ms, 2), answer.get("usage")
+        )
         body = reply.body if view is answer else pydantic_core.to_json(view)
-        headers = {"X-Claw-Step-Keys": step_keys(places)}
-        if not await self.land_steps(call, captured, records, places):
+        headers = {"X-Claw-Step-Keys": step_keys(steps.places)}
+        if not await self.land_steps(call, steps):
             headers["X-Claw-Recorded"] = "false"
         headers["Server-Timing"] = server_timing(call.received, upstream_ms)
         return Answer(reply.status, body, reply.content_type or JSON, headers)
@@ -222,7 +241,7 @@ class ProxyService:
         except UpstreamFailure as failure:
             await self.fail(failure, call.tenant, call)
         if _refuses_token_ids(reply.status, reply.body):
-            self._token_ids_unsupported(upstream)
+            self._token_ids_unsupported(upstream, stream=False)
             if self.token_in.mode_of(call) == "auto":
                 return None
         if reply.status >= 400:
@@ -234,9 +253,11 @@ class ProxyService:
         except (ValueError, AttributeError, TypeError) as exc:
             failure = UpstreamFailure(502, "upstream_error", f"upstream answer unusable: {exc}")
             await self.fail(failure, call.tenant, call)
-        records, places = self.records(call, captured, chat.get("model"), round(upstream_ms, 2))
-        headers = {"X-Claw-Step-Keys": step_keys(places)}
-        if not await self.land_steps(call, captured, records, places):
+        steps = self.call_steps(
+            call, captured, chat.get("model"), round(upstream_ms, 2), chat.get("usage")
+        )
+        headers = {"X-Claw-Step-Keys": step_keys(steps.places)}
+        if not await self.land_steps(call, steps):
             headers["X-Claw-Recorded"] = "false"
         if call.stream:
             options = call.body.get("stream_options")
@@ -249,12 +270,16 @@ class ProxyService:
         return Answer(200, body, content_type, headers)
 
     async def _refused(self, reply: UpstreamReply, call: ProxyCall) -> Answer:
-        """An upstream 4xx goes back unchanged (with its Retry-After); a 5xx becomes a
-        recorded 502."""
+        """An upstream 4xx goes back with its status and Retry-After, in the OpenAI envelope
+        (an OpenAI-shaped body unchanged; any other, e.g. FastAPI's `detail`, plain text or
+        HTML, rewrapped with its message); a 5xx becomes a recorded 502."""
         if reply.status >= 500:
             await self.fail(failure_of_status(reply.status, reply.body), call.tenant, call)
         headers = {k: v for k, v in reply.headers.items() if k in _PASSED_HEADERS}
-        return Answer(reply.status, reply.body, reply.content_type or JSON, headers)
+        body = openai_error_body(reply.status, reply.body)
+        if body is None:
+            return Answer(reply.status, reply.body, reply.content_type or JSON, headers)
+        return Answer(reply.status, body, JSON, headers)
 
     def stamp_dispatch(self, call: ProxyCall) -> None:
         """Fix the policy versions in force now, as the call goes upstream: the published one
@@ -264,55 +289,89 @@ class ProxyService:
             version, metadata = self.book.registered(call.scope.trajectory_uid)
             call.registered_at_dispatch = (version, dict(metadata))
 
-    def _token_ids_unsupported(self, upstream: Upstream) -> None:
-        if upstream.token_ids_supported:
+    def _token_ids_unsupported(self, upstream: Upstream, stream: bool) -> None:
+        if upstream.returns_token_ids(stream):
+            where = "streamed calls" if stream else "calls"
             log.warning(
-                "upstream %s refuses return_token_ids: tokenizing locally", upstream.base_url
+                "upstream %s refuses return_token_ids on %s: %s",
+                upstream.base_url,
+                where,
+                "tokenizing locally" if self.capture.tokenizer_setting else "no tokenizer set",
             )
-        upstream.token_ids_supported = False
+        upstream.refuses_token_ids(stream)
 
     # -- records ----------------------------------------------------------------------------
     async def land_steps(
-        self,
-        call: ProxyCall,
-        captured: list[CapturedChoice],
-        steps: list[BronzeRecord],
-        places: list[StepPlace],
-        also: list[BronzeRecord] | None = None,
+        self, call: ProxyCall, steps: CallSteps, also: list[BronzeRecord] | None = None
     ) -> bool:
-        """Make a call's step records (and `also`, e.g. its failure event) durable; then
-        token-in keeps their turns. False (logged, counted) when the gateway could not."""
-        if not await self.land([*steps, *(also or ())]):
+        """Make a call's step records (its uncaptured events, and `also`, e.g. its failure
+        event) durable; then token-in keeps their turns. False (logged, counted) when the
+        gateway could not."""
+        if not await self.land([*steps.records, *steps.uncaptured, *(also or ())]):
             return False
         if call.token_in_plan is not None:
-            self.token_in.remember(call.token_in_plan, captured, steps, places)
+            self.token_in.remember(call.token_in_plan, steps.captured, steps.records, steps.places)
         return True
 
-    def records(
+    def call_steps(
         self,
         call: ProxyCall,
         captured: list[CapturedChoice],
         model: str | None,
         upstream_ms: float | None,
-    ) -> tuple[list[BronzeRecord], list[StepPlace]]:
-        """One step record per choice, placed in the call's trajectory (or new ones); and
-        where each went."""
+        usage: Any = None,
+        places: list[StepPlace] | None = None,
+    ) -> CallSteps:
+        """One step record per choice with token ids (the upstream's, else computed here and
+        checked against `usage`), placed in the call's trajectory (or new ones; `places`:
+        assigned when a stream opened, by choice index); an `uncaptured_call` event for a
+        choice whose ids could not be had."""
         scope, kind = call.scope, call.endpoint.kind
         if not isinstance(model, str):
             requested = call.body.get("model")
             model = requested if isinstance(requested, str) else None
-        places, registered = self._places(call, captured)
-        tokenizer = partial(load_chat_tokenizer, self.settings.tokenizer)
-        ids = event_ids(len(captured), call.idempotency_key)
+        kept, tokens, uncaptured = [], [], []
+        for choice in captured:
+            try:
+                tokens.append(
+                    step_tokens(
+                        choice, call.body, kind, choice.index // call.n, self._local_tokenizer
+                    )
+                )
+                kept.append(choice)
+            except Uncapturable as exc:
+                self.uncaptured.inc()
+                log.warning("choice %d of a call not recorded as a step: %s", choice.index, exc)
+                uncaptured.append(
+                    uncaptured_record(choice, call.tenant, scope.trajectory_uid, str(exc), model)
+                )
+        local = any(t.local for t in tokens)
+        tokens = verified(
+            tokens,
+            [c.index // call.n for c in kept],
+            usage,
+            self.capture.tokenizer if local else None,
+        )
+        if places is None:
+            places = self._places(call, [c.index for c in kept])
+        else:
+            places = [
+                places[c.index] if c.index < len(places) else self._places(call, [c.index])[0]
+                for c in kept
+            ]
+        registered = dict(call.registered_at_dispatch[1]) if scope.trajectory_uid else {}
+        if places and places[0].stamped:
+            registered["policy_version_via"] = "published"
+        ids = event_ids(len(kept), call.idempotency_key)
         records = []
         plan = call.token_in_plan
-        for choice, place, event_id in zip(captured, places, ids, strict=True):
+        for choice, place, event_id, step in zip(kept, places, ids, tokens, strict=True):
             if plan is not None and choice.metadata is None:  # a token-in root, via chat
                 choice.metadata = {"token_in": plan.metadata({"role": "assistant"} | choice.output)}
-            tokens = step_tokens(choice, call.body, kind, choice.index // call.n, tokenizer)
             metadata = (
                 registered
                 | (choice.metadata or {})
+                | (step.metadata or {})
                 | {
                     "scoped": scope.trajectory_uid is not None,
                     "scope_via": scope.via,
@@ -323,6 +382,8 @@ class ProxyService:
                     "upstream_ms": upstream_ms,
                 }
             )
+            if step.rollout_log_probs is None:
+                metadata["log_probs"] = False  # the upstream gave none for this step
             if call.client_retry:
                 metadata["client_retry"] = call.client_retry
             records.append(
@@ -335,48 +396,46 @@ class ProxyService:
                     metadata=metadata,
                     request_json=call.request_json,
                     choice=choice,
-                    tokens=tokens,
+                    tokens=step,
                 )
             )
-            labelled(self.steps, tokens.token_source).inc()
-        return records, places
+            labelled(self.steps, step.token_source).inc()
+        return CallSteps(kept, records, places, uncaptured)
 
-    def _places(
-        self, call: ProxyCall, captured: list[CapturedChoice]
-    ) -> tuple[list[StepPlace], dict[str, Any]]:
-        """Scoped: consecutive indices in the trajectory, one per choice (`choice_index` in
-        metadata says which). Unscoped: each choice starts its own trajectory at index 0, and
-        the choices of one prompt share a prompt group (GRPO-style)."""
+    def _local_tokenizer(self):
+        return self.capture.tokenizer
+
+    def _places(self, call: ProxyCall, indices) -> list[StepPlace]:
+        """Where the choices with these indices go. Scoped: consecutive indices in the
+        trajectory, one per choice (`choice_index` in metadata says which). Unscoped: each
+        choice starts its own trajectory at index 0, and the choices of one prompt share a
+        prompt group (GRPO-style)."""
+        indices = list(indices)
         scope = call.scope
         published = call.published_at_dispatch  # when neither the agent nor its scope says
         if scope.trajectory_uid is not None:
-            first = self.book.claim_steps(scope.trajectory_uid, len(captured))
-            version, registered = call.registered_at_dispatch
+            first = self.book.claim_steps(scope.trajectory_uid, len(indices))
+            version = call.registered_at_dispatch[0]
             if scope.policy_version is not None:
                 version = scope.policy_version
-            if version is None and published is not None:
-                version, registered = published, {**registered, "policy_version_via": "published"}
-            places = [
-                StepPlace(scope.trajectory_uid, first + i, scope.prompt_uid, version)
-                for i in range(len(captured))
+            stamped = version is None and published is not None
+            if stamped:
+                version = published
+            return [
+                StepPlace(scope.trajectory_uid, first + i, scope.prompt_uid, version, stamped)
+                for i in range(len(indices))
             ]
-            return places, dict(registered)
         groups: dict[int, str] = {}
         places = []
-        version, stamped = scope.policy_version, {}
+        version, stamped = scope.policy_version, False
         if version is None and published is not None:
-            version, stamped = published, {"policy_version_via": "published"}
-        for choice in captured:
+            version, stamped = published, True
+        for index in indices:
             group = scope.prompt_uid
             if group is None:
-                group = groups.setdefault(choice.index // call.n, new_event_id())
-            places.append(StepPlace(new_event_id(), 0, group, version))
-        return places, stamped
-
-
-def step_keys(places: list[StepPlace]) -> str:
-    """The `X-Claw-Step-Keys` header: the step keys of an answer's choices."""
-    return ",".join(step_key(p.trajectory_uid, p.step_index) for p in places)
+                group = groups.setdefault(index // call.n, new_event_id())
+            places.append(StepPlace(new_event_id(), 0, group, version, stamped))
+        return places
 
 
 def server_timing(received: float, upstream_ms: float) -> str:

@@ -13,10 +13,22 @@ from typing import Any
 
 import pydantic_core
 
+from claw_pipelines.contracts.ids import step_key
 from claw_pipelines.contracts.wire import Event
 from gateway.proxy.capture import CapturedChoice, StepTokens
 from gateway.proxy.upstream import UpstreamFailure
 from gateway.records import BronzeRecord, fact_record, now_us
+
+
+@dataclass(slots=True)
+class CallSteps:
+    """A call's step records, where each went and the choices they came from; and the
+    events of choices whose ids could not be captured (no step is made up for them)."""
+
+    captured: list[CapturedChoice]
+    records: list[BronzeRecord]
+    places: list[StepPlace]
+    uncaptured: list[BronzeRecord]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +39,12 @@ class StepPlace:
     step_index: int
     prompt_uid: str | None
     policy_version: int | None
+    stamped: bool = False  # the policy version is the published one (neither call nor scope said)
+
+
+def step_keys(places: list[StepPlace]) -> str:
+    """The `X-Claw-Step-Keys` header: the step keys of an answer's choices."""
+    return ",".join(step_key(p.trajectory_uid, p.step_index) for p in places)
 
 
 def step_record(
@@ -69,6 +87,22 @@ def step_record(
         tokens.rollout_log_probs,
         None,
     )
+
+
+def uncaptured_record(
+    choice: CapturedChoice, tenant: str, trajectory_uid: str | None, reason: str, model: Any
+) -> BronzeRecord:
+    """An `event` record (type `uncaptured_call`) for a choice answered without token ids
+    that could not be tokenized here: what the client got, never a step."""
+    payload = {
+        "reason": reason,
+        "choice_index": choice.index,
+        "finish_reason": choice.finish_reason,
+        "model": model if isinstance(model, str) else None,
+        "output": choice.output,
+    }
+    event = Event(type="uncaptured_call", trajectory_uid=trajectory_uid, payload=payload)
+    return fact_record(event, "event", tenant)
 
 
 def upstream_error_record(

@@ -6,7 +6,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.proxy.capture import CHAT_KIND, CapturedChoice, choice_index, logprobs_of
+from gateway.proxy.capture import (
+    CHAT_KIND,
+    CapturedChoice,
+    choice_index,
+    logprobs_of,
+    response_ids_of,
+)
 
 DONE = b"[DONE]"
 _ENVELOPE_KEYS = ("id", "created", "model", "system_fingerprint")
@@ -55,7 +61,7 @@ class _Parts:
     finish_reason: str | None = None
 
     def add(self, choice: dict[str, Any], kind: str) -> None:
-        if (ids := choice.get("token_ids")) is not None:
+        if (ids := response_ids_of(choice, kind)) is not None:
             self.token_ids = (self.token_ids or []) + ids
         if (prompt := choice.get("prompt_token_ids")) is not None:
             self.prompt_ids = prompt
@@ -124,14 +130,14 @@ class StreamAccumulator:
                     parts = self.choices[index] = _Parts(index)
                 parts.add(choice, self.kind)
 
-    def captured(self, unfinished: str | None, expected: int = 1) -> list[CapturedChoice]:
-        """The choices as received so far; those the upstream did not finish get `unfinished`
-        as their finish_reason. A cut stream also yields the `expected` choices not yet seen."""
+    def captured(self, unfinished: str | None) -> list[CapturedChoice]:
+        """The choices as received so far (only those: a choice the stream never delivered
+        has no step); those the upstream did not finish get `unfinished` as their
+        finish_reason."""
         kind = "chat.completion" if self.kind == CHAT_KIND else "text_completion"
-        indices = self.choices.keys() | (set(range(expected)) if unfinished else set())
         captured = []
-        for index in sorted(indices):
-            parts = self.choices.get(index) or _Parts(index)
+        for index in sorted(self.choices):
+            parts = self.choices[index]
             output = parts.output(self.kind)
             finish = parts.finish_reason or unfinished
             choice = {"index": index, **({"message": output} if self.kind == CHAT_KIND else output)}

@@ -25,11 +25,12 @@ import numpy as np
 import pydantic_core
 
 from claw_pipelines.settings import ClawSettings
-from claw_pipelines.tokenization import ChatTokenizer, load_chat_tokenizer
+from claw_pipelines.tokenization import ChatTokenizer
 from gateway.errors import ApiError
 from gateway.landing import Landing
 from gateway.proxy.call import ProxyCall
 from gateway.proxy.capture import CHAT_KIND, CapturedChoice, choice_index
+from gateway.proxy.capture_mode import CaptureMode
 from gateway.proxy.chat_from_tokens import chat_logprobs, reply_message
 from gateway.proxy.scope import TrajectoryBook
 from gateway.proxy.steps import StepPlace
@@ -141,16 +142,22 @@ class TokenInPlan:
 class TokenIn:
     """Plans token-in calls, turns their answers into chat answers, remembers their turns."""
 
-    def __init__(self, settings: ClawSettings, landing: Landing, book: TrajectoryBook) -> None:
+    def __init__(
+        self, settings: ClawSettings, landing: Landing, book: TrajectoryBook, capture: CaptureMode
+    ) -> None:
         self.settings = settings
         self.landing = landing
         self.book = book
+        self.capture = capture
         self.history = TokenHistory()
 
     @property
     def tokenizer(self) -> ChatTokenizer:
-        """The model's tokenizer and template (loaded once, on first use)."""
-        return load_chat_tokenizer(self.settings.tokenizer)
+        """The model's tokenizer and template (loaded once, on first use; plans are made only
+        when there is one)."""
+        tokenizer = self.capture.tokenizer
+        assert tokenizer is not None
+        return tokenizer
 
     @cached_property
     def eos_id(self) -> int:
@@ -177,6 +184,8 @@ class TokenIn:
         problem = untranslatable(call.body)
         if problem is None and not upstream_ids:
             problem = ("X-Claw-Token-In", "the upstream does not return token ids")
+        if problem is None and self.capture.tokenizer_setting is None:
+            problem = ("X-Claw-Token-In", "it needs the model's chat template: set CLAW_TOKENIZER")
         if problem is None:
             try:
                 return await self._plan(call)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.proxy.failures import UpstreamFailure, failure_of_status, upstream_message
+from gateway.proxy.failures import (
+    UpstreamFailure,
+    failure_of_status,
+    openai_error_body,
+    upstream_message,
+)
 from gateway.proxy.http1 import Http1Pool, Http1Response
 
 __all__ = [
@@ -12,6 +17,7 @@ __all__ = [
     "UpstreamFailure",
     "UpstreamReply",
     "failure_of_status",
+    "openai_error_body",
     "upstream_message",
 ]
 
@@ -54,8 +60,21 @@ class Upstream:
         else:
             self.pool = Http1Pool(base_url, timeout_s, connect_s)
         self.base_url = self.pool.origin.url
-        # False once the upstream refused vLLM's `return_token_ids`: ids are then tokenized here.
-        self.token_ids_supported = True
+        # whether the upstream takes vLLM's `return_token_ids` on plain and on streamed calls
+        # (SGLang refuses it on chat streams only): False once refused, then ids are
+        # computed here
+        self._token_ids = {False: True, True: True}
+
+    def returns_token_ids(self, stream: bool = False) -> bool:
+        """Whether to ask for token ids (not refused yet for this kind of call)."""
+        return self._token_ids[stream]
+
+    def refuses_token_ids(self, stream: bool) -> None:
+        """Remember that the upstream refused `return_token_ids` (on streams, or on any call:
+        a refusal of plain calls stands for streams too)."""
+        self._token_ids[True] = False
+        if not stream:
+            self._token_ids[False] = False
 
     def url(self, path: str) -> str:
         """The upstream URL of `path` (e.g. `/chat/completions`)."""

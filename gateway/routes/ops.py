@@ -42,6 +42,8 @@ async def readyz(incoming: Incoming) -> Answer:
         "flusher": flusher,
         "policy_version": landing.policy_version,  # stamped on steps that name none
     }
+    if incoming.services.upstream is not None:
+        body["capture"] = incoming.services.proxy.capture.describe()
     return Answer(200 if ready else 503, json.dumps(body).encode())
 
 

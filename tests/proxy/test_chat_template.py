@@ -47,7 +47,7 @@ def model_dir(tmp_path) -> Path:
     config = {
         "chat_template": TEMPLATE,
         "bos_token": "<|endoftext|>",
-        "eos_token": {"content": "<|im_end|>", "special": True},
+        "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True},
     }
     return tokenizer_dir(tmp_path / "model", config)
 
@@ -61,13 +61,10 @@ def test_the_directory_template_renders_with_its_special_tokens(model_dir):
     assert load_chat_tokenizer().render(MESSAGES) == render_chat(MESSAGES)  # bundled: ChatML
 
 
-def test_calls_without_upstream_ids_are_tokenized_with_the_models_template(model_dir, tmp_path):
-    with (
-        ScriptedUpstream() as upstream,
-        GatewayProcess(
-            tmp_path / "lake", **proxy_env(upstream.url, KEY, "t", CLAW_TOKENIZER=str(model_dir))
-        ) as gateway,
-    ):
+def _one_call(upstream: ScriptedUpstream, model_dir: Path, lake: Path) -> dict:
+    """One chat call through a gateway with the folder's tokenizer: its bronze row."""
+    env = proxy_env(upstream.url, KEY, "t", CLAW_TOKENIZER=str(model_dir))
+    with GatewayProcess(lake, **env) as gateway:
         key = f"k-{uuid.uuid4().hex}"
         answer = httpx.post(
             gateway.url + "/v1/chat/completions",
@@ -76,12 +73,56 @@ def test_calls_without_upstream_ids_are_tokenized_with_the_models_template(model
             timeout=10,
         )
         assert answer.status_code == 200, answer.text
-        row = wait_landed(gateway.lake, [key]).row(0, named=True)
+        return wait_landed(gateway.lake, [key]).row(0, named=True)
+
+
+def test_calls_without_upstream_ids_are_tokenized_with_the_models_template(model_dir, tmp_path):
     chat = load_chat_tokenizer(str(model_dir))
     reply = openai_answer()["choices"][0]["message"]["content"]
-    assert row["token_source"] == "local"
-    assert row["prompt_ids"] == chat.encode(chat.render(MESSAGES))
-    assert row["response_ids"] == chat.encode(f"{reply}<|im_end|>")  # what follows the prompt
+    prompt_ids = chat.encode(chat.render(MESSAGES))
+    response_ids = chat.encode(f"{reply}<|im_end|>")  # what follows the prompt
+    counts = (len(prompt_ids), len(response_ids))
+    with ScriptedUpstream(usage=counts) as upstream:
+        row = _one_call(upstream, model_dir, tmp_path / "lake")
+    assert row["prompt_ids"] == prompt_ids and row["response_ids"] == response_ids
+    assert row["token_source"] == "local"  # computed here, and the server's counts agree
+    metadata = json.loads(row["payload"])["metadata"]
+    assert metadata["token_check"] == {
+        "prompt_tokens": [counts[0], counts[0]],
+        "completion_tokens": [counts[1], counts[1]],
+    }
+    assert metadata["tokenizer"] == {"name": str(model_dir), "fingerprint": chat.fingerprint}
+    assert metadata["log_probs"] is False  # the upstream gave none
+
+
+@pytest.mark.parametrize("usage", [(3, 2), None], ids=["counts-disagree", "no-usage"])
+def test_local_ids_the_server_counts_contradict_are_flagged_unverified(model_dir, tmp_path, usage):
+    with ScriptedUpstream(usage=usage) as upstream:
+        row = _one_call(upstream, model_dir, tmp_path / "lake")
+    assert row["token_source"] == "local_unverified"
+    check = json.loads(row["payload"])["metadata"]["token_check"]
+    server = usage or (None, None)
+    assert check["prompt_tokens"] == [len(row["prompt_ids"]), server[0]]
+    assert check["completion_tokens"] == [len(row["response_ids"]), server[1]]
+
+
+def test_an_upstream_without_token_ids_needs_a_tokenizer_to_start(tmp_path):
+    with ScriptedUpstream() as upstream:
+        done = subprocess.run(
+            [sys.executable, "-m", "claw_pipelines.app.cli", "gateway", "--port", "0"],
+            cwd=REPO,
+            env={
+                "CLAW_UPSTREAM_URL": upstream.url,
+                "CLAW_LAKE_URI": str(tmp_path / "lake"),
+                "PATH": "",
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode != 0
+    (line,) = done.stderr.strip().splitlines()
+    assert "the upstream returns no token ids" in line and "set CLAW_TOKENIZER" in line
 
 
 def test_a_tokenizer_directory_without_a_chat_template_is_refused_at_start(tmp_path):
@@ -95,5 +136,5 @@ def test_a_tokenizer_directory_without_a_chat_template_is_refused_at_start(tmp_p
         timeout=60,
     )
     assert done.returncode != 0
-    assert f"CLAW_TOKENIZER: {bare}/tokenizer_config.json: has no chat_template" in done.stderr
+    assert f"CLAW_TOKENIZER: {bare}: has no chat_template" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

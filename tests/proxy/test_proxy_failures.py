@@ -1,5 +1,7 @@
 """The proxy in front of a misbehaving upstream: timeouts are 504, 5xx are 502 (recorded as
-events), 4xx pass through unchanged, and an upstream without token ids is tokenized locally."""
+events), 4xx pass through (in OpenAI's envelope, whatever shape the server used), and an
+upstream without token ids is tokenized locally (`CLAW_TOKENIZER=bundled` here) and checked
+against its counts."""
 
 from __future__ import annotations
 
@@ -7,27 +9,33 @@ import json
 import uuid
 
 import httpx
+import openai
 import polars as pl
 import pytest
 
 from claw_pipelines.tokenization import IM_END, encode, encode_chat
 from tests.servers import GatewayProcess, bronze, wait_landed, wait_until
-from tests.upstreams import ScriptedUpstream, openai_answer, proxy_env
+from tests.upstreams import FOREIGN_ERRORS, ScriptedUpstream, openai_answer, proxy_env
 
 KEY = "failures-test-key"
 MESSAGES = [{"role": "user", "content": "Say hello."}]
+REPLY = openai_answer()["choices"][0]["message"]["content"]
+# what the scripted upstream reports in `usage`: the bundled tokenizer's counts of the call
+COUNTS = (len(encode_chat(MESSAGES)), len(encode(REPLY + IM_END)))
 
 
 @pytest.fixture(scope="module")
 def upstream():
-    with ScriptedUpstream() as server:
+    with ScriptedUpstream(usage=COUNTS) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def gw(upstream, tmp_path_factory):
     lake = tmp_path_factory.mktemp("failures") / "lake"
-    env = proxy_env(upstream.url, KEY, "tenant-f", CLAW_UPSTREAM_TIMEOUT_S="0.5")
+    env = proxy_env(
+        upstream.url, KEY, "tenant-f", CLAW_UPSTREAM_TIMEOUT_S="0.5", CLAW_TOKENIZER="bundled"
+    )
     with GatewayProcess(lake, **env) as server:
         yield server
 
@@ -82,17 +90,40 @@ def test_upstream_4xx_passes_through_unchanged(gw, upstream):
     assert limited.json()["error"]["message"] == "slow down"
 
 
+@pytest.mark.parametrize("model", sorted(FOREIGN_ERRORS))
+@pytest.mark.parametrize("stream", [False, True])
+def test_upstream_errors_in_any_shape_reach_the_client_in_openais_envelope(gw, model, stream):
+    status, _, _ = FOREIGN_ERRORS[model]
+    refused = call(gw, model, stream=stream)
+    assert refused.status_code == status
+    assert refused.headers["content-type"].startswith("application/json")
+    error = refused.json()["error"]
+    assert error["code"] == "upstream_error" and error["message"].startswith(
+        f"upstream answered {status}: "
+    )
+    expected = {
+        "detail": "Server is pinned to 'm'; requested 'detail'.",
+        "detail-list": "max_tokens: Input should be a valid integer",
+        "flat": "prompt is too long",
+        "text": "Not Found",
+        "html": "403 Forbidden",
+    }[model]
+    assert error["message"].endswith(expected)
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.chat.completions.create(model=model, messages=MESSAGES, stream=stream)
+    assert raised.value.status_code == status and expected in str(raised.value)
+
+
 def test_without_upstream_ids_tokens_are_computed_locally(gw, upstream):
     answer = call(gw, "plain")
     assert answer.status_code == 200
-    assert answer.json() == openai_answer()  # nothing added, nothing removed
+    assert answer.json() == openai_answer(usage=COUNTS)  # nothing added, nothing removed
     event_id = answer.request.headers["Idempotency-Key"]
     row = wait_landed(gw.lake, [event_id]).row(0, named=True)
-    assert row["token_source"] == "local"
+    assert row["token_source"] == "local"  # computed here, the server's counts agree
     assert row["prompt_ids"] == encode_chat(MESSAGES)
-    assert row["response_ids"] == encode(
-        openai_answer()["choices"][0]["message"]["content"] + IM_END
-    )
+    assert row["response_ids"] == encode(REPLY + IM_END)
     assert row["rollout_log_probs"] is None
 
 
