@@ -96,6 +96,8 @@ def create_app(
             upstream = Upstream(
                 settings.upstream_url, settings.upstream_timeout_s, settings.upstream_client
             )
+            if capture.probe is not None and capture.probe.token_ids is False:
+                upstream.refuses_token_ids(stream=False)  # known at start: not asked again
         proxy = ProxyService(settings, landed, upstream, metrics.registry, capture)
         services = GatewayServices(settings, keys, metrics, landed, proxy, upstream)
         await landed.start()

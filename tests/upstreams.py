@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from claw_pipelines.app.processes import ServiceProcess
 from tests.servers import REPO, free_port, wait_until
 
 
@@ -212,3 +213,24 @@ class ScriptedUpstream:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(5)
+
+
+class TransformersServe(ServiceProcess):
+    """`transformers serve` (a real third-party OpenAI-compatible server) on a loopback port,
+    pinned to one local model folder: requests name that folder as their `model`."""
+
+    def __init__(self, model_dir: Path, log_dir: Path) -> None:
+        port = free_port()
+        transformers = Path(sys.executable).with_name("transformers")
+        command = [str(transformers), "serve", str(model_dir), "--device", "cpu"]
+        command += ["--host", "127.0.0.1", "--port", "{port}"]
+        super().__init__(
+            "transformers-serve",
+            log_dir / f"transformers-serve-{port}.log",
+            port=port,
+            health="/health",
+            command=command,
+            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
+        )
+        self.model = str(model_dir)
+        self.base_url = self.url + "/v1"

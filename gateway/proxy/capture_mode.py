@@ -52,25 +52,29 @@ def _json(response: httpx.Response) -> Any:
 def probe_upstream(base_url: str, timeout_s: float = PROBE_TIMEOUT_S) -> UpstreamProbe:
     """Ask the upstream (an OpenAI base URL) whether it returns token ids and log-probs."""
     base = base_url.rstrip("/")
+    cards: list[dict[str, Any]] = []
+    try:  # a fresh connection for each: a server may break the one a failure was sent on
+        listed = httpx.get(base + "/models", timeout=timeout_s)
+        data = (_json(listed) or {}).get("data") if listed.is_success else None
+        cards = [c for c in data or () if isinstance(c, dict)]
+    except (httpx.HTTPError, AttributeError):
+        pass  # no model list (`transformers serve` answers 500): the test call still tells
+    simulated = any(c.get("owned_by") == SIMULATED_OWNER for c in cards)
+    model = next((c["id"] for c in cards if isinstance(c.get("id"), str)), None)
     try:
-        with httpx.Client(timeout=timeout_s) as client:
-            listed = client.get(base + "/models")
-            cards = (_json(listed) or {}).get("data") if listed.is_success else None
-            cards = [c for c in cards or () if isinstance(c, dict)]
-            simulated = any(c.get("owned_by") == SIMULATED_OWNER for c in cards)
-            model = next((c["id"] for c in cards if isinstance(c.get("id"), str)), None)
-            answer = client.post(
-                base + "/chat/completions",
-                json={
-                    "model": model or PROBE_MODEL,
-                    "messages": [{"role": "user", "content": "Hi"}],
-                    "max_tokens": 1,
-                    "return_token_ids": True,
-                    "logprobs": True,
-                },
-            )
+        answer = httpx.post(
+            base + "/chat/completions",
+            json={
+                "model": model or PROBE_MODEL,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 1,
+                "return_token_ids": True,
+                "logprobs": True,
+            },
+            timeout=timeout_s,
+        )
     except httpx.HTTPError as exc:
-        return UpstreamProbe(None, None, detail=f"unreachable ({type(exc).__name__})")
+        return UpstreamProbe(None, None, simulated, model, f"unreachable ({type(exc).__name__})")
     if answer.status_code in (400, 422) and b"return_token_ids" in answer.content:
         return UpstreamProbe(False, None, simulated, model, "it refuses return_token_ids")
     body = _json(answer)
