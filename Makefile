@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast soak bench up lint format clean
+.PHONY: demo test test-fast soak bench up lint format clean real-servers
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,3 +44,14 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) lake .claw .pytest_cache
+
+# Real third-party parts the conformance and adapter tests check against, installed beside the
+# test extra without their GPU stacks (vLLM's protocol modules, verl's DataProto), then those
+# tests with a missing import a failure instead of a skip.
+REAL_SERVER_PACKAGES := vllm==0.33.0 cbor2 psutil pyzmq aiohttp aiohappyeyeballs aiosignal \
+	frozenlist openai-harmony pybase64 cachetools msgspec cloudpickle py-cpuinfo \
+	verl==0.9.1 ray msgpack tensordict pyvers omegaconf codetiming orjson
+real-servers: $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps $(REAL_SERVER_PACKAGES)
+	CLAW_REAL_SERVERS=required $(BIN)/python -m pytest -q -m "not soak" \
+	  tests/proxy/test_vllm_conformance.py tests/pipelines/test_adapters.py

@@ -11,7 +11,10 @@ dataset's spec hash, and one `ContractCheck` per promise, with the step keys tha
 - `masks`: every step's token indices rebuild a sequence of its length, its positions count
   0..n-1 and its parents chain along it (trees and flat alike);
 - `filters`: every step passes each of the spec's filters now (with how many steps each
-  reason left out of the partitions, from gold/rejections).
+  reason left out of the partitions, from gold/rejections);
+- `exact_ids`: every step's token ids are exactly what the model saw and sampled (token
+  source `upstream`, `client`, or `local` confirmed by the server's counts), with the
+  batch's steps per token source.
 A spec lists in `blocking` the checks a batch must pass: one that fails is refused
 (`ContractViolation`, naming the rows), never returned: `batches` records nothing, and
 `next_batch` records the refusal (kind `refused`), so the next call moves on to other groups.
@@ -26,7 +29,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from claw_pipelines.contracts.specs import CONTRACT_CHECKS, CurationSpec
+from claw_pipelines.contracts.specs import CONTRACT_CHECKS, EXACT_TOKEN_SOURCES, CurationSpec
 from claw_pipelines.transforms.curation import step_checks
 
 SHOWN_ROWS = 20
@@ -46,6 +49,7 @@ CONTRACT_COLUMNS = [
     "rating",
     "labels",
     "token_source",
+    "has_log_probs",
     "finish_reason",
     "source_kind",
     "tenant",
@@ -194,6 +198,7 @@ class Verdicts:
     turn_pairs: set[str]  # the later step of every pair of consecutive turns
     filters: list[str]
     trajectory_of: dict[str, str]
+    token_source_of: dict[str, str | None]
 
     def report(self, dataset: str, dataset_version: int, step_keys: list[str]) -> ContractReport:
         """The contract report of a batch of these steps."""
@@ -239,8 +244,21 @@ class Verdicts:
                 f"{n - failures('filters')} of {n} steps pass {filters}; left out of these "
                 f"partitions: {left}",
             ),
+            check(
+                "exact_ids",
+                f"{n - failures('exact_ids')} of {n} steps have exact token ids "
+                f"({self.token_sources(step_keys)})",
+            ),
         ]
         return ContractReport(dataset, dataset_version, self.spec_hash, checks, self.left_out)
+
+    def token_sources(self, step_keys: list[str]) -> str:
+        """Steps per token source among `step_keys`, e.g. `upstream 60, local_unverified 4`."""
+        counts: dict[str, int] = {}
+        for key in step_keys:
+            source = self.token_source_of.get(key) or "unknown"
+            counts[source] = counts.get(source, 0) + 1
+        return ", ".join(f"{s} {c}" for s, c in sorted(counts.items())) or "no steps"
 
     @cached_property
     def spec_hash(self) -> str | None:
@@ -280,6 +298,7 @@ def verdicts(
         ),
         "masks": mask_breaks(rows, index, laid_out.position_ids, laid_out.parent),
         "filters": set(),
+        "exact_ids": offending(~pl.col("token_source").is_in(EXACT_TOKEN_SOURCES).fill_null(False)),
     }
     turn_pairs, failing["turns_nest"] = nesting_breaks(rows, index, laid_out.input_ids)
     filters: list[str] = []
@@ -291,8 +310,17 @@ def verdicts(
         filters = list(checks)
     assert set(failing) == set(CONTRACT_CHECKS)
     trajectory_of = dict(zip(rows["step_key"], rows["trajectory_uid"], strict=True))
+    token_source_of = dict(zip(rows["step_key"], rows["token_source"], strict=True))
     return Verdicts(
-        spec, partition_hashes, floor, left_out, failing, turn_pairs, filters, trajectory_of
+        spec,
+        partition_hashes,
+        floor,
+        left_out,
+        failing,
+        turn_pairs,
+        filters,
+        trajectory_of,
+        token_source_of,
     )
 
 

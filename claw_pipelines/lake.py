@@ -553,11 +553,19 @@ class Lake:
         where: pl.Expr | None = None,
     ) -> pl.DataFrame:
         """Read table `name` into polars (optionally some columns, the rows matching `where`,
-        at a version)."""
+        at a version). A column declared since the table (or that version) was written reads
+        as nulls."""
 
         def shaped(frame: pl.LazyFrame) -> pl.DataFrame:
             frame = frame if where is None else frame.filter(where)
-            return (frame if columns is None else frame.select(columns)).collect()
+            if columns is None:
+                return frame.collect()
+            have = set(frame.collect_schema().names())
+            wanted = [
+                pl.lit(None).alias(c) if isinstance(c, str) and c not in have else c
+                for c in columns
+            ]
+            return frame.select(wanted).collect()
 
         with self._lock:  # a kept handle at that version saves replaying the log
             try:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.contracts.specs import EXACT_TOKEN_SOURCES, CurationSpec
 from claw_pipelines.transforms.feedback import unresolved_targets
 from claw_pipelines.transforms.hashing import list_parts, slice_content_hashes
 from claw_pipelines.transforms.prefix_tree import PrefixForest
@@ -54,6 +54,14 @@ def inconsistent_lengths() -> pl.Expr:
 def lengths_are_consistent(steps: pl.DataFrame) -> Finding:
     """Log-probs and masks, when present, have one entry per response token."""
     return Finding.of(steps.filter(inconsistent_lengths())["step_key"], steps.height)
+
+
+def token_ids_are_exact(steps: pl.DataFrame) -> Finding:
+    """Every step's token ids are exactly what the model saw and sampled: the server's, the
+    client's, or computed by the gateway and confirmed by the server's counts (not
+    `local_unverified`)."""
+    inexact = ~pl.col("token_source").is_in(EXACT_TOKEN_SOURCES).fill_null(False)
+    return Finding.of(steps.filter(inexact)["step_key"], steps.height)
 
 
 def nesting(prompts: pl.Series, pairs: pl.DataFrame) -> Finding:

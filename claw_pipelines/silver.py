@@ -42,6 +42,7 @@ from claw_pipelines.quality import (
     rewards_are_finite,
     step_keys_are_unique,
     steps_have_no_conflicts,
+    token_ids_are_exact,
 )
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.feedback import (
@@ -490,4 +491,5 @@ def silver_findings(lake: Lake, run: SilverRun) -> dict[str, Finding]:
         "turns_nest": nesting(new["prompt_ids"], _nesting_pairs(new, index)),
         "feedback_targets_exist": feedback_targets_exist(index, facts),
         "steps_have_no_conflicts": steps_have_no_conflicts(run.conflicts),
+        "token_ids_are_exact": token_ids_are_exact(new),
     }

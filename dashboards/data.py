@@ -13,12 +13,14 @@ import streamlit as st
 
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
+    EXACT_TOKEN_SOURCES,
     GOLD_CONSUMPTION,
     GOLD_LINEAGE,
     SILVER_FEEDBACK,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
+    STEP_KINDS,
     gold_dataset_table,
     gold_rejection_table,
     gold_tree_table,
@@ -183,6 +185,35 @@ def records_per_second(at: Where, version: int, buckets: int = 240) -> pl.DataFr
             per_second=pl.col("records").fill_null(0) / width_s,
         )
         .sort("time", "source")
+    )
+
+
+@frame_cache()
+def token_fidelity(at: Where, version: int) -> pl.DataFrame:
+    """Per gateway (`gateway_id`; white-box steps too), the steps landed by token source
+    and the share whose ids are exact (not `local_unverified`), from bronze's small
+    columns."""
+    counts = (
+        at.lake()
+        .scan(BRONZE_EVENTS, version)
+        .filter(pl.col("kind").is_in(STEP_KINDS))
+        .group_by("gateway_id", pl.col("token_source").fill_null("unknown"))
+        .agg(steps=pl.len())
+        .collect()
+    )
+    if counts.is_empty():
+        return pl.DataFrame(schema={"gateway": pl.String, "steps": pl.UInt32})
+    wide = counts.pivot("token_source", index="gateway_id", values="steps").fill_null(0)
+    sources = [c for c in wide.columns if c != "gateway_id"]
+    exact = [c for c in sources if c in EXACT_TOKEN_SOURCES]
+    return (
+        wide.with_columns(steps=pl.sum_horizontal(sources))
+        .with_columns(
+            exact_share=(pl.sum_horizontal(exact) if exact else pl.lit(0)) / pl.col("steps")
+        )
+        .rename({"gateway_id": "gateway"})
+        .select("gateway", "steps", "exact_share", *sorted(sources))
+        .sort("gateway")
     )
 
 

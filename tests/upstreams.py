@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from claw_pipelines.app.processes import ServiceProcess
+from gateway.proxy.capture_mode import PROBE_MODEL
 from tests.servers import REPO, free_port, wait_until
 
 
@@ -32,11 +33,17 @@ class SimProcess:
     """`claw sim-llm` as a subprocess; can be killed and started again on the same port."""
 
     def __init__(
-        self, log_dir: Path, latency_ms: float = 0.0, port: int | None = None, drift: float = 0.0
+        self,
+        log_dir: Path,
+        latency_ms: float = 0.0,
+        port: int | None = None,
+        drift: float = 0.0,
+        token_ids: bool = True,
     ) -> None:
         self.port = port or free_port()
         self.latency_ms = latency_ms
         self.drift = drift
+        self.token_ids = token_ids
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log_path = log_dir / f"sim-{self.port}.log"
         self.proc: subprocess.Popen | None = None
@@ -52,6 +59,8 @@ class SimProcess:
             str(self.port),
         ]
         command += ["--latency-ms", str(self.latency_ms), "--drift", str(self.drift)]
+        if not self.token_ids:
+            command.append("--no-token-ids")
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
@@ -146,9 +155,12 @@ class ScriptedUpstream:
     never answers in time, `boom` answers 500, `bad` answers 400, `busy` answers 429 with
     Retry-After, `strict` refuses vLLM's `return_token_ids` like OpenAI does, the names of
     FOREIGN_ERRORS answer those bodies; anything else answers without token ids, reporting
-    `usage` (prompt, completion) when given."""
+    `usage` (prompt, completion) when given. `probe_status`: the status the gateway's
+    start-up test call gets (its model `claw-probe`) instead, so it cannot tell."""
 
-    def __init__(self, usage: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, usage: tuple[int, int] | None = None, port: int = 0, probe_status: int | None = None
+    ) -> None:
         self.requests: list[dict] = []
         self.release = threading.Event()
         outer = self
@@ -163,6 +175,8 @@ class ScriptedUpstream:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append({"body": body, "headers": dict(self.headers)})
                 model = body.get("model")
+                if model == PROBE_MODEL and probe_status is not None:
+                    return self._send(probe_status, {"error": {"message": "not now"}})
                 if model == "hang":
                     outer.release.wait(10)
                     return self._send(200, openai_answer(usage=usage))
@@ -198,7 +212,7 @@ class ScriptedUpstream:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

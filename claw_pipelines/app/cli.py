@@ -37,7 +37,7 @@ def _cmd_gateway(args: argparse.Namespace) -> None:
 def _cmd_sim_llm(args: argparse.Namespace) -> None:
     from claw_pipelines.simulation.llm import serve
 
-    serve(args.host, args.port, args.seed, args.latency_ms, args.drift)
+    serve(args.host, args.port, args.seed, args.latency_ms, args.drift, not args.no_token_ids)
 
 
 def _cmd_keys_create(args: argparse.Namespace) -> None:
@@ -328,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="SHARE",
         help="share of choices sampled with one token split in two (re-rendering drifts)",
+    )
+    sim.add_argument(
+        "--no-token-ids",
+        action="store_true",
+        help="refuse vLLM's return_token_ids as OpenAI does (a server that returns no ids)",
     )
 
     mat = verb("materialize", _cmd_materialize, "materialize the Dagster assets in-process")

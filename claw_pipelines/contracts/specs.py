@@ -16,7 +16,10 @@ DatasetName = Annotated[str, StringConstraints(pattern=DATASET_NAME_PATTERN)]
 Label = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=LABEL_PATTERN)]
 RewardStatus = Literal["final", "pending", "missing"]
 TrajectoryStatus = Literal["open", "complete", "abandoned"]
-TokenSource = Literal["upstream", "local", "client"]
+TokenSource = Literal["upstream", "local", "local_unverified", "client"]
+# ids exactly as the model saw and sampled them: the server's, the client's own, or computed
+# by the gateway and confirmed by the server's token counts (never `local_unverified`)
+EXACT_TOKEN_SOURCES: list[TokenSource] = ["upstream", "local", "client"]
 SourceKind = Literal["white_box", "proxy", "claw_r1"]
 Length = Annotated[int, Field(ge=0)]
 JudgeName = Annotated[
@@ -30,7 +33,9 @@ REJECTION_REASONS = (
     "reward",  # reward status, reward range, rating or trajectory return
     "label",  # require_labels / exclude_labels
     "length",  # prompt or response length
-    "source",  # token source, finish reason, source kind or tenant
+    "tokens",  # its token ids' source is not one of token_sources (e.g. local_unverified)
+    "log_probs",  # the spec requires behaviour log-probs and the step has none
+    "source",  # finish reason, source kind or tenant
     "incomplete",  # its trajectory, or its prompt group, is not complete or big enough yet
     "deadline",  # its group was still incomplete at its deadline, and the spec skips those
     "zero_variance",  # every trajectory of its group has the same return
@@ -38,7 +43,15 @@ REJECTION_REASONS = (
 )
 RejectionReason = Literal[REJECTION_REASONS]
 # what every batch's contract report checks (claw_pipelines.contract); a spec may block on any
-CONTRACT_CHECKS = ("spec_hash", "staleness", "group_completeness", "turns_nest", "masks", "filters")
+CONTRACT_CHECKS = (
+    "spec_hash",
+    "staleness",
+    "group_completeness",
+    "turns_nest",
+    "masks",
+    "filters",
+    "exact_ids",
+)
 ContractCheckName = Literal[CONTRACT_CHECKS]
 
 
@@ -70,6 +83,7 @@ _LATER_FIELDS = {
     "select": "all",
     "min_return": None,
     "blocking": [],
+    "require_log_probs": False,
 }
 
 
@@ -91,7 +105,17 @@ class CurationSpec(BaseModel):
     require_labels: list[Label] = Field(default_factory=list, description="all must be present")
     exclude_labels: list[Label] = Field(default_factory=list, description="none may be present")
     min_rating: float | None = Field(None, description="lowest latest human rating kept")
-    token_sources: list[TokenSource] | None = None
+    token_sources: list[TokenSource] | None = Field(
+        None,
+        description="keep steps whose token ids came from one of these sources (upstream, "
+        "client, local: computed by the gateway and confirmed by the server's counts, "
+        "local_unverified: not confirmed)",
+    )
+    require_log_probs: bool = Field(
+        False,
+        description="keep only steps with their behaviour log-probs (off-policy correction "
+        "needs them)",
+    )
     finish_reasons: list[Label] | None = None
     min_prompt_tokens: Length | None = None
     max_prompt_tokens: Length | None = None
@@ -164,7 +188,8 @@ class CurationSpec(BaseModel):
         default_factory=list,
         description="checks of the contract report a batch must pass to be handed out "
         "(spec_hash, staleness, group_completeness, turns_nest: retokenization drift or "
-        "forks, masks, filters); a batch that fails one is refused, naming the rows",
+        "forks, masks, filters, exact_ids: every step's ids exactly as sampled); a batch that "
+        "fails one is refused, naming the rows",
     )
 
     @model_validator(mode="after")
@@ -197,10 +222,11 @@ class CurationSpec(BaseModel):
 
 DEFAULT_SPEC = CurationSpec(
     name="default",
-    description="Every step of complete trajectories (steps without their own reward carry "
-    "their trajectory's GRPO advantage), merged per prompt group.",
+    description="Every step of complete trajectories whose token ids are exact (steps without "
+    "their own reward carry their trajectory's GRPO advantage), merged per prompt group.",
     reward_status=["final", "missing"],
     trajectory_status=["complete"],
+    token_sources=EXACT_TOKEN_SOURCES,
     merge="prompt_group",
     advantage="grpo",
 )
@@ -213,6 +239,7 @@ SFT_SUCCESSES_SPEC = CurationSpec(
     "sft-messages`).",
     reward_status=["final", "missing"],
     trajectory_status=["complete"],
+    token_sources=EXACT_TOKEN_SOURCES,
     min_return=1.0,
     select="best_per_group",
     merge="trajectory",
@@ -224,6 +251,7 @@ PREFERENCE_PAIRS_SPEC = CurationSpec(
     "group whose returns differ (`claw export --format preference-pairs`).",
     reward_status=["final", "missing"],
     trajectory_status=["complete"],
+    token_sources=EXACT_TOKEN_SOURCES,
     select="best_and_worst",
     merge="prompt_group",
 )

@@ -29,7 +29,11 @@ FACT_KINDS = ("feedback", "trajectory_complete")
 SOURCE_KINDS = ("white_box", "proxy", "claw_r1")
 TRAJECTORY_STATUSES = ("open", "complete", "abandoned")
 REWARD_STATUSES = ("final", "pending", "missing")
-TOKEN_SOURCES = ("upstream", "local", "client")
+# where a step's token ids come from: the server's (`upstream`), the client's own (`client`),
+# computed by the gateway and equal in length to the server's counts (`local`), or computed
+# and not confirmed by them (`local_unverified`)
+TOKEN_SOURCES = ("upstream", "local", "local_unverified", "client")
+EXACT_TOKEN_SOURCES = ("upstream", "local", "client")
 
 UTC_MICROS = pa.timestamp("us", tz="UTC")
 TOKEN_LIST = pa.list_(pa.int32())
@@ -120,6 +124,7 @@ SILVER_STEPS_SPEC = TableSpec(
             ("prompt_len", pa.int64()),
             ("response_len", pa.int64()),
             ("sequence_hash", pa.int64()),
+            ("has_log_probs", pa.bool_()),
         ]
     ),
     partition_by=("policy_version",),
@@ -128,7 +133,8 @@ SILVER_STEPS_SPEC = TableSpec(
     change_feed=True,
     description="One step: state (prompt ids), action (response ids) and provenance. "
     "`origin_step_key` is the key the gateway gave an unscoped call before stitching; "
-    "`sequence_hash` (unscoped calls) is the rolling hash later calls are matched against.",
+    "`sequence_hash` (unscoped calls) is the rolling hash later calls are matched against; "
+    "`has_log_probs`: the step carries its behaviour log-probs.",
 )
 
 SILVER_STEP_CONFLICTS_SPEC = TableSpec(
@@ -328,6 +334,7 @@ GOLD_DATASET_SCHEMA = pa.schema(
         ("rating", pa.float64()),
         ("labels", pa.list_(pa.string())),
         ("token_source", pa.string()),
+        ("has_log_probs", pa.bool_()),
         ("finish_reason", pa.string()),
         ("model", pa.string()),
         ("tenant", pa.string()),

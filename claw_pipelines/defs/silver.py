@@ -60,6 +60,14 @@ SILVER_CHECKS = {
         "No step arrived under a taken step_key with other tokens.",
         False,
     ),
+    "token_ids_are_exact": check_spec(
+        "token_ids_are_exact",
+        STEPS,
+        "Every step's ids are what the model saw and sampled (from the server, the client, or "
+        "computed and confirmed by the server's counts); a failure names the steps labelled "
+        "local_unverified, which the built-in specs leave out.",
+        False,
+    ),
     "rewards_are_finite": check_spec(
         "rewards_are_finite", FEEDBACK, "Rewards and ratings are finite.", True
     ),

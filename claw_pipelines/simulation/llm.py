@@ -94,10 +94,15 @@ def _sse(chunks: Iterator[dict[str, Any]], latency_s: float) -> StreamingRespons
 
 
 def create_sim_app(
-    seed: int = 0, latency_ms: float = 0.0, model_id: str = "claw-sim-llm", drift: float = 0.0
+    seed: int = 0,
+    latency_ms: float = 0.0,
+    model_id: str = "claw-sim-llm",
+    drift: float = 0.0,
+    token_ids: bool = True,
 ) -> FastAPI:
     """The simulated model's FastAPI app (deterministic for a seed; `drift`: the share of
-    choices whose sampled ids re-encoding their text does not give back)."""
+    choices whose sampled ids re-encoding their text does not give back; without
+    `token_ids`, `return_token_ids` is refused as OpenAI refuses it: a server without ids)."""
     app = FastAPI(
         title="claw simulated LLM",
         summary="A deterministic, simulated OpenAI-compatible model for demos and tests.",
@@ -107,6 +112,11 @@ def create_sim_app(
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(SimRequestError, _on_sim_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+
+    def refuse_token_ids(asked: bool) -> None:
+        if asked and not token_ids:
+            message = "Unrecognized request argument supplied: return_token_ids"
+            raise SimRequestError(message, "return_token_ids")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -123,6 +133,7 @@ def create_sim_app(
         body: ChatCompletionRequest, request: Request, sim: Sim
     ) -> JSONResponse | StreamingResponse:
         """OpenAI chat completions, with vLLM's `return_token_ids`."""
+        refuse_token_ids(body.return_token_ids)
         run = sim.chat(body, pydantic_core.from_json(await request.body()))
         if body.stream:
             return _sse(sim.chat_chunks(run, body), latency_s)
@@ -134,6 +145,7 @@ def create_sim_app(
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, sim: Sim) -> JSONResponse | StreamingResponse:
         """OpenAI legacy completions: a prompt string or token ids, or a list of those."""
+        refuse_token_ids(body.return_token_ids)
         run = sim.completion(body)
         if body.stream:
             return _sse(sim.completion_chunks(run, body), latency_s)
@@ -150,12 +162,13 @@ def serve(
     seed: int = 0,
     latency_ms: float = 0.0,
     drift: float = 0.0,
+    token_ids: bool = True,
 ) -> None:
     """Run the simulated model with uvicorn until interrupted."""
     import uvicorn
 
     uvicorn.run(
-        create_sim_app(seed=seed, latency_ms=latency_ms, drift=drift),
+        create_sim_app(seed=seed, latency_ms=latency_ms, drift=drift, token_ids=token_ids),
         host=host,
         port=port,
         log_level="info",

@@ -2,7 +2,8 @@
 
 Works on the small columns only (no token ids): the gold build fetches tokens for the rows
 kept. Rules:
-- step filters: reward status and range, labels, rating, token source, finish reason,
+- step filters: reward status and range, labels, rating, token source, behaviour log-probs,
+  finish reason,
   prompt/response length, trajectory status, sources, tenants, policy versions (explicit, or
   within `max_policy_staleness` of the newest version in silver);
 - group filters, on the prompt group (its `prompt_uid`, else the trajectory alone), judged on
@@ -35,6 +36,7 @@ CANDIDATE_STEP_COLUMNS = [
     "prompt_uid",
     "policy_version",
     "token_source",
+    "has_log_probs",
     "finish_reason",
     "tenant",
     "source_kind",
@@ -184,8 +186,9 @@ def step_checks(spec: CurationSpec, newest_version: int) -> dict[str, pl.Expr]:
             _at_least("response_len", spec.min_response_tokens),
             _at_most("response_len", spec.max_response_tokens),
         ],
+        "tokens": [_in("token_source", spec.token_sources)],
+        "log_probs": [pl.col("has_log_probs") if spec.require_log_probs else pl.lit(True)],
         "source": [
-            _in("token_source", spec.token_sources),
             _in("finish_reason", spec.finish_reasons),
             _in("source_kind", spec.sources),
             _in("tenant", spec.tenants),

@@ -9,7 +9,9 @@ vectorized); each chosen match is then verified with the BLAKE2b content ids of 
 (so a rolling-hash collision cannot join two conversations, and placed steps' tokens are
 never read back). Pointer jumping turns parent links into (trajectory, step index).
 
-A parent keeps one continuation: the earliest. A later call with the same parent (a fork,
+A reply with no tokens is never a parent (its prompt alone would match every later call of
+the same prompt: another rollout, not a continuation). A parent keeps one continuation: the
+earliest. A later call with the same parent (a fork,
 another rollout of the same prompt) starts a trajectory of its own, as does a call whose
 parent already has a successor. A client's retry (`client_retry` > 0: OpenAI's SDKs count
 their retries in `x-stainless-retry-count`) of a call nothing continued, the same prompt
@@ -105,7 +107,10 @@ def _parents(data: StitchInput) -> tuple[np.ndarray, np.ndarray]:
                 length=pl.col("seq_len").cast(pl.Int64),
                 hash=pl.col("sequence_hash").cast(pl.Int64),
                 parent_us=pl.col("received_us").cast(pl.Int64),
-            ),
+                replied=pl.col("seq_len") > pl.col("prompt_len"),
+            )
+            .filter("replied")
+            .drop("replied"),
             pl.DataFrame(
                 {
                     "parent": np.arange(calls.height, dtype=np.int64) + n_anchor,
@@ -113,8 +118,11 @@ def _parents(data: StitchInput) -> tuple[np.ndarray, np.ndarray]:
                     "length": seq_len,
                     "hash": _as_int64(full),
                     "parent_us": calls["received_us"].cast(pl.Int64),
+                    "replied": calls["response_ids"].list.len().to_numpy() > 0,
                 }
-            ),
+            )
+            .filter("replied")
+            .drop("replied"),
         ]
     )
     best = (

@@ -80,6 +80,26 @@ def live() -> None:
             hide_index=True,
             width="stretch",
         )
+    st.subheader("Token ids per gateway: exact, or flagged")
+    fidelity = data.token_fidelity(at, versions[BRONZE_EVENTS])
+    if fidelity.is_empty():
+        st.caption("no step in bronze yet")
+    else:
+        st.caption(
+            "exact: the server's ids (upstream), the client's (client), or computed by the "
+            "gateway and confirmed by the server's token counts (local); local_unverified: "
+            "computed and not confirmed, left out by the built-in specs"
+        )
+        st.dataframe(
+            fidelity.with_columns(pl.col("exact_share").round(4)),
+            hide_index=True,
+            width="stretch",
+            column_config={
+                "exact_share": st.column_config.ProgressColumn(
+                    "exact share", min_value=0.0, max_value=1.0, format="percent"
+                )
+            },
+        )
     per_second = data.records_per_second(at, versions[BRONZE_EVENTS])
     st.subheader("Records entering, by source")
     st.altair_chart(data.records_chart(per_second), width="stretch")

@@ -7,6 +7,7 @@ import polars as pl
 import streamlit as st
 
 from claw_pipelines.contracts.specs import BUILTIN_SPECS, REJECTION_REASONS
+from claw_pipelines.contracts.tables import TOKEN_SOURCES
 from claw_pipelines.gold import classified, source_versions
 from claw_pipelines.spec_store import SpecError, read_specs, save_spec, to_yaml, validate_spec
 from claw_pipelines.transforms.curation import kept_steps
@@ -50,7 +51,11 @@ with st.form("spec"):
     )
     min_rating = c.number_input("min rating", value=base.min_rating, step=1.0)
     token_sources = a.multiselect(
-        "token sources (empty: all)", ["upstream", "local", "client"], base.token_sources or []
+        "token sources (empty: all)",
+        list(TOKEN_SOURCES),
+        base.token_sources or [],
+        help="upstream: the server's ids; client: the client's own; local: computed by the "
+        "gateway and confirmed by the server's counts; local_unverified: not confirmed",
     )
     finish_reasons = b.multiselect(
         "finish reasons (empty: all)", options("finish_reason"), base.finish_reasons or []
@@ -92,6 +97,11 @@ with st.form("spec"):
     selections = ["all", "best_per_group", "best_and_worst"]
     select = b.selectbox("select from each group", selections, selections.index(base.select))
     min_return = c.number_input("min trajectory return", value=base.min_return, step=0.1)
+    require_log_probs = a.checkbox(
+        "require behaviour log-probs",
+        base.require_log_probs,
+        help="off-policy correction needs them; steps without are left out (reason log_probs)",
+    )
     others = ["(silver)", *sorted(n for n in existing if n != base.name)]
     source = base.readmit.dataset if base.readmit else "(silver)"
     readmit_from = a.selectbox(
@@ -118,6 +128,7 @@ fields = {
     "exclude_labels": exclude_labels,
     "min_rating": min_rating,
     "token_sources": token_sources or None,
+    "require_log_probs": require_log_probs,
     "finish_reasons": finish_reasons or None,
     "sources": sources or None,
     "tenants": tenants or None,

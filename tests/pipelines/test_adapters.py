@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from claw_pipelines.adapters import BatchDataset, trl_records, verl_batch  # noqa: E402
 from claw_pipelines.consume import open_dataset  # noqa: E402
 from tests.pipelines.test_consume import lake  # noqa: E402, F401 (the fixture)
+from tests.real_servers import import_or_skip  # noqa: E402
 
 
 def test_verl_batch_holds_each_step_exactly_padded_as_verl_expects(lake):  # noqa: F811
@@ -78,7 +79,7 @@ def test_verl_takes_the_batch_as_its_own_dataproto_and_agrees_on_grpo_advantages
     """Against verl itself where it is installed (it imports on CPU): DataProto.from_dict
     accepts the fields, and verl's GRPO outcome advantage over them equals the gold
     dataset's, one step per trajectory (the last turns, which carry the outcome reward)."""
-    verl = pytest.importorskip("verl")
+    verl = import_or_skip("verl")
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
     steps = open_dataset("train", lake.uri).steps(1)

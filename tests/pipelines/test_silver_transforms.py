@@ -132,6 +132,21 @@ def test_a_parent_keeps_one_continuation_and_anchors_continue_across_runs():
     assert result["head_anchor"].to_list() == [0, -1, -1]
 
 
+def test_a_reply_with_no_tokens_is_never_a_parent():
+    frame = calls(
+        [
+            ("t", 1, [1, 2], [], "empty"),  # a cut stream's choice that got nothing
+            ("t", 2, [1, 2], [3], "rollout"),  # another rollout of the same prompt
+            ("t", 3, [1, 2, 3], [4], "turn"),  # continues the rollout, not the empty reply
+        ]
+    )
+    placed_before = [("t", 0, [1, 2], [], "old-empty")]  # an empty reply from an earlier run
+    meta = anchors(placed_before, [0], [False])
+    result = stitch(StitchInput(frame, meta, window_us=10**9))
+    assert placed(result) == [("empty", 0), ("rollout", 0), ("rollout", 1)]
+    assert result["head_anchor"].to_list() == [-1, -1, -1]
+
+
 def test_a_rolling_hash_match_with_other_tokens_is_refused():
     frame = calls([("t", 5, [1, 2, 3], [4], "c")])
     forged = anchors([("t", 1, [1], [2], "a")], [0], [False]).with_columns(

@@ -14,10 +14,11 @@ from importlib import resources
 from pathlib import Path
 
 import httpx
+import polars as pl
 import pytest
 
 from claw_pipelines.tokenization import encode, load_chat_tokenizer, render_chat
-from tests.servers import REPO, GatewayProcess, wait_landed
+from tests.servers import REPO, GatewayProcess, bronze, free_port, wait_landed, wait_until
 from tests.upstreams import ScriptedUpstream, openai_answer, proxy_env
 
 KEY = "template-test-key"
@@ -93,6 +94,9 @@ def test_calls_without_upstream_ids_are_tokenized_with_the_models_template(model
     }
     assert metadata["tokenizer"] == {"name": str(model_dir), "fingerprint": chat.fingerprint}
     assert metadata["log_probs"] is False  # the upstream gave none
+    # its test call at start showed it returns no ids: calls do not ask again
+    (call,) = [r for r in upstream.requests if r["body"]["model"] == "plain"]
+    assert "return_token_ids" not in call["body"]
 
 
 @pytest.mark.parametrize("usage", [(3, 2), None], ids=["counts-disagree", "no-usage"])
@@ -138,3 +142,37 @@ def test_a_tokenizer_directory_without_a_chat_template_is_refused_at_start(tmp_p
     assert done.returncode != 0
     assert f"CLAW_TOKENIZER: {bare}: has no chat_template" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_without_ids_or_tokenizer_a_choice_lands_as_an_event_never_a_step(tmp_path):
+    port = free_port()  # nothing listens there yet: the gateway cannot ask it at start
+    url = f"http://127.0.0.1:{port}/v1"
+    with GatewayProcess(tmp_path / "lake", **proxy_env(url, KEY, "t")) as gateway:
+        capture = httpx.get(gateway.url + "/readyz", timeout=5).json()["capture"]
+        assert capture["upstream_returns_ids"] is None and capture["tokenizer"] is None
+        assert capture["probe"].startswith("unreachable")
+        with ScriptedUpstream(usage=(3, 4), port=port):
+            key = f"k-{uuid.uuid4().hex}"
+            answer = httpx.post(
+                gateway.url + "/v1/chat/completions",
+                json={"model": "plain", "messages": MESSAGES},
+                headers={"Authorization": f"Bearer {KEY}", "Idempotency-Key": key},
+                timeout=10,
+            )
+        assert answer.status_code == 200  # the agent gets its answer
+        assert answer.headers["X-Claw-Step-Keys"] == ""  # and no step was made up
+
+        def uncaptured():
+            events = bronze(gateway.lake).filter(pl.col("kind") == "event")
+            found = [json.loads(p) for p in events["payload"]]
+            found = [e for e in found if e["type"] == "uncaptured_call"]
+            return found or None
+
+        (event,) = wait_until(uncaptured, 20, interval=0.1, what="the uncaptured_call event")
+        assert "CLAW_TOKENIZER is unset" in event["payload"]["reason"]
+        assert (
+            event["payload"]["output"]["content"]
+            == openai_answer()["choices"][0]["message"]["content"]
+        )
+        kinds = set(bronze(gateway.lake)["kind"])
+        assert "chat_completion" not in kinds

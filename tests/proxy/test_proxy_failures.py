@@ -26,7 +26,8 @@ COUNTS = (len(encode_chat(MESSAGES)), len(encode(REPLY + IM_END)))
 
 @pytest.fixture(scope="module")
 def upstream():
-    with ScriptedUpstream(usage=COUNTS) as server:
+    # its start-up test call fails: the gateway learns what it returns from real calls
+    with ScriptedUpstream(usage=COUNTS, probe_status=503) as server:
         yield server
 
 

@@ -2,7 +2,8 @@
 where it is installed: `pip install --no-deps vllm==0.33.0` beside the test extra): what the
 proxy asks an upstream for validates as vLLM's requests, and what `claw sim-llm` answers
 (whole and streamed, chat and completions, token-in) validates as vLLM's responses, with the
-token-id fields where vLLM puts them. Skipped where vLLM is absent."""
+token-id fields where vLLM puts them. Skipped where vLLM is absent, except under
+`CLAW_REAL_SERVERS=required` (CI's `make real-servers`), where its absence fails."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-chat_protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
-completion_protocol = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
+from tests.real_servers import import_or_skip
+
+chat_protocol = import_or_skip("vllm.entrypoints.openai.chat_completion.protocol")
+completion_protocol = import_or_skip("vllm.entrypoints.openai.completion.protocol")
 
 from claw_pipelines.simulation.llm import create_sim_app  # noqa: E402
 from gateway.proxy.capture import CHAT_KIND, COMPLETION_KIND, augment  # noqa: E402
