@@ -17,7 +17,9 @@ unflagged steps: ids that differ from the model's truth while labelled exact. Th
 for the simulated model, the ids it sampled (a twin sim with ids answers the same seeded
 calls); for `transformers serve`, AutoTokenizer's prompt ids and the server's own counts.
 Phantom steps: steps beyond the choices the client received. Latency: the median over calls
-of (through the gateway - direct), paired by call (same seed, same reply).
+of (through the gateway - direct), paired by call (same seed, same reply; which goes first
+alternates), and the gateway's own time from its Server-Timing header beside it. The server
+keeps to one core (`OMP_NUM_THREADS=1`), the gateway has the other, as on separate hardware.
 Prints one JSON line; targets: 0 unflagged wrong, 0 phantom, 100 % exact or flagged,
 gateway p50 added <= 5 ms.
 """
@@ -100,10 +102,17 @@ def conversations(
             key = f"{trajectory}-{turn}"
             headers = {"Authorization": f"Bearer {KEY}", "Idempotency-Key": key}
             url = f"{gateway}/t/{trajectory}/g/{trajectory}/v1/chat/completions"
-            through, through_ms, _ = _post(http, url, body, headers)
-            _, direct_ms, _ = _post(http, direct + "/chat/completions", body, {})
+            if len(calls) % 2:  # which goes first alternates: neither pays for a cold start
+                _, direct_ms, _ = _post(http, direct + "/chat/completions", body, {})
+                through, through_ms, seen = _post(http, url, body, headers)
+            else:
+                through, through_ms, seen = _post(http, url, body, headers)
+                _, direct_ms, _ = _post(http, direct + "/chat/completions", body, {})
             added.append(through_ms - direct_ms)
-            calls.append({"key": key, "body": body, "choices": len(through["texts"])})
+            own = gateway_ms(seen.get("server-timing")) if not stream else None
+            calls.append(
+                {"key": key, "body": body, "choices": len(through["texts"]), "own_ms": own}
+            )
             reply = through["texts"].get(0, "")
             messages = [
                 *messages,
@@ -111,6 +120,14 @@ def conversations(
                 {"role": "user", "content": f"And after {turn}?"},
             ]
     return calls, added
+
+
+def gateway_ms(header: str | None) -> float | None:
+    """The gateway's own time from a Server-Timing header (non-streamed answers carry it)."""
+    if not header:
+        return None
+    metrics = dict(part.strip().split(";dur=") for part in header.split(","))
+    return float(metrics["gateway"])
 
 
 def sim_truth(http: httpx.Client, twin: str, calls: list[dict]) -> dict[str, list[list[int]]]:
@@ -148,6 +165,9 @@ def figures(rows: pl.DataFrame, calls: list[dict], wrong: list[bool], added: lis
         "phantom_steps": max(0, steps - received),
         "missing_steps": max(0, received - steps),
         "added_p50_ms": round(statistics.median(added), 3),
+        "gateway_own_p50_ms": round(
+            statistics.median(c["own_ms"] for c in calls if c["own_ms"] is not None), 3
+        ),
     }
 
 

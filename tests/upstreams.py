@@ -244,7 +244,9 @@ class TransformersServe(ServiceProcess):
             port=port,
             health="/health",
             command=command,
-            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
+            # one core for the model, the other for whoever calls it (a gateway, a test): on
+            # two cores a server that takes both slows every process beside it
+            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"},
         )
         self.model = str(model_dir)
         self.base_url = self.url + "/v1"

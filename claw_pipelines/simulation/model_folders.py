@@ -271,9 +271,11 @@ def tokenizer_folder(
 
 
 def tiny_model_folder(root: Path, family: str = "chatml", seed: int = 0) -> Path:
-    """A tiny random Qwen2 and its tokenizer in one folder, for `transformers serve`: it
-    samples only whole-character tokens (partial UTF-8 byte tokens suppressed), and ends
-    most replies with the family's end-of-turn token within a few dozen tokens."""
+    """A tiny random Qwen2 and its tokenizer in one folder, for `transformers serve`. It
+    samples whole words with a leading space (which re-encoding its text gives back) and,
+    now and then, a multi-digit number (which Qwen2's tokenizer, splitting digits, does not:
+    so about half its replies re-encode exactly and half do not), and ends most replies with
+    the family's end-of-turn token within a few dozen tokens."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -282,7 +284,7 @@ def tiny_model_folder(root: Path, family: str = "chatml", seed: int = 0) -> Path
     tokenizer = _tokenizer_object(spec)
     vocab = tokenizer.get_vocab_size()
     eos = tokenizer.token_to_id(spec.eos)
-    text_ids = _whole_character_ids(tokenizer)
+    text_ids = _reply_ids(root, tokenizer)
     config = Qwen2Config(
         vocab_size=vocab,
         hidden_size=64,
@@ -313,18 +315,29 @@ def tiny_model_folder(root: Path, family: str = "chatml", seed: int = 0) -> Path
     return root
 
 
-def _whole_character_ids(tokenizer: Any) -> list[int]:
-    """Ids whose bytes are whole UTF-8 characters (decoding them alone loses nothing)."""
+NUMBERS_SAMPLED = 60  # multi-digit tokens a reply may hold: about half the replies get one
+
+
+def _reply_ids(folder: Path, tokenizer: Any) -> list[int]:
+    """The ids the tiny model may sample: words with a leading space that the folder's own
+    tokenizer (as transformers loads it) encodes back to themselves, and a few multi-digit
+    numbers, which it does not."""
+    import re
+
+    from transformers import AutoTokenizer
+
     from claw_pipelines.tokenization import token_bytes
 
-    out = []
-    added = set(tokenizer.get_added_tokens_decoder())
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    words, numbers = [], []
     for token_id, piece in enumerate(token_bytes(tokenizer)):
-        if token_id in added or not piece:
-            continue
         try:
-            piece.decode("utf-8")
+            text = piece.decode("utf-8")
         except UnicodeDecodeError:
             continue
-        out.append(token_id)
-    return out
+        if re.fullmatch(r" [A-Za-z]{2,}", text):
+            if hf.encode(text, add_special_tokens=False) == [token_id]:
+                words.append(token_id)
+        elif re.fullmatch(r"[0-9]{2,}", text):
+            numbers.append(token_id)
+    return words + numbers[:NUMBERS_SAMPLED]
