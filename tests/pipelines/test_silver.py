@@ -266,10 +266,9 @@ def test_rerun_is_a_noop_and_compaction_between_runs_adds_nothing(gw):
     before = silver(gw.lake).height
 
     trajectory = uid("compact")
-    new = post(
-        gw, "/v1/steps", {"steps": [white_box(trajectory, i, [7, i], [8]) for i in range(5)]}
-    )
-    wait_landed(gw.lake, new)
+    turns = [white_box(trajectory, i, [7, i], [8]) for i in range(5)]
+    for part in (turns[:3], turns[3:]):  # two commits at least: something to compact
+        wait_landed(gw.lake, post(gw, "/v1/steps", {"steps": part}))
     compacted = lake.maintain(BRONZE_EVENTS)
     assert compacted["files_removed"] > 1
     result = materialize(gw.lake)

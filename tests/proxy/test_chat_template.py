@@ -62,17 +62,22 @@ def test_the_directory_template_renders_with_its_special_tokens(model_dir):
     assert load_chat_tokenizer().render(MESSAGES) == render_chat(MESSAGES)  # bundled: ChatML
 
 
+def _chat(gateway: GatewayProcess, key: str) -> httpx.Response:
+    """One chat call through the gateway, with an idempotency key."""
+    return httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json={"model": "plain", "messages": MESSAGES},
+        headers={"Authorization": f"Bearer {KEY}", "Idempotency-Key": key},
+        timeout=10,
+    )
+
+
 def _one_call(upstream: ScriptedUpstream, model_dir: Path, lake: Path) -> dict:
     """One chat call through a gateway with the folder's tokenizer: its bronze row."""
     env = proxy_env(upstream.url, KEY, "t", CLAW_TOKENIZER=str(model_dir))
     with GatewayProcess(lake, **env) as gateway:
         key = f"k-{uuid.uuid4().hex}"
-        answer = httpx.post(
-            gateway.url + "/v1/chat/completions",
-            json={"model": "plain", "messages": MESSAGES},
-            headers={"Authorization": f"Bearer {KEY}", "Idempotency-Key": key},
-            timeout=10,
-        )
+        answer = _chat(gateway, key)
         assert answer.status_code == 200, answer.text
         return wait_landed(gateway.lake, [key]).row(0, named=True)
 
@@ -152,13 +157,7 @@ def test_without_ids_or_tokenizer_a_choice_lands_as_an_event_never_a_step(tmp_pa
         assert capture["upstream_returns_ids"] is None and capture["tokenizer"] is None
         assert capture["probe"].startswith("unreachable")
         with ScriptedUpstream(usage=(3, 4), port=port):
-            key = f"k-{uuid.uuid4().hex}"
-            answer = httpx.post(
-                gateway.url + "/v1/chat/completions",
-                json={"model": "plain", "messages": MESSAGES},
-                headers={"Authorization": f"Bearer {KEY}", "Idempotency-Key": key},
-                timeout=10,
-            )
+            answer = _chat(gateway, f"k-{uuid.uuid4().hex}")
         assert answer.status_code == 200  # the agent gets its answer
         assert answer.headers["X-Claw-Step-Keys"] == ""  # and no step was made up
 

@@ -14,14 +14,19 @@ from gateway.errors import ApiError
 from gateway.proxy.capture import (
     CHAT_KIND,
     COMPLETION_KIND,
+    LOCAL_UNVERIFIED,
     Added,
+    StepTokens,
     augment,
+    captured_choices,
     local_prompt_ids,
     local_response_ids,
     stripped,
+    verified,
 )
 from gateway.proxy.scope import TrajectoryBook, scope_of
 from gateway.proxy.stream import DONE, StreamAccumulator, sse_data
+from gateway.proxy.upstream import Upstream
 
 TOOLS = [
     {
@@ -168,3 +173,76 @@ def test_trajectory_book_counts_steps_and_forgets_the_oldest():
     book.claim_steps("c", 1)  # evicts "a", the least recently used
     assert book.registered("a") == (None, {})
     assert book.claim_steps("a", 1) == 0
+
+
+def test_sglang_and_llama_cpp_answers_give_their_ids():
+    # SGLang 0.5.18+: per-choice prompt_token_ids and response_token_ids on chat answers
+    sglang = {
+        "id": "s",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},
+                "prompt_token_ids": [1, 2],
+                "response_token_ids": [3, 4],
+                "finish_reason": "stop",
+            }
+        ],
+    }
+    added = Added(token_ids=True, logprobs=True)
+    view = stripped(sglang, added)
+    assert "response_token_ids" not in view["choices"][0]
+    assert "prompt_token_ids" not in view["choices"][0]
+    (choice,) = captured_choices(sglang, view, CHAT_KIND)
+    assert (choice.prompt_ids, choice.response_ids) == ([1, 2], [3, 4])
+    assert "response_token_ids" not in choice.response["choices"][0]  # ids live in columns
+    # llama.cpp: no id fields, but every chat log-prob entry names its sampled token's id
+    entries = [{"id": 7, "token": "a", "logprob": -0.1}, {"id": 8, "token": "b", "logprob": -0.2}]
+    llama = {
+        "choices": [{"index": 0, "message": {"content": "ab"}, "logprobs": {"content": entries}}]
+    }
+    (choice,) = captured_choices(llama, llama, CHAT_KIND)
+    assert choice.response_ids == [7, 8] and choice.prompt_ids is None
+    assert choice.logprobs == [-0.1, -0.2]
+
+
+def test_a_usage_chunk_only_the_gateway_asked_for_is_dropped():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    upstream, added = augment(json.dumps(body).encode(), body, CHAT_KIND)
+    assert json.loads(upstream)["stream_options"] == {"include_usage": True} and added.usage
+    usage = {"prompt_tokens": 3, "completion_tokens": 2}
+    assert stripped({"id": "c", "choices": [], "usage": usage}, added) is None
+    last = {"id": "c", "choices": [{"index": 0, "delta": {}}], "usage": usage}  # on a choice
+    assert stripped(last, added) == {"id": "c", "choices": [{"index": 0, "delta": {}}]}
+    asked = body | {"stream_options": {"include_usage": True}}
+    _, added = augment(json.dumps(asked).encode(), asked, CHAT_KIND)
+    assert not added.usage  # the client's own usage chunk reaches it
+
+
+def test_a_server_refusing_ids_on_streams_keeps_giving_them_on_plain_calls():
+    upstream = Upstream("http://127.0.0.1:9/v1")
+    upstream.refuses_token_ids(stream=True)  # SGLang refuses return_token_ids on chat streams
+    assert upstream.returns_token_ids(stream=False) and not upstream.returns_token_ids(True)
+    upstream.refuses_token_ids(stream=False)
+    assert not upstream.returns_token_ids(stream=False)
+
+
+def test_local_ids_are_labelled_by_the_servers_counts():
+    def tokens(prompt: int, response: int) -> StepTokens:
+        return StepTokens(
+            b"\0" * 4 * prompt, b"\0" * 4 * response, None, LOCAL_UNVERIFIED, True, True
+        )
+
+    two = [tokens(5, 3), tokens(5, 4)]  # n=2: one prompt, two replies
+    agree = verified(two, [0, 0], {"prompt_tokens": 5, "completion_tokens": 7}, None)
+    assert [t.token_source for t in agree] == ["local", "local"]
+    assert agree[0].metadata["token_check"] == {
+        "prompt_tokens": [5, 5],
+        "completion_tokens": [7, 7],
+    }
+    disagree = verified(two, [0, 0], {"prompt_tokens": 5, "completion_tokens": 8}, None)
+    assert {t.token_source for t in disagree} == {"local_unverified"}
+    unknown = verified(two, [0, 0], None, None)
+    assert {t.token_source for t in unknown} == {"local_unverified"}
+    server = [StepTokens(b"", b"", None, "upstream")]
+    assert verified(server, [0], None, None) == server  # the server's ids need no check
