@@ -115,13 +115,15 @@ def test_token_in_requests_and_the_chat_answers_made_of_them_are_vllms(sim):
     from claw_pipelines.settings import ClawSettings
     from gateway.proxy.call import ProxyCall
     from gateway.proxy.capture import CHAT as CHAT_ENDPOINT
+    from gateway.proxy.capture_mode import CaptureMode
     from gateway.proxy.chat_from_tokens import chat_chunks
     from gateway.proxy.scope import Scope, TrajectoryBook
     from gateway.proxy.token_history import Turn
     from gateway.proxy.token_in import TokenIn
     from tests.proxy.test_sim_llm import CALCULATOR
 
-    token_in = TokenIn(ClawSettings(token_in="on"), landing=None, book=TrajectoryBook())
+    capture = CaptureMode("bundled")  # the simulated model's own tokenizer
+    token_in = TokenIn(ClawSettings(token_in="on"), None, TrajectoryBook(), capture)
     scope = Scope("t-1", "g-1")
     # the first turn goes as a chat call; its ids become the turn the next call continues
     first = CHAT | {"tools": [CALCULATOR], "return_token_ids": True}
