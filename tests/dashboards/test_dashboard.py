@@ -149,3 +149,19 @@ def test_curation_and_optimization_show_what_was_left_out_and_why(filled, monkey
     assert kept.value == f"8 / {silver_steps}"  # the return-1.0 trajectories, 2 steps each
     assert any(c.value.startswith("Left out, by the first rule") for c in curation.caption)
     assert "Waste ledger" in [s.value for s in curation.subheader]
+
+
+def test_collection_shows_each_gateways_token_sources_and_exact_share(tmp_path, monkeypatch):
+    lake = Lake(str(tmp_path / "lake"))
+    rows = group_of("g", [5, 6], [1.0, 0.0, 1.0])  # white-box steps: the client's ids
+    steps = [row for row in rows if row["kind"] == "step"]
+    for row, source in zip(steps, ("upstream", "local_unverified"), strict=False):
+        row |= {"token_source": source, "gateway_id": "gw-proxy"}  # as a proxy lands them
+    land(lake, rows)
+    collection = page("collection", lake.uri, monkeypatch)
+    assert not collection.exception
+    table = next(d.value for d in collection.dataframe if "exact_share" in d.value.columns)
+    shares = dict(zip(table["gateway"], table["exact_share"], strict=True))
+    assert shares == {"gw-proxy": 0.5, "gw-test": 1.0}
+    by_source = table.set_index("gateway").loc["gw-proxy"]
+    assert (by_source["upstream"], by_source["local_unverified"]) == (1, 1)
