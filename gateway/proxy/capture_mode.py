@@ -28,7 +28,8 @@ from gateway.proxy.capture import logprob_ids, response_ids_of
 log = logging.getLogger(__name__)
 SIMULATED_OWNER = "claw-simulated"  # `owned_by` of the bundled simulated model
 PROBE_MODEL = "claw-probe"  # the model asked for when the upstream lists none
-PROBE_TIMEOUT_S = 10.0
+# a server may load its weights on a first call: wait for the answer, not for a dead host
+PROBE_TIMEOUT = httpx.Timeout(10.0, connect=3.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +50,12 @@ def _json(response: httpx.Response) -> Any:
         return None
 
 
-def probe_upstream(base_url: str, timeout_s: float = PROBE_TIMEOUT_S) -> UpstreamProbe:
+def probe_upstream(base_url: str, timeout: httpx.Timeout = PROBE_TIMEOUT) -> UpstreamProbe:
     """Ask the upstream (an OpenAI base URL) whether it returns token ids and log-probs."""
     base = base_url.rstrip("/")
     cards: list[dict[str, Any]] = []
     try:  # a fresh connection for each: a server may break the one a failure was sent on
-        listed = httpx.get(base + "/models", timeout=timeout_s)
+        listed = httpx.get(base + "/models", timeout=timeout)
         data = (_json(listed) or {}).get("data") if listed.is_success else None
         cards = [c for c in data or () if isinstance(c, dict)]
     except (httpx.HTTPError, AttributeError):
@@ -71,7 +72,7 @@ def probe_upstream(base_url: str, timeout_s: float = PROBE_TIMEOUT_S) -> Upstrea
                 "return_token_ids": True,
                 "logprobs": True,
             },
-            timeout=timeout_s,
+            timeout=timeout,
         )
     except httpx.HTTPError as exc:
         return UpstreamProbe(None, None, simulated, model, f"unreachable ({type(exc).__name__})")
