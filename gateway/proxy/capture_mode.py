@@ -15,7 +15,6 @@ model says `owned_by: claw-simulated`), then one chat completion of a single tok
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -25,7 +24,6 @@ import httpx
 from claw_pipelines.tokenization import BUNDLED, ChatTokenizer, load_chat_tokenizer
 from gateway.proxy.capture import logprob_ids, response_ids_of
 
-log = logging.getLogger(__name__)
 SIMULATED_OWNER = "claw-simulated"  # `owned_by` of the bundled simulated model
 PROBE_MODEL = "claw-probe"  # the model asked for when the upstream lists none
 # a server may load its weights on a first call: wait for the answer, not for a dead host
