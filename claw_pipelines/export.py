@@ -15,36 +15,41 @@ verl (`verl-parquet`, `jsonl`), one row per step:
 | `step_key`, `trajectory_uid`, `step_index`, `policy_version` | provenance |
 
 `sft-messages` (JSON lines, one per step; e.g. of the built-in `sft-successes` dataset):
-`messages` (the prompt's ChatML turns, then the sampled reply as the assistant's, decoded
-with the lake's tokenizer), `prompt_ids`, `response_ids`, `response_mask` (loss on the
-reply alone), `reward`, `trajectory_return` and the provenance columns.
+`messages` (the prompt's turns, then the sampled reply as the assistant's, decoded with the
+step's own tokenizer: claw_pipelines.decoding), `prompt_ids`, `response_ids`,
+`response_mask` (loss on the reply alone), `reward`, `trajectory_return`, the provenance
+columns and `decoded_with` (the tokenizer's name and fingerprint, and `via`: `template` or
+`recorded`).
 
 `preference-pairs` (JSON lines, one per prompt group whose returns differ; e.g. of the
 built-in `preference-pairs` dataset): the best and the worst trajectory by return (ties: the
 smallest uid), each as its last step, the whole conversation: `prompt` (the first turn's
 prompt messages), `chosen` / `rejected` (the messages after it), `prompt_ids`, `chosen_ids`,
-`rejected_ids` (token ids after the prompt), `chosen_return`, `rejected_return`, and the
-group and trajectory ids: TRL's DPO layout, with the exact tokens beside it.
+`rejected_ids` (token ids after the prompt), `chosen_return`, `rejected_return`, the
+group and trajectory ids and `decoded_with`: TRL's DPO layout, with the exact tokens beside
+it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import polars as pl
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from claw_pipelines.consume import Dataset
-from claw_pipelines.tokenization import IM_END, decode_lists
+from claw_pipelines.contracts.tables import SILVER_STEPS
+from claw_pipelines.decoding import decode_steps
+from claw_pipelines.tokenization import load_chat_tokenizer
+from claw_pipelines.tokenizer_store import tokenizer_of
 
 Format = Literal["verl-parquet", "jsonl", "sft-messages", "preference-pairs"]
 FORMATS = ("verl-parquet", "jsonl", "sft-messages", "preference-pairs")
-TURN = r"<\|im_start\|>(?s:.*?)<\|im_end\|>"
-OPEN_TURN = r"<\|im_start\|>(?s:.*?)(?:<\|im_end\|>|$)"  # a last turn may be unterminated
 CHUNK_ROWS = 1024
 
 
@@ -77,37 +82,56 @@ def verl_frame(steps: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def chat_messages(texts: pl.Series, last_open: bool = False) -> pl.Series:
-    """The ChatML turns of decoded token ids as message lists ({role, content}). A prompt's
-    trailing generation prompt (an open turn) is left out; with `last_open` (a whole
-    sequence, its reply last) an unterminated last turn is a message too."""
-    turn = pl.element().str.strip_suffix(IM_END)
-    turns = pl.DataFrame({"text": texts}).select(
-        pl.col("text")
-        .str.extract_all(OPEN_TURN if last_open else TURN)
-        .list.eval(
-            pl.struct(
-                role=turn.str.extract(r"^<\|im_start\|>([^\n]*)\n"),
-                content=turn.str.extract(r"^<\|im_start\|>[^\n]*\n((?s:.*))$"),
-            )
-        )
-    )
-    return turns.to_series().alias("messages")
+def recorded_requests(dataset: Dataset, steps: pl.DataFrame) -> dict[str, dict[str, Any]]:
+    """The requests silver kept for these steps (`metadata.request`, and `metadata.reply`:
+    `claw import --keep-request`), by step key."""
+    lake = dataset.lake
+    if not lake.exists(SILVER_STEPS):
+        return {}
+    keys = steps["step_key"].unique().implode()
+    versions = steps["policy_version"].unique().implode()
+    rows = lake.read(
+        SILVER_STEPS,
+        columns=["step_key", "metadata"],
+        where=pl.col("policy_version").is_in(versions) & pl.col("step_key").is_in(keys),
+    ).filter(pl.col("metadata").str.contains('"request"', literal=True))
+    kept = {}
+    for key, metadata in rows.iter_rows():
+        data = json.loads(metadata)
+        request = data.get("request")
+        if isinstance(request, dict):
+            kept[key] = {
+                "messages": request.get("messages"),
+                "tools": request.get("tools"),
+                "reply": data.get("reply"),
+            }
+    return kept
 
 
-def _reply(texts: pl.Series) -> pl.Expr:
-    """The assistant message of decoded replies (its end-of-turn token dropped)."""
-    content = pl.lit(texts).str.strip_suffix(IM_END)
-    return pl.concat_list(pl.struct(role=pl.lit("assistant"), content=content))
+def resolver(dataset: Dataset, fallback: str | None) -> Callable[[str | None], Any]:
+    """A step tokenizer's fingerprint -> the tokenizer to decode with: the one the lake
+    keeps; for steps naming none (or one the lake lacks but `fallback` is), the `fallback`
+    folder (`--tokenizer`, CLAW_TOKENIZER)."""
+    given = load_chat_tokenizer(fallback) if fallback is not None else None
+
+    def resolve(fingerprint: str | None):
+        if fingerprint is None:
+            return given
+        if given is not None and given.fingerprint == fingerprint:
+            return given
+        return tokenizer_of(dataset.lake, fingerprint)
+
+    return resolve
 
 
-def sft_frame(steps: pl.DataFrame, tokenizer: str | None = None) -> pl.DataFrame:
+def sft_frame(
+    steps: pl.DataFrame, resolve: Callable[[str | None], Any], recorded: dict[str, dict]
+) -> pl.DataFrame:
     """Gold steps as SFT records: messages and token ids (see the module doc)."""
-    prompts = chat_messages(decode_lists(steps["prompt_ids"].to_arrow(), tokenizer))
-    replies = decode_lists(steps["response_ids"].to_arrow(), tokenizer)
+    decoded = decode_steps(steps, resolve, recorded)
     ones = pl.col("response_ids").list.eval(pl.element() * 0 + 1).cast(pl.List(pl.Int8))
-    return steps.with_columns(prompt_messages=prompts).select(
-        messages=pl.concat_list("prompt_messages", _reply(replies)),
+    return steps.join(decoded, on="step_key", how="left", maintain_order="left").select(
+        messages=pl.concat_list("prompt_messages", "reply"),
         prompt_ids="prompt_ids",
         response_ids="response_ids",
         response_mask=pl.coalesce(pl.col("response_mask"), ones),
@@ -117,10 +141,13 @@ def sft_frame(steps: pl.DataFrame, tokenizer: str | None = None) -> pl.DataFrame
         trajectory_uid="trajectory_uid",
         step_index="step_index",
         policy_version="policy_version",
+        decoded_with="decoded_with",
     )
 
 
-def preference_frame(steps: pl.DataFrame, tokenizer: str | None = None) -> pl.DataFrame:
+def preference_frame(
+    steps: pl.DataFrame, resolve: Callable[[str | None], Any], recorded: dict[str, dict]
+) -> pl.DataFrame:
     """Per prompt group whose returns differ, its best and worst trajectory (module doc)."""
     group = pl.coalesce("prompt_uid", "trajectory_uid")
     ends = (
@@ -130,6 +157,8 @@ def preference_frame(steps: pl.DataFrame, tokenizer: str | None = None) -> pl.Da
         .agg(
             group=group.first(),
             ret=pl.col("trajectory_return").first(),
+            first_key=pl.col("step_key").first(),
+            last_key=pl.col("step_key").last(),
             prompt_ids=pl.col("prompt_ids").first(),
             sequence=pl.concat_list("prompt_ids", "response_ids").last(),
         )
@@ -145,21 +174,34 @@ def preference_frame(steps: pl.DataFrame, tokenizer: str | None = None) -> pl.Da
         chosen_ids=pl.col("sequence").list.slice(cut),
         rejected_ids=pl.col("sequence_worst").list.slice(pl.col("prompt_ids_worst").list.len()),
     ).sort("group")
-
-    def messages(column: str, last_open: bool = False) -> pl.Series:
-        return chat_messages(decode_lists(pairs[column].to_arrow(), tokenizer), last_open)
-
-    pairs = pairs.with_columns(
-        prompt=messages("prompt_ids"),
-        prompt_worst=messages("prompt_ids_worst"),
-        whole=messages("sequence", last_open=True),
-        whole_worst=messages("sequence_worst", last_open=True),
+    wanted = pl.concat(
+        [pairs[c] for c in ("first_key", "last_key", "first_key_worst", "last_key_worst")]
+    ).unique()
+    decoded = decode_steps(
+        steps.filter(pl.col("step_key").is_in(wanted.implode())), resolve, recorded
     )
+    whole = decoded.select(
+        "step_key",
+        "prompt_messages",
+        "decoded_with",
+        conversation=pl.concat_list("prompt_messages", "reply"),
+    )
+
+    def joined(frame: pl.DataFrame, key: str, suffix: str) -> pl.DataFrame:
+        renamed = whole.rename({c: f"{c}{suffix}" for c in whole.columns if c != "step_key"})
+        return frame.join(renamed, left_on=key, right_on="step_key", how="left")
+
+    pairs = joined(pairs, "first_key", "_first")
+    pairs = joined(pairs, "last_key", "_last")
+    pairs = joined(pairs, "first_key_worst", "_first_worst")
+    pairs = joined(pairs, "last_key_worst", "_last_worst")
+    first = pl.col("prompt_messages_first")
+    first_worst = pl.col("prompt_messages_first_worst")
     return pairs.select(
         prompt_uid="group",
-        prompt="prompt",
-        chosen=pl.col("whole").list.slice(pl.col("prompt").list.len()),
-        rejected=pl.col("whole_worst").list.slice(pl.col("prompt_worst").list.len()),
+        prompt=first,
+        chosen=pl.col("conversation_last").list.slice(first.list.len()),
+        rejected=pl.col("conversation_last_worst").list.slice(first_worst.list.len()),
         prompt_ids="prompt_ids",
         chosen_ids="chosen_ids",
         rejected_ids="rejected_ids",
@@ -167,6 +209,7 @@ def preference_frame(steps: pl.DataFrame, tokenizer: str | None = None) -> pl.Da
         rejected_return="ret_worst",
         chosen_trajectory="trajectory_uid",
         rejected_trajectory="trajectory_uid_worst",
+        decoded_with="decoded_with_last",
     )
 
 
@@ -177,17 +220,21 @@ def export(
     out: Path,
     tokenizer: str | None = None,
 ) -> int:
-    """Write one partition of `dataset` to `out` (`tokenizer`: decodes messages; default the
-    bundled one); return the number of records written (steps, or pairs)."""
+    """Write one partition of `dataset` to `out`; return the number of records written
+    (steps, or pairs). Messages are decoded with each step's own tokenizer (the lake keeps
+    it); `tokenizer`: the folder for steps that name none. Undecodable names a step that
+    cannot be decoded."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     steps = dataset.steps(policy_version)
     if steps.is_empty():
         raise LookupError(f"{dataset.name} has no steps for policy version {policy_version}")
+    if fmt in ("sft-messages", "preference-pairs"):
+        resolve, recorded = resolver(dataset, tokenizer), recorded_requests(dataset, steps)
     if fmt == "sft-messages":
-        frame = sft_frame(steps, tokenizer)
+        frame = sft_frame(steps, resolve, recorded)
     elif fmt == "preference-pairs":
-        frame = preference_frame(steps, tokenizer)
+        frame = preference_frame(steps, resolve, recorded)
         if frame.is_empty():
             raise LookupError(
                 f"{dataset.name} v{policy_version} has no prompt group whose returns differ"

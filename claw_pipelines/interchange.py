@@ -10,12 +10,16 @@ returns token ids (vLLM's `return_token_ids`) logged it.
 | `step_index` | its turn; default: its order among the file's lines of that trajectory |
 | `prompt_uid` | GRPO prompt group (default: none; several choices share the trajectory's) |
 | `policy_version`, `reward`, `is_last` | as in `POST /v1/steps` |
-| `request` | the chat completion request (kept in metadata when `--keep-request`) |
+| `request` | the chat completion request (kept in metadata when `--keep-request`, with the choice's `message` as `metadata.reply`) |
 | `response.prompt_token_ids` | the prompt's token ids (required) |
 | `response.choices[i].token_ids` | the sampled ids of choice i (required) |
 | `response.choices[i].logprobs.content[*].logprob` | per-token log-probs (optional) |
 | `response.choices[i].finish_reason`, `response.model` | as returned |
 | `metadata` | anything else to keep (a JSON object) |
+
+With `--tokenizer FOLDER` (the model's tokenizer folder, as the gateway's `CLAW_TOKENIZER`),
+the folder is kept in the lake (claw_pipelines.tokenizer_store) and every step names it in
+`metadata.tokenizer`, so exports and judges decode its ids with it.
 
 Choice 0 is the trajectory's step; choice i > 0 becomes trajectory `<uid>.c<i>` (the rollouts
 of one prompt, sharing its prompt group). Every step is validated as `POST /v1/steps` would
@@ -40,6 +44,8 @@ from pydantic import ValidationError
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC, SCHEMA_VERSION
 from claw_pipelines.contracts.wire import Step
 from claw_pipelines.lake import Lake
+from claw_pipelines.tokenization import ChatTokenizer
+from claw_pipelines.tokenizer_store import save_tokenizer
 
 IMPORT_FORMATS = ("openai-chat",)
 IMPORT_WRITER = "claw-import"
@@ -67,7 +73,12 @@ def _field_error(line: int, exc: ValidationError, prefix: str = "") -> ChatLogEr
 
 
 def _choice_steps(
-    line: int, record: dict[str, Any], digest: str, name: str, keep_request: bool
+    line: int,
+    record: dict[str, Any],
+    digest: str,
+    name: str,
+    keep_request: bool,
+    tokenizer: dict[str, str] | None = None,
 ) -> list[Step]:
     """The steps of one logged call (one per choice), validated."""
     if not isinstance(record, dict):
@@ -92,8 +103,12 @@ def _choice_steps(
         log_probs = None if content is None else [c.get("logprob") for c in content]
         provenance = {"format": "openai-chat", "file": name, "sha256": digest, "line": line}
         metadata = dict(record.get("metadata") or {}) | {"imported": provenance}
+        if tokenizer is not None:
+            metadata["tokenizer"] = tokenizer
         if keep_request and record.get("request") is not None:
             metadata["request"] = record["request"]
+            if isinstance(choice.get("message"), dict):
+                metadata["reply"] = choice["message"]
         fields = {
             "trajectory_uid": uid if i == 0 or uid is None else f"{uid}.c{i}",
             "prompt_uid": record.get("prompt_uid") or (uid if len(choices) > 1 else None),
@@ -116,9 +131,12 @@ def _choice_steps(
     return steps
 
 
-def read_chat_log(path: Path, keep_request: bool = False) -> list[Step]:
+def read_chat_log(
+    path: Path, keep_request: bool = False, tokenizer: dict[str, str] | None = None
+) -> list[Step]:
     """Every step of a chat log file (see the module doc), validated; turns numbered per
-    trajectory in file order where a line gives no `step_index`."""
+    trajectory in file order where a line gives no `step_index`; `tokenizer`: what each
+    step's `metadata.tokenizer` names (`name`, `fingerprint`)."""
     raw = path.read_bytes()
     digest = hashlib.sha256(raw).hexdigest()[:16]
     steps: list[Step] = []
@@ -136,7 +154,7 @@ def read_chat_log(path: Path, keep_request: bool = False) -> list[Step]:
                 record["step_index"] = turns.get(uid, 0)
             if isinstance(uid, str) and isinstance(record.get("step_index"), int):
                 turns[uid] = max(turns.get(uid, 0), record["step_index"] + 1)
-        steps += _choice_steps(number, record, digest, path.name, keep_request)
+        steps += _choice_steps(number, record, digest, path.name, keep_request, tokenizer)
     if not steps:
         raise ChatLogError(f"{path}: no calls in the file")
     return steps
@@ -178,11 +196,19 @@ def bronze_rows(steps: list[Step], tenant: str, now: datetime) -> pa.Table:
 
 
 def import_chat_log(
-    lake: Lake, path: Path, tenant: str = "default", keep_request: bool = False
+    lake: Lake,
+    path: Path,
+    tenant: str = "default",
+    keep_request: bool = False,
+    tokenizer: ChatTokenizer | None = None,
 ) -> Imported:
     """Land a chat log's steps in bronze in one commit (nothing when a line is bad, or when
-    a previous import already landed them)."""
-    steps = read_chat_log(path, keep_request)
+    a previous import already landed them); `tokenizer`: the model's, kept in the lake and
+    named on every step."""
+    named = None
+    if tokenizer is not None:
+        named = {"name": tokenizer.name, "fingerprint": save_tokenizer(lake, tokenizer)}
+    steps = read_chat_log(path, keep_request, named)
     wanted = [s.event_id for s in steps]
     landed: set[str] = set()
     if lake.exists(BRONZE_EVENTS):

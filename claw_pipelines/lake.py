@@ -27,7 +27,13 @@ from deltalake import (
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from claw_pipelines.contracts.tables import TABLES, TableSpec
-from claw_pipelines.object_store import list_names, read_bytes, verify_lake_store, write_bytes
+from claw_pipelines.object_store import (
+    list_folders,
+    list_names,
+    read_bytes,
+    verify_lake_store,
+    write_bytes,
+)
 from claw_pipelines.settings import REMOTE_SCHEMES, ClawSettings
 
 log = logging.getLogger(__name__)
@@ -223,6 +229,15 @@ class Lake:
         else:
             names = []
         return sorted(f"{folder}/{n}" for n in names if n.endswith(suffix))
+
+    def list_folders(self, folder: str) -> list[str]:
+        """Names of the folders directly in `folder` (under the lake root)."""
+        path = self._file_path(folder)
+        if self.is_remote:
+            return sorted(list_folders(self.uri, self.storage_options, path))
+        if not Path(path).is_dir():
+            return []
+        return sorted(p.name for p in Path(path).iterdir() if p.is_dir())
 
     # -- metadata ---------------------------------------------------------------------------
     def exists(self, name: str) -> bool:

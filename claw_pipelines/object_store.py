@@ -146,6 +146,12 @@ def list_names(uri: str, options: Mapping[str, str], folder: str) -> list[str]:
     return [entry["path"].rsplit("/", 1)[-1] for entry in listing["objects"]]
 
 
+def list_folders(uri: str, options: Mapping[str, str], folder: str) -> list[str]:
+    """Names of the folders (common prefixes) directly in `folder` under `uri`."""
+    listing = obstore.list_with_delimiter(open_store(uri, options), folder.rstrip("/") + "/")
+    return [prefix.rstrip("/").rsplit("/", 1)[-1] for prefix in listing["common_prefixes"]]
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

@@ -10,8 +10,10 @@ import socket
 
 import uvicorn
 
+from claw_pipelines.lake import Lake
 from claw_pipelines.object_store import verify_lake_store
 from claw_pipelines.settings import ClawSettings
+from claw_pipelines.tokenizer_store import save_tokenizer
 from gateway.auth import KeyRing
 from gateway.proxy.capture_mode import CaptureMode, probe_upstream
 
@@ -88,6 +90,8 @@ def serve_gateway(settings: ClawSettings, host: str = "127.0.0.1", port: int = 8
     capture = capture_mode(settings)
     # a store that would lose concurrent commits is refused here, in one line, before "ready"
     verify_lake_store(settings.lake_uri, settings.storage_options)
+    if capture.tokenizer is not None:  # readers of its steps decode them with it, anywhere
+        save_tokenizer(Lake.from_settings(settings), capture.tokenizer)
     listener = bind_listener(host, port)  # a taken port is refused before the WAL opens
     from gateway.main import create_app
 

@@ -272,11 +272,12 @@ def _cmd_export(args: argparse.Namespace) -> None:
     settings = _settings(args)
     try:
         dataset = open_dataset(args.dataset, settings.lake_uri, args.version)
-        written = export(
-            dataset, args.policy_version, args.format, Path(args.out), settings.tokenizer
-        )
+        tokenizer = args.tokenizer or settings.tokenizer
+        written = export(dataset, args.policy_version, args.format, Path(args.out), tokenizer)
     except LookupError as exc:
         raise CliError(str(exc)) from None
+    except ValueError as exc:  # a --tokenizer folder that does not load
+        raise CliError(f"--tokenizer: {exc}") from None
     what = "pairs" if args.format == "preference-pairs" else "steps"
     print(
         f"exported {written} {what} of {args.dataset} v{args.policy_version} "
@@ -287,10 +288,17 @@ def _cmd_export(args: argparse.Namespace) -> None:
 def _cmd_import(args: argparse.Namespace) -> None:
     from claw_pipelines.interchange import ChatLogError, import_chat_log
     from claw_pipelines.lake import Lake
+    from claw_pipelines.tokenization import load_chat_tokenizer
 
     lake = Lake.from_settings(_settings(args)) if args.create else _open_lake(args, "; --create")
+    tokenizer = None
+    if args.tokenizer is not None:
+        try:
+            tokenizer = load_chat_tokenizer(args.tokenizer)
+        except (ValueError, OSError) as exc:
+            raise CliError(f"--tokenizer: {exc}") from None
     try:
-        landed = import_chat_log(lake, Path(args.file), args.tenant, args.keep_request)
+        landed = import_chat_log(lake, Path(args.file), args.tenant, args.keep_request, tokenizer)
     except (ChatLogError, OSError, UnicodeDecodeError) as exc:
         raise CliError(f"{args.file}: {exc}") from None
     if not landed.steps:
@@ -380,6 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("--out", required=True, help="file to write")
     exp.add_argument("--version", type=int, help="dataset Delta version (default: newest)")
+    exp.add_argument(
+        "--tokenizer",
+        metavar="FOLDER",
+        help="the model's tokenizer folder, for steps that name none (default CLAW_TOKENIZER); "
+        "steps that name theirs are decoded with the one the lake keeps",
+    )
 
     imp = verb(
         "import",
@@ -392,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--tenant", default="default", help="the tenant the steps belong to")
     imp.add_argument(
         "--keep-request", action="store_true", help="keep each call's request in its metadata"
+    )
+    imp.add_argument(
+        "--tokenizer",
+        metavar="FOLDER",
+        help="the model's Hugging Face tokenizer folder the ids belong to (as the gateway's "
+        "CLAW_TOKENIZER): kept in the lake and named on every step, so exports decode with it",
     )
     imp.add_argument("--create", action="store_true", help="create the lake if it is missing")
 

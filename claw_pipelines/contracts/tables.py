@@ -125,6 +125,7 @@ SILVER_STEPS_SPEC = TableSpec(
             ("response_len", pa.int64()),
             ("sequence_hash", pa.int64()),
             ("has_log_probs", pa.bool_()),
+            ("tokenizer", pa.string()),
         ]
     ),
     partition_by=("policy_version",),
@@ -134,7 +135,8 @@ SILVER_STEPS_SPEC = TableSpec(
     description="One step: state (prompt ids), action (response ids) and provenance. "
     "`origin_step_key` is the key the gateway gave an unscoped call before stitching; "
     "`sequence_hash` (unscoped calls) is the rolling hash later calls are matched against; "
-    "`has_log_probs`: the step carries its behaviour log-probs.",
+    "`has_log_probs`: the step carries its behaviour log-probs; `tokenizer`: the fingerprint of "
+    "the tokenizer its ids belong to, when known (claw_pipelines.tokenizer_store).",
 )
 
 SILVER_STEP_CONFLICTS_SPEC = TableSpec(
@@ -335,6 +337,7 @@ GOLD_DATASET_SCHEMA = pa.schema(
         ("labels", pa.list_(pa.string())),
         ("token_source", pa.string()),
         ("has_log_probs", pa.bool_()),
+        ("tokenizer", pa.string()),
         ("finish_reason", pa.string()),
         ("model", pa.string()),
         ("tenant", pa.string()),

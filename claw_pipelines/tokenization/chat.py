@@ -94,6 +94,10 @@ class ChatTokenizer:
         """Text of token ids, special tokens kept."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    def decode_batch(self, lists: Sequence[Sequence[int]]) -> list[str]:
+        """Texts of many id lists at once (in Rust, in parallel), special tokens kept."""
+        return self.tokenizer.decode_batch([list(ids) for ids in lists], skip_special_tokens=False)
+
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a chat waiting for the assistant's reply."""
         return self.encode(self.render(messages, tools))
@@ -140,6 +144,10 @@ class TransformersChatTokenizer(ChatTokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids, special tokens kept."""
         return self.hf.decode(list(ids), skip_special_tokens=False)
+
+    def decode_batch(self, lists: Sequence[Sequence[int]]) -> list[str]:
+        """Texts of many id lists at once, special tokens kept (as `decode` gives them)."""
+        return self.hf.batch_decode([list(ids) for ids in lists], skip_special_tokens=False)
 
 
 def _arguments_as_object(call: Any) -> Any:

@@ -37,6 +37,7 @@ CANDIDATE_STEP_COLUMNS = [
     "policy_version",
     "token_source",
     "has_log_probs",
+    "tokenizer",
     "finish_reason",
     "tenant",
     "source_kind",
@@ -338,6 +339,13 @@ def rejected_steps(classified: pl.DataFrame, spec: CurationSpec) -> pl.DataFrame
 
 
 def tree_ids(frame: pl.DataFrame, spec: CurationSpec) -> pl.Series:
-    """Each step's prefix tree under the spec's merge scope."""
+    """Each step's prefix tree under the spec's merge scope; where a scope holds steps of
+    several tokenizers, one tree per tokenizer (`<scope>@<fingerprint>`): ids of different
+    vocabularies never share a prefix."""
     column = {"trajectory": "trajectory_uid", "prompt_group": GROUP, "none": "step_key"}
-    return frame[column[spec.merge]].alias("tree_id")
+    scope = pl.col(column[spec.merge])
+    if "tokenizer" not in frame.columns:
+        return frame[column[spec.merge]].alias("tree_id")
+    mixed = pl.col("tokenizer").fill_null("").n_unique().over(scope) > 1
+    split = scope + "@" + pl.col("tokenizer").fill_null("unknown")
+    return frame.select(pl.when(mixed).then(split).otherwise(scope).alias("tree_id")).to_series()

@@ -68,6 +68,7 @@ def step_candidates(steps: pl.DataFrame) -> pl.DataFrame:
         response_len=pl.col("response_ids").list.len().cast(pl.Int64),
         sequence_hash=pl.lit(None, pl.Int64),
         has_log_probs=pl.col("rollout_log_probs").is_not_null(),
+        tokenizer=_meta("tokenizer.fingerprint"),
     ).drop("payload")
 
 

@@ -292,16 +292,11 @@ def _count(usage: Any, name: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def verified(
-    tokens: list[StepTokens],
-    prompt_indices: list[int],
-    usage: Any,
-    tokenizer: ChatTokenizer | None,
-) -> list[StepTokens]:
+def verified(tokens: list[StepTokens], prompt_indices: list[int], usage: Any) -> list[StepTokens]:
     """A call's step tokens with local ids labelled against the server's `usage`: `local`
     when the prompt ids (each prompt once) and the replies' ids (summed) have the server's
-    counts, else `local_unverified`; the counts and the tokenizer go into the metadata.
-    Ids all from the upstream are returned as they are."""
+    counts, else `local_unverified`; both counts go into the metadata. Ids all from the
+    upstream are returned as they are."""
     if not any(t.local for t in tokens):
         return tokens
     prompts = {index: t for index, t in zip(prompt_indices, tokens, strict=True)}
@@ -316,8 +311,6 @@ def verified(
             "completion_tokens": [local_completion, server_completion],
         }
     }
-    if tokenizer is not None:
-        metadata["tokenizer"] = {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint}
     source = LOCAL if agree else LOCAL_UNVERIFIED
     return [replace(t, token_source=source, metadata=metadata) if t.local else t for t in tokens]
 

@@ -345,13 +345,8 @@ class ProxyService:
                 uncaptured.append(
                     uncaptured_record(choice, call.tenant, scope.trajectory_uid, str(exc), model)
                 )
-        local = any(t.local for t in tokens)
-        tokens = verified(
-            tokens,
-            [c.index // call.n for c in kept],
-            usage,
-            self.capture.tokenizer if local else None,
-        )
+        tokens = verified(tokens, [c.index // call.n for c in kept], usage)
+        named = self._tokenizer_named() if kept else {}
         if places is None:
             places = self._places(call, [c.index for c in kept])
         else:
@@ -372,6 +367,7 @@ class ProxyService:
                 registered
                 | (choice.metadata or {})
                 | (step.metadata or {})
+                | named
                 | {
                     "scoped": scope.trajectory_uid is not None,
                     "scope_via": scope.via,
@@ -404,6 +400,14 @@ class ProxyService:
 
     def _local_tokenizer(self):
         return self.capture.tokenizer
+
+    def _tokenizer_named(self) -> dict[str, Any]:
+        """What a step's metadata says of the tokenizer its ids belong to (the model's, as
+        configured, or the simulated model's own); nothing when the gateway has none."""
+        tokenizer = self.capture.tokenizer
+        if tokenizer is None:
+            return {}
+        return {"tokenizer": {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint}}
 
     def _places(self, call: ProxyCall, indices) -> list[StepPlace]:
         """Where the choices with these indices go. Scoped: consecutive indices in the

@@ -13,13 +13,16 @@ from claw_pipelines.app.cli import main
 from claw_pipelines.consume import open_dataset
 from claw_pipelines.contracts.specs import PREFERENCE_PAIRS_SPEC, SFT_SUCCESSES_SPEC
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
+from claw_pipelines.decoding import Undecodable
 from claw_pipelines.export import export
 from claw_pipelines.gold import build_partition
 from claw_pipelines.interchange import ChatLogError, import_chat_log
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import build_silver
 from claw_pipelines.spec_store import save_spec
-from claw_pipelines.tokenization import IM_END, encode, encode_chat
+from claw_pipelines.tokenization import IM_END, encode, encode_chat, load_chat_tokenizer
+
+BUNDLED = load_chat_tokenizer()  # the tokenizer these logs' ids come from
 
 SYSTEM = {"role": "system", "content": "You add numbers."}
 
@@ -101,7 +104,7 @@ def test_a_bad_line_names_itself_and_lands_nothing(lake, tmp_path, capsys):
 
 
 def test_sft_messages_and_preference_pairs_export_exactly(lake, tmp_path):
-    import_chat_log(lake, chat_log(tmp_path / "calls.jsonl"))
+    import_chat_log(lake, chat_log(tmp_path / "calls.jsonl"), tokenizer=BUNDLED)
     build_silver(lake)
     save_spec(lake, SFT_SUCCESSES_SPEC)
     build_partition(lake, SFT_SUCCESSES_SPEC, 3)
@@ -119,13 +122,18 @@ def test_sft_messages_and_preference_pairs_export_exactly(lake, tmp_path):
     silver = lake.read(SILVER_STEPS).filter(pl.col("step_key") == "chat-1:1").row(0, named=True)
     assert records[1]["prompt_ids"] == silver["prompt_ids"]
     assert records[1]["response_ids"] == silver["response_ids"]
+    assert records[1]["decoded_with"] == {
+        "name": "bundled",
+        "fingerprint": BUNDLED.fingerprint,
+        "via": "template",
+    }
 
     # a group with different returns: the pair's choices, rewarded apart
     pairs_log = tmp_path / "pairs.jsonl"
     line = call("q", [SYSTEM, {"role": "user", "content": "1 + 1?"}], ["2", "3"], is_last=True)
     line["policy_version"] = 3
     pairs_log.write_text(json.dumps(line) + "\n")
-    import_chat_log(lake, pairs_log)
+    import_chat_log(lake, pairs_log, tokenizer=BUNDLED)
     build_silver(lake)
     spec = PREFERENCE_PAIRS_SPEC.model_copy(update={"reward_status": ["final", "missing"]})
     save_spec(lake, spec)
@@ -145,6 +153,36 @@ def test_sft_messages_and_preference_pairs_export_exactly(lake, tmp_path):
     assert pair["rejected_ids"] == encode("3" + IM_END)
     assert (pair["chosen_return"], pair["rejected_return"]) == (1.0, 0.0)
     assert (pair["chosen_trajectory"], pair["rejected_trajectory"]) == ("q", "q.c1")
+
+
+def test_steps_naming_no_tokenizer_export_their_kept_request_or_are_refused(lake, tmp_path, capsys):
+    log = chat_log(tmp_path / "calls.jsonl")
+    import_chat_log(lake, log)  # no --tokenizer, no --keep-request: the ids' language unknown
+    build_silver(lake)
+    save_spec(lake, SFT_SUCCESSES_SPEC)
+    build_partition(lake, SFT_SUCCESSES_SPEC, 3)
+    out = tmp_path / "sft.jsonl"
+    with pytest.raises(Undecodable, match=r"^step chat-1:0 names no tokenizer"):
+        export(open_dataset("sft-successes", lake.uri), 3, "sft-messages", out)
+    command = ["export", "--lake", lake.uri, "--dataset", "sft-successes"]
+    command += ["--policy-version", "3", "--format", "sft-messages", "--out", str(out)]
+    assert main(command) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tokenizer FOLDER" in err
+    # the tokenizer given by hand decodes them
+    assert main([*command, "--tokenizer", "bundled"]) == 0
+    record = json.loads(out.read_text().splitlines()[1])
+    assert record["messages"][-1] == {"role": "assistant", "content": "5"}
+
+    kept = Lake(str(tmp_path / "kept"))
+    import_chat_log(kept, log, keep_request=True)  # the request and reply kept instead
+    build_silver(kept)
+    save_spec(kept, SFT_SUCCESSES_SPEC)
+    build_partition(kept, SFT_SUCCESSES_SPEC, 3)
+    export(open_dataset("sft-successes", kept.uri), 3, "sft-messages", out)
+    record = json.loads(out.read_text().splitlines()[1])
+    assert record["messages"][0] == SYSTEM and record["messages"][-1]["content"] == "5"
+    assert record["decoded_with"]["via"] == "recorded"
 
 
 def bronze_reward(lake: Lake, step_key: str, value: float) -> None:

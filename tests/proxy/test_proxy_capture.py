@@ -234,15 +234,15 @@ def test_local_ids_are_labelled_by_the_servers_counts():
         )
 
     two = [tokens(5, 3), tokens(5, 4)]  # n=2: one prompt, two replies
-    agree = verified(two, [0, 0], {"prompt_tokens": 5, "completion_tokens": 7}, None)
+    agree = verified(two, [0, 0], {"prompt_tokens": 5, "completion_tokens": 7})
     assert [t.token_source for t in agree] == ["local", "local"]
     assert agree[0].metadata["token_check"] == {
         "prompt_tokens": [5, 5],
         "completion_tokens": [7, 7],
     }
-    disagree = verified(two, [0, 0], {"prompt_tokens": 5, "completion_tokens": 8}, None)
+    disagree = verified(two, [0, 0], {"prompt_tokens": 5, "completion_tokens": 8})
     assert {t.token_source for t in disagree} == {"local_unverified"}
-    unknown = verified(two, [0, 0], None, None)
+    unknown = verified(two, [0, 0], None)
     assert {t.token_source for t in unknown} == {"local_unverified"}
     server = [StepTokens(b"", b"", None, "upstream")]
-    assert verified(server, [0], None, None) == server  # the server's ids need no check
+    assert verified(server, [0], None) == server  # the server's ids need no check
