@@ -10,7 +10,7 @@ returns token ids (vLLM's `return_token_ids`) logged it.
 | `step_index` | its turn; default: its order among the file's lines of that trajectory |
 | `prompt_uid` | GRPO prompt group (default: none; several choices share the trajectory's) |
 | `policy_version`, `reward`, `is_last` | as in `POST /v1/steps` |
-| `request` | the chat completion request (kept in metadata when `--keep-request`, with the choice's `message` as `metadata.reply`) |
+| `request` | the request (kept in metadata with `--keep-request`, the reply as `metadata.reply`) |
 | `response.prompt_token_ids` | the prompt's token ids (required) |
 | `response.choices[i].token_ids` | the sampled ids of choice i (required) |
 | `response.choices[i].logprobs.content[*].logprob` | per-token log-probs (optional) |
