@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from claw_pipelines.tokenizer_store import bundled_fingerprint
+
 CALCULATOR_TOOL = {
     "type": "function",
     "function": {
@@ -109,7 +111,12 @@ def white_box_group(
                 "is_last": True,
                 "finish_reason": choice["finish_reason"],
                 "model": answer["model"],
-                "metadata": {"agent": "white-box-math", "task": task.question},
+                "metadata": {
+                    "agent": "white-box-math",
+                    "task": task.question,
+                    # the ids are the simulated model's: exports decode them with its tokenizer
+                    "tokenizer": {"name": "bundled", "fingerprint": bundled_fingerprint()},
+                },
             }
         )
     tally.add(gateway.post("/v1/steps", json={"steps": steps}).raise_for_status().json(), "steps")
