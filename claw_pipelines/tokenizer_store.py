@@ -16,6 +16,7 @@ from claw_pipelines.tokenization import ChatTokenizer, load_chat_tokenizer
 
 TOKENIZER_FOLDER = "_tokenizers"
 TEMPLATE_DIR = "additional_chat_templates"
+NAME_FILE = "claw-name.txt"  # the folder it was kept from (what steps call it)
 # what a tokenizer folder needs to load as transformers loads it (no weights)
 KEPT_FILES = (
     "tokenizer.json",
@@ -46,6 +47,7 @@ def save_tokenizer(lake: Lake, tokenizer: ChatTokenizer) -> str:
         return fingerprint
     names = [n for n in KEPT_FILES if (folder / n).is_file()]
     names += [f"{TEMPLATE_DIR}/{p.name}" for p in sorted((folder / TEMPLATE_DIR).glob("*.jinja"))]
+    lake.write_text(f"{home}/{NAME_FILE}", tokenizer.name)
     for name in sorted(names, key=lambda n: n == "tokenizer.json"):  # the marker goes last
         lake.write_text(f"{home}/{name}", (folder / name).read_text(encoding="utf-8"))
     return fingerprint
@@ -75,10 +77,13 @@ def _kept(uri: str, options: tuple[tuple[str, str], ...], fingerprint: str) -> C
         return None
     local = Path(tempfile.mkdtemp(prefix=f"claw-tokenizer-{fingerprint}-"))
     for name in [*lake.list_files(home), *lake.list_files(f"{home}/{TEMPLATE_DIR}")]:
+        if name.endswith(NAME_FILE):
+            continue
         target = local / name.removeprefix(home + "/")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(lake.read_text(name) or "", encoding="utf-8")
     chat = load_chat_tokenizer(str(local))
+    chat.name = lake.read_text(f"{home}/{NAME_FILE}") or chat.name  # as its steps call it
     if chat.fingerprint != fingerprint:  # loaded otherwise than where it was kept from
         raise ValueError(
             f"the lake's tokenizer {fingerprint} loads here as {chat.fingerprint} (another "

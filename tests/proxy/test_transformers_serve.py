@@ -18,7 +18,14 @@ import polars as pl
 import pytest
 from transformers import AutoTokenizer
 
+from claw_pipelines.consume import open_dataset
+from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.export import export
+from claw_pipelines.gold import build_partition
+from claw_pipelines.lake import Lake
+from claw_pipelines.silver import build_silver
 from claw_pipelines.simulation.model_folders import tiny_model_folder
+from claw_pipelines.spec_store import save_spec
 from claw_pipelines.tokenization import server_messages
 from tests.servers import REPO, GatewayProcess, bronze, wait_landed
 from tests.upstreams import TransformersServe, proxy_env
@@ -196,3 +203,34 @@ def test_a_scoped_conversation_numbers_its_turns(gateway, served, truth):
         assert row["prompt_ids"] == list(expected)
         assert "token_in" not in payload["metadata"]  # the server cannot take token ids
         _check_labels(row, usage)
+
+
+def test_the_conversation_exports_in_the_models_own_language(gateway, served, tmp_path):
+    trajectory = f"export-{uuid.uuid4().hex[:8]}"
+    client = _client(gateway, f"/t/{trajectory}/g/{trajectory}/v1")
+    messages = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    keys, sent = [], []
+    for turn in range(2):
+        keys.append(f"export-{uuid.uuid4().hex}")
+        answer = client.chat.completions.create(
+            model=served.model,
+            messages=messages,
+            max_tokens=12,
+            extra_headers={"Idempotency-Key": keys[-1]},
+        )
+        reply = {"role": "assistant", "content": answer.choices[0].message.content}
+        sent.append([*messages, reply])
+        messages = [*messages, reply, {"role": "user", "content": f"Go on, {turn}."}]
+    _rows(gateway, keys)
+    lake = Lake(str(gateway.lake))
+    build_silver(lake)
+    spec = CurationSpec(name="as-served", reward_status=["final", "missing", "pending"])
+    save_spec(lake, spec)
+    build_partition(lake, spec, 0)
+    out = tmp_path / "sft.jsonl"
+    export(open_dataset("as-served", lake.uri), 0, "sft-messages", out)
+    records = {r["step_key"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for turn, conversation in enumerate(sent):
+        record = records[f"{trajectory}:{turn}"]
+        assert record["messages"] == conversation  # what was sent, and the reply received
+        assert record["decoded_with"]["name"] == served.model
