@@ -249,46 +249,58 @@ def _decode_group(
     fingerprint: str | None,
     recorded: dict[str, dict[str, Any]],
 ) -> pl.DataFrame:
-    """The steps of one tokenizer (see decode_steps)."""
+    """The steps of one tokenizer (see decode_steps): plain ChatML read for all at once,
+    each reading checked; the rest, and steps with a kept request, one by one."""
     keys = group["step_key"].to_list()
     if chat is None:
         return _recorded_only(keys, fingerprint, recorded)
     reader = MessageReader(chat)
-    texts = pl.Series(chat.decode_batch(group["prompt_ids"].to_list()), dtype=pl.String)
-    replies = pl.Series(chat.decode_batch(group["response_ids"].to_list()), dtype=pl.String)
+    texts = chat.decode_lists(group["prompt_ids"].to_arrow())
+    replies = chat.decode_lists(group["response_ids"].to_arrow())
     if chat.eos_token:
         replies = replies.str.strip_suffix(chat.eos_token)
-    messages: list[Any] = [None] * len(keys)
-    via = ["template"] * len(keys)
-    pending = [i for i, k in enumerate(keys) if k in recorded]
+    kept = pl.Series([k in recorded for k in keys], dtype=pl.Boolean)
     if is_chatml(reader):
         read, exact = chatml_messages(texts)
-        read_list, exact_list = read.to_list(), exact.to_list()
-        for i in range(len(keys)):
-            if exact_list[i] and keys[i] not in recorded:
-                messages[i] = read_list[i]
-            elif keys[i] not in recorded:
-                pending.append(i)
+        done = exact & ~kept
     else:
-        pending += [i for i, k in enumerate(keys) if k not in recorded]
-    text_list = texts.to_list()
-    for i in sorted(set(pending)):
-        decoded = prompt_messages(reader, keys[i], text_list[i], recorded.get(keys[i]))
-        messages[i], via[i] = decoded.messages, decoded.via
-    name = chat.name
-    return pl.DataFrame(
+        read, done = pl.Series([None] * len(keys), dtype=pl.List(MESSAGE)), kept & False
+    frame = pl.DataFrame(
         {
             "step_key": keys,
-            "prompt_messages": pl.Series(
-                [[_message(m) for m in ms] for ms in messages], dtype=pl.List(MESSAGE)
-            ),
-            "reply": pl.DataFrame({"role": ["assistant"] * len(keys), "content": replies})
-            .to_struct()
-            .cast(MESSAGE),
-            "decoded_with": [
-                {"name": name, "fingerprint": chat.fingerprint, "via": v} for v in via
-            ],
+            "prompt_messages": read.cast(pl.List(MESSAGE)),
+            "reply": replies,
+            "via": pl.Series(["template"] * len(keys)),
+            "done": done,
         }
+    )
+    pending = frame.filter(~pl.col("done"))
+    if pending.height:
+        texts_of = dict(zip(keys, texts.to_list(), strict=True))
+        read_one = [
+            prompt_messages(reader, key, texts_of[key], recorded.get(key))
+            for key in pending["step_key"]
+        ]
+        pending = pending.with_columns(
+            prompt_messages=pl.Series(
+                [[_message(m) for m in d.messages] for d in read_one], dtype=pl.List(MESSAGE)
+            ),
+            via=pl.Series([d.via for d in read_one], dtype=pl.String),
+        )
+        order = frame.select("step_key").with_row_index("order")
+        frame = (
+            pl.concat([frame.filter(pl.col("done")), pending])
+            .join(order, on="step_key")
+            .sort("order")
+            .drop("order")
+        )
+    return frame.select(
+        "step_key",
+        "prompt_messages",
+        reply=pl.struct(role=pl.lit("assistant"), content="reply"),
+        decoded_with=pl.struct(
+            name=pl.lit(chat.name), fingerprint=pl.lit(chat.fingerprint), via="via"
+        ),
     )
 
 

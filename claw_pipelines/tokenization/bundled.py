@@ -89,14 +89,20 @@ def token_bytes(tokenizer: Tokenizer | None = None) -> tuple[bytes, ...]:
 
 
 @lru_cache(maxsize=8)
-def _byte_table(path: str | None) -> pa.Array:
-    return pa.array(token_bytes(load_tokenizer(path)), pa.binary())
+def _byte_table(tokenizer: Tokenizer) -> pa.Array:
+    return pa.array(token_bytes(tokenizer), pa.binary())
 
 
 def decode_lists(ids: pa.ListArray | pa.ChunkedArray, tokenizer: str | None = None) -> pl.Series:
     """Texts of token-id lists with a byte-level tokenizer (default the bundled one),
     vectorized: a byte lookup per token and one join per list."""
-    table = _byte_table(None if is_bundled(tokenizer) else tokenizer)
+    return decode_lists_with(ids, load_tokenizer(None if is_bundled(tokenizer) else tokenizer))
+
+
+def decode_lists_with(ids: pa.ListArray | pa.ChunkedArray, tokenizer: Tokenizer) -> pl.Series:
+    """`decode_lists` with a loaded byte-level tokenizer (ArrowInvalid when a text is not
+    whole UTF-8)."""
+    table = _byte_table(tokenizer)
     if isinstance(ids, pa.ChunkedArray):
         ids = ids.combine_chunks()
     pieces = pa.ListArray.from_arrays(ids.offsets, pc.take(table, ids.values))

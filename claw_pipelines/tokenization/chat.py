@@ -25,9 +25,16 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
+import polars as pl
+import pyarrow as pa
 from tokenizers import Tokenizer
 
-from claw_pipelines.tokenization.bundled import IM_END, is_bundled, load_tokenizer
+from claw_pipelines.tokenization.bundled import (
+    IM_END,
+    decode_lists_with,
+    is_bundled,
+    load_tokenizer,
+)
 from claw_pipelines.tokenization.templates import (
     CONFIG_FILE,
     compiled,
@@ -97,6 +104,22 @@ class ChatTokenizer:
     def decode_batch(self, lists: Sequence[Sequence[int]]) -> list[str]:
         """Texts of many id lists at once (in Rust, in parallel), special tokens kept."""
         return self.tokenizer.decode_batch([list(ids) for ids in lists], skip_special_tokens=False)
+
+    @cached_property
+    def byte_level(self) -> bool:
+        """Whether the tokenizer decodes by bytes (GPT-2 style byte-level BPE: the bundled
+        one, Qwen, Llama 3): then id lists decode as a table lookup, vectorized."""
+        return json.loads(self.tokenizer.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+
+    def decode_lists(self, ids: pa.ListArray | pa.ChunkedArray) -> pl.Series:
+        """Texts of a column of id lists, special tokens kept: byte-level tokenizers by a
+        vectorized byte lookup, others (or text that is not whole UTF-8) in Rust batches."""
+        if self.byte_level:
+            try:
+                return decode_lists_with(ids, self.tokenizer)
+            except pa.ArrowInvalid:  # a list that ends inside a character: decode it as text
+                pass
+        return pl.Series(self.decode_batch(pl.Series(ids).to_list()), dtype=pl.String)
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a chat waiting for the assistant's reply."""
