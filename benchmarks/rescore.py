@@ -38,6 +38,7 @@ from claw_pipelines.lake import Lake  # noqa: E402
 from claw_pipelines.rescore import JUDGE_INPUT_COLUMNS, load_judge, rescore  # noqa: E402
 from claw_pipelines.silver import build_silver  # noqa: E402
 from claw_pipelines.tokenization import IM_END, encode, encode_chat  # noqa: E402
+from claw_pipelines.tokenizer_store import bundled_fingerprint  # noqa: E402
 
 FULL_TARGET = 3.0
 INCREMENTAL_TARGET = 0.05
@@ -84,7 +85,7 @@ def bronze_batch(rows: list[dict], batch_seq: int) -> pa.Table:
                 "step_index": 0,
                 "policy_version": 1,
                 "is_last": True,
-                "metadata": {},
+                "metadata": {"tokenizer": {"name": "bundled", "fingerprint": BUNDLED}},
                 "event_id": e,
             }
         )
@@ -117,6 +118,9 @@ def bronze_batch(rows: list[dict], batch_seq: int) -> pa.Table:
             "response_ids": lists([r["response_ids"] for r in rows]),
         }
     )
+
+
+BUNDLED = bundled_fingerprint()  # the steps' ids are the bundled tokenizer's (ChatML)
 
 
 def land(lake: Lake, rows: list[dict], batch: int, first_seq: int) -> int:

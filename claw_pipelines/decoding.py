@@ -22,7 +22,10 @@ from typing import Any
 
 import polars as pl
 
-from claw_pipelines.tokenization import ChatTokenizer
+from claw_pipelines.contracts.tables import SILVER_STEPS
+from claw_pipelines.lake import Lake
+from claw_pipelines.tokenization import ChatTokenizer, load_chat_tokenizer
+from claw_pipelines.tokenizer_store import tokenizer_of
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_TURNS = 1024
@@ -341,3 +344,46 @@ def _recorded_only(
             ],
         }
     )
+
+
+# -- where tokenizers and kept requests come from --------------------------------------------
+
+
+def resolver(lake: Lake, fallback: str | None) -> Callable[[str | None], ChatTokenizer | None]:
+    """A step tokenizer's fingerprint -> the tokenizer to decode with: the one the lake
+    keeps; for steps naming none (or one the lake lacks but `fallback` is), the `fallback`
+    folder (`--tokenizer`, CLAW_TOKENIZER)."""
+    given = load_chat_tokenizer(fallback) if fallback is not None else None
+
+    def resolve(fingerprint: str | None) -> ChatTokenizer | None:
+        if fingerprint is None:
+            return given
+        if given is not None and given.fingerprint == fingerprint:
+            return given
+        return tokenizer_of(lake, fingerprint)
+
+    return resolve
+
+
+def recorded_requests(lake: Lake, steps: pl.DataFrame) -> dict[str, dict[str, Any]]:
+    """The requests silver kept for these steps (`metadata.request`, and `metadata.reply`:
+    `claw import --keep-request`), by step key."""
+    if not lake.exists(SILVER_STEPS):
+        return {}
+    where = pl.col("step_key").is_in(steps["step_key"].unique().implode())
+    if "policy_version" in steps.columns:  # a partition filter first: fewer files read
+        where = pl.col("policy_version").is_in(steps["policy_version"].unique().implode()) & where
+    rows = lake.read(SILVER_STEPS, columns=["step_key", "metadata"], where=where).filter(
+        pl.col("metadata").str.contains('"request"', literal=True)
+    )
+    kept = {}
+    for key, metadata in rows.iter_rows():
+        data = json.loads(metadata)
+        request = data.get("request")
+        if isinstance(request, dict):
+            kept[key] = {
+                "messages": request.get("messages"),
+                "tools": request.get("tools"),
+                "reply": data.get("reply"),
+            }
+    return kept

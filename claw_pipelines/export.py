@@ -43,10 +43,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from claw_pipelines.consume import Dataset
-from claw_pipelines.contracts.tables import SILVER_STEPS
-from claw_pipelines.decoding import decode_steps
-from claw_pipelines.tokenization import load_chat_tokenizer
-from claw_pipelines.tokenizer_store import tokenizer_of
+from claw_pipelines.decoding import decode_steps, recorded_requests, resolver
 
 Format = Literal["verl-parquet", "jsonl", "sft-messages", "preference-pairs"]
 FORMATS = ("verl-parquet", "jsonl", "sft-messages", "preference-pairs")
@@ -80,48 +77,6 @@ def verl_frame(steps: pl.DataFrame) -> pl.DataFrame:
         step_index="step_index",
         policy_version="policy_version",
     )
-
-
-def recorded_requests(dataset: Dataset, steps: pl.DataFrame) -> dict[str, dict[str, Any]]:
-    """The requests silver kept for these steps (`metadata.request`, and `metadata.reply`:
-    `claw import --keep-request`), by step key."""
-    lake = dataset.lake
-    if not lake.exists(SILVER_STEPS):
-        return {}
-    keys = steps["step_key"].unique().implode()
-    versions = steps["policy_version"].unique().implode()
-    rows = lake.read(
-        SILVER_STEPS,
-        columns=["step_key", "metadata"],
-        where=pl.col("policy_version").is_in(versions) & pl.col("step_key").is_in(keys),
-    ).filter(pl.col("metadata").str.contains('"request"', literal=True))
-    kept = {}
-    for key, metadata in rows.iter_rows():
-        data = json.loads(metadata)
-        request = data.get("request")
-        if isinstance(request, dict):
-            kept[key] = {
-                "messages": request.get("messages"),
-                "tools": request.get("tools"),
-                "reply": data.get("reply"),
-            }
-    return kept
-
-
-def resolver(dataset: Dataset, fallback: str | None) -> Callable[[str | None], Any]:
-    """A step tokenizer's fingerprint -> the tokenizer to decode with: the one the lake
-    keeps; for steps naming none (or one the lake lacks but `fallback` is), the `fallback`
-    folder (`--tokenizer`, CLAW_TOKENIZER)."""
-    given = load_chat_tokenizer(fallback) if fallback is not None else None
-
-    def resolve(fingerprint: str | None):
-        if fingerprint is None:
-            return given
-        if given is not None and given.fingerprint == fingerprint:
-            return given
-        return tokenizer_of(dataset.lake, fingerprint)
-
-    return resolve
 
 
 def sft_frame(
@@ -230,7 +185,8 @@ def export(
     if steps.is_empty():
         raise LookupError(f"{dataset.name} has no steps for policy version {policy_version}")
     if fmt in ("sft-messages", "preference-pairs"):
-        resolve, recorded = resolver(dataset, tokenizer), recorded_requests(dataset, steps)
+        resolve = resolver(dataset.lake, tokenizer)
+        recorded = recorded_requests(dataset.lake, steps)
     if fmt == "sft-messages":
         frame = sft_frame(steps, resolve, recorded)
     elif fmt == "preference-pairs":

@@ -530,11 +530,14 @@ class Lake:
         """
         if until <= after:
             raise ValueError(f"empty version range ({after}, {until}]")
-        wanted = None if columns is None else [*columns, "_change_type"]
         try:
             with self._lock:  # the kept handle, at `until`, saves replaying the log
                 kept = self._latest(name)
                 table = kept if kept.version() == until else self.open(name, until)
+                present = set(table.schema().to_arrow().names)
+                wanted = None
+                if columns is not None:  # a column declared since: nulls, added below
+                    wanted = [*(c for c in columns if c in present), "_change_type"]
                 reader = table.load_cdf(
                     starting_version=after + 1, ending_version=until, columns=wanted
                 )
@@ -554,7 +557,10 @@ class Lake:
         kinds = changed.column("_change_type").unique().to_pylist() if changed.num_rows else []
         if set(kinds) - {"insert"}:
             return None  # rows were updated or deleted: not an append-only range
-        return changed.drop_columns([c for c in CHANGE_COLUMNS if c in changed.column_names])
+        changed = changed.drop_columns([c for c in CHANGE_COLUMNS if c in changed.column_names])
+        for column in [c for c in columns or () if c not in changed.column_names]:
+            changed = changed.append_column(column, pa.nulls(changed.num_rows, pa.string()))
+        return changed
 
     def scan(self, name: str, version: int | None = None) -> pl.LazyFrame:
         """A lazy polars scan of table `name` (at `version` when given)."""

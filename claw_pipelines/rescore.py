@@ -5,8 +5,12 @@ A judge is a Python reward function with a name and a version:
     def judge(steps: polars.DataFrame) -> polars.Series: ...
 
 `steps` has one row per step to score: `step_key`, `trajectory_uid`, `step_index`, `tenant`,
-`prompt_ids`, `response_ids` (list<int32>, as silver stores them); the answer is one reward
-per row, in row order (float; null: no opinion, nothing recorded). `claw rescore --judge
+`prompt_ids`, `response_ids` (list<int32>, as silver stores them), `tokenizer` (the
+fingerprint of the tokenizer the ids belong to) and, decoded with that tokenizer,
+`last_user` (the text of the prompt's last user turn) and `reply` (the response's text, its
+end-of-turn token dropped); the answer is one reward per row, in row order (float; null: no
+opinion, nothing recorded). A step whose tokenizer is unknown (and no `--tokenizer` names it)
+or that cannot be read is refused in one line, before anything is scored. `claw rescore --judge
 module:function` loads one (its version from `--judge-version`, else the function's
 `judge_version` attribute); `exact-match` is built in: the demo's arithmetic verifier.
 
@@ -40,10 +44,12 @@ from claw_pipelines.contracts.tables import (
     SCHEMA_VERSION,
     SILVER_STEPS,
 )
+from claw_pipelines.decoding import decode_steps, recorded_requests, resolver
 from claw_pipelines.gold import curated, source_versions
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import silver_state
 from claw_pipelines.tokenization import IM_END, IM_START, decode_lists, encode
+from claw_pipelines.tokenizer_store import bundled_fingerprint
 
 JudgeFunction = Callable[[pl.DataFrame], pl.Series]
 RESCORE_WRITER = "rescore"  # the bronze `gateway_id` of judges' facts
@@ -55,6 +61,7 @@ JUDGE_SCHEMA = {
     "tenant": pl.String,
     "prompt_ids": pl.List(pl.Int32),
     "response_ids": pl.List(pl.Int32),
+    "tokenizer": pl.String,
 }
 JUDGE_INPUT_COLUMNS = list(JUDGE_SCHEMA)
 
@@ -205,11 +212,10 @@ _LAST_NUMBER = r"(-?\d+)\D*$"
 
 
 def exact_match(steps: pl.DataFrame) -> pl.Series:
-    """The demo's arithmetic verifier: 1.0 when the last number of the response is the value
-    of the `What is a op b?` in the step's last user turn, 0.0 when it is not, null when that
+    """The demo's arithmetic verifier: 1.0 when the last number of the reply is the value of
+    the `What is a op b?` in the step's last user turn, 0.0 when it is not, null when that
     turn asks no such question."""
-    question = decode_lists(last_user_turns(steps["prompt_ids"].to_arrow()))
-    answer = decode_lists(steps["response_ids"].to_arrow())
+    question, answer = steps["last_user"], steps["reply"]
     asked = pl.col("q").str.extract_groups(_QUESTION).struct
     parts = pl.DataFrame({"q": question, "a": answer}).select(
         a=asked.field("1").cast(pl.Int64, strict=False),
@@ -258,6 +264,44 @@ def load_judge(name: str, version: str | None = None) -> Judge:
 
 
 # -- re-scoring ---------------------------------------------------------------------------
+
+
+def judge_texts(lake: Lake, steps: pl.DataFrame, fallback: str | None = None) -> pl.DataFrame:
+    """The steps with `last_user` and `reply` decoded with each step's tokenizer (the lake's
+    copy; `fallback` for steps naming none): the bundled tokenizer's ChatML by scanning the
+    ids for the last user turn (vectorized), others through claw_pipelines.decoding.
+    Undecodable names the first step that cannot be read."""
+    resolve = resolver(lake, fallback)
+    bundled = bundled_fingerprint()
+    fingerprints = steps["tokenizer"]
+    if fallback is not None:
+        given = resolve(None)
+        fingerprints = fingerprints.fill_null(given.fingerprint if given else None)
+    steps = steps.with_columns(tokenizer=fingerprints)
+    parts = []
+    for (fingerprint,), group in steps.with_row_index("row").group_by(
+        "tokenizer", maintain_order=True
+    ):
+        if fingerprint == bundled:
+            texts = group.with_columns(
+                last_user=decode_lists(last_user_turns(group["prompt_ids"].to_arrow())),
+                reply=decode_lists(group["response_ids"].to_arrow()).str.strip_suffix(IM_END),
+            )
+        else:
+            decoded = decode_steps(group, resolve, recorded_requests(lake, group))
+            last = decoded.select(
+                "step_key",
+                last_user=pl.col("prompt_messages")
+                .list.eval(pl.element().filter(pl.element().struct.field("role") == "user").last())
+                .list.first()
+                .struct.field("content"),
+                reply=pl.col("reply").struct.field("content"),
+            )
+            texts = group.join(last, on="step_key", how="left", maintain_order="left")
+        parts.append(texts)
+    if not parts:
+        return steps.with_columns(last_user=pl.lit(None, pl.String), reply=pl.lit(None, pl.String))
+    return pl.concat(parts).sort("row").drop("row")
 
 
 def fact_id_prefix(judge: Judge) -> str:
@@ -362,7 +406,7 @@ def _step_rows(lake: Lake, version: int, wanted: pl.Series) -> pl.DataFrame:
     needed = holding.select("file").unique().collect()["file"].to_list()
     if not needed:
         return pl.DataFrame(schema=JUDGE_SCHEMA)
-    rows = pl.scan_parquet(needed, storage_options=options)
+    rows = pl.scan_parquet(needed, storage_options=options, missing_columns="insert")
     return (
         rows.select(JUDGE_INPUT_COLUMNS)
         .filter(pl.col("step_key").is_in(wanted.implode()))
@@ -413,10 +457,19 @@ def _payload(judge: Judge, created: str) -> pl.Expr:
     )
 
 
-def _score(lake: Lake, judge: Judge, steps: pl.DataFrame, now: dt.datetime | None):
-    """Put `steps` (the judge's columns and each fact's event_id) to the judge; append the
-    rewards it gave as facts in one commit. (facts, abstentions, bronze version or None)."""
+def _score(
+    lake: Lake,
+    judge: Judge,
+    steps: pl.DataFrame,
+    now: dt.datetime | None,
+    tokenizer: str | None = None,
+):
+    """Put `steps` (the judge's columns and each fact's event_id) to the judge, with their
+    texts decoded (`judge_texts`); append the rewards it gave as facts in one commit.
+    (facts, abstentions, bronze version or None)."""
     empty = pl.Series([], dtype=pl.Float64)
+    if steps.height:
+        steps = judge_texts(lake, steps, tokenizer)
     rewards = judge.score(steps.drop("event_id")) if steps.height else empty
     if len(rewards) != steps.height:
         raise JudgeError(f"judge {judge.name!r}: {len(rewards)} rewards for {steps.height} steps")
@@ -438,9 +491,11 @@ def rescore(
     spec: CurationSpec | None = None,
     now: dt.datetime | None = None,
     full: bool = False,
+    tokenizer: str | None = None,
 ) -> RescoreRun:
     """Score the steps in scope (a spec's kept steps, else every silver step) that this judge
-    version has not scored yet; append their facts to bronze in one commit.
+    version has not scored yet; append their facts to bronze in one commit (`tokenizer`:
+    the folder decoding steps that name none).
 
     Over all of silver, a run leaves a watermark and the next one reads only the steps added
     since (silver's change feed; `full` looks at every step again, e.g. to re-ask those the
@@ -471,7 +526,7 @@ def rescore(
             candidates = keys.len()
             steps = _step_rows(lake, steps_version, keys.filter(~keys.is_in(done.implode())))
         steps = steps.with_columns(event_id=fact_event_ids(judge, steps["step_key"]))
-    scored, abstained, version = _score(lake, judge, steps, now)
+    scored, abstained, version = _score(lake, judge, steps, now, tokenizer)
     if spec is None:
         _write_watermark(lake, judge, Watermark(steps_version, bronze_began, version))
     return RescoreRun(

@@ -43,9 +43,11 @@ def step(
     reward: float | None = None,
     is_last: bool = False,
     tenant: str = "t",
+    tokenizer: str | None = None,
     **extra,
 ) -> dict:
-    """One white-box step record."""
+    """One white-box step record (`tokenizer`: the fingerprint its metadata names)."""
+    metadata = {} if tokenizer is None else {"tokenizer": {"fingerprint": tokenizer}}
     payload = {
         "trajectory_uid": trajectory,
         "prompt_uid": group,
@@ -53,7 +55,7 @@ def step(
         "policy_version": version,
         "reward": reward,
         "is_last": is_last,
-        "metadata": {},
+        "metadata": metadata,
         **extra,
     }
     row = _envelope("step", payload, tenant)

@@ -128,7 +128,7 @@ def _cmd_rescore(args: argparse.Namespace) -> None:
     try:
         judge = load_judge(args.judge, args.judge_version)
         spec = load_spec(lake, args.spec) if args.spec else None
-        run = rescore(lake, judge, spec, full=args.full)
+        run = rescore(lake, judge, spec, full=args.full, tokenizer=args.tokenizer)
     except (JudgeError, SpecError, LookupError) as exc:
         raise CliError(str(exc)) from None
     print(
@@ -424,6 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     judge.add_argument("--judge", required=True, help="exact-match (built in), or module:function")
     judge.add_argument("--judge-version", help="default: the function's judge_version")
     judge.add_argument("--spec", help="only the steps this curation spec keeps")
+    judge.add_argument(
+        "--tokenizer",
+        metavar="FOLDER",
+        help="the model's tokenizer folder (or `bundled`), for steps that name none",
+    )
     judge.add_argument(
         "--full",
         action="store_true",

@@ -20,12 +20,22 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.gold import build_partition
 from claw_pipelines.lake import Lake
-from claw_pipelines.rescore import JudgeError, exact_match, load_judge, rescore, watermark_path
+from claw_pipelines.rescore import (
+    JudgeError,
+    exact_match,
+    judge_texts,
+    load_judge,
+    rescore,
+    watermark_path,
+)
 from claw_pipelines.silver import build_silver
 from claw_pipelines.tokenization import IM_END, encode, encode_chat
+from claw_pipelines.tokenizer_store import bundled_fingerprint
 from claw_pipelines.transforms.judges import judge_agreement, judge_rewards
 from tests.lakes import completion, land, step
 from tests.servers import REPO
+
+BUNDLED = bundled_fingerprint()  # the arithmetic steps' ids are the bundled tokenizer's
 
 # (a, b, what the model said): right, wrong, right
 TASKS = [(12, 7, 19), (3, 4, 8), (40, 2, 42)]
@@ -41,14 +51,14 @@ def arithmetic_steps(offset: int = 0) -> list[dict]:
         call = encode(
             f'<tool_call>\n{{"name": "calc", "arguments": {{"x": "{a}+{b}"}}}}\n</tool_call>'
         )
-        rows.append(step(trajectory, 0, first, [*call, *encode(IM_END)]))
+        rows.append(step(trajectory, 0, first, [*call, *encode(IM_END)], tokenizer=BUNDLED))
         history = [
             *question,
             {"role": "assistant", "content": ""},
             {"role": "tool", "content": str(a + b)},
         ]
         answer = encode(f"The answer is {said}.") + encode(IM_END)
-        rows.append(step(trajectory, 1, encode_chat(history), answer))
+        rows.append(step(trajectory, 1, encode_chat(history), answer, tokenizer=BUNDLED))
         rows.append(completion(trajectory))
     return rows
 
@@ -56,14 +66,15 @@ def arithmetic_steps(offset: int = 0) -> list[dict]:
 @pytest.fixture
 def lake(tmp_path) -> Lake:
     lake = Lake(str(tmp_path / "lake"))
-    chatter = step("chat-1", 0, encode_chat([{"role": "user", "content": "Hello!"}]), encode("Hi."))
+    hello = encode_chat([{"role": "user", "content": "Hello!"}])
+    chatter = step("chat-1", 0, hello, encode("Hi."), tokenizer=BUNDLED)
     land(lake, [*arithmetic_steps(), chatter, completion("chat-1")])
     build_silver(lake)
     return lake
 
 
 def test_the_arithmetic_verifier_checks_the_last_number_against_the_question(lake):
-    steps = lake.read("silver/steps").sort("step_key")
+    steps = judge_texts(lake, lake.read("silver/steps").sort("step_key"))
     rewards = dict(zip(steps["step_key"], exact_match(steps).to_list(), strict=True))
     assert rewards == {
         "chat-1:0": None,  # no question: no opinion
@@ -215,3 +226,31 @@ def test_judges_side_by_side_and_their_agreement(lake):
     assert (
         agreement[("exact-match v1", "tests.pipelines.test_rescore:response_length v7")][1] == 0.0
     )
+
+
+def test_judges_read_each_steps_text_with_its_own_tokenizer(tmp_path):
+    from claw_pipelines.interchange import import_chat_log
+    from claw_pipelines.simulation.model_folders import tokenizer_folder
+    from claw_pipelines.tokenization import load_chat_tokenizer
+
+    llama = load_chat_tokenizer(str(tokenizer_folder(tmp_path / "llama3", "llama3")))
+    question = [{"role": "user", "content": "What is 2 + 3?"}]
+    reply = llama.encode("It is 5.") + llama.encode(llama.eos_token)
+    response = {"prompt_token_ids": llama.prompt_ids(question), "choices": [{"token_ids": reply}]}
+    log = tmp_path / "calls.jsonl"
+    log.write_text(json.dumps({"trajectory_uid": "llama-1", "response": response}) + "\n")
+    lake = Lake(str(tmp_path / "lake"))
+    import_chat_log(lake, log, tokenizer=llama)
+    land(lake, [step("anon", 0, encode_chat(question), encode("5"))])  # names no tokenizer
+    build_silver(lake)
+    judge = load_judge("exact-match")
+    with pytest.raises(LookupError, match=r"^step anon:0 names no tokenizer"):
+        rescore(lake, judge)
+    run = rescore(lake, judge, tokenizer="bundled")  # its ids are the bundled tokenizer's
+    assert run.scored == 2
+    build_silver(lake)
+    facts = lake.read(SILVER_FEEDBACK).filter(pl.col("judge") == "exact-match")
+    assert dict(zip(facts["step_key"], facts["value_number"], strict=True)) == {
+        "llama-1:0": 1.0,  # read with Llama 3's template: the question, then "It is 5."
+        "anon:0": 1.0,
+    }
