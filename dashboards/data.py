@@ -25,11 +25,13 @@ from claw_pipelines.contracts.tables import (
     gold_rejection_table,
     gold_tree_table,
 )
+from claw_pipelines.decoding import resolver
 from claw_pipelines.delivery import UNIT_COLUMNS, consumer_positions, unit_keys
 from claw_pipelines.lake import Lake
 from claw_pipelines.ledger import gold_datasets, waste_ledger
 from claw_pipelines.live import materializer_running
 from claw_pipelines.settings import ClawSettings
+from claw_pipelines.tokenization import ChatTokenizer
 from claw_pipelines.transforms.curation import CANDIDATE_STEP_COLUMNS, candidates
 
 TABLES = (
@@ -186,6 +188,13 @@ def records_per_second(at: Where, version: int, buckets: int = 240) -> pl.DataFr
         )
         .sort("time", "source")
     )
+
+
+@st.cache_resource(show_spinner=False)
+def step_tokenizer(at: Where, fingerprint: str | None) -> ChatTokenizer | None:
+    """The tokenizer a step names, as the lake keeps it (None: it names none, or one the
+    lake does not hold)."""
+    return resolver(at.lake(), None)(fingerprint)
 
 
 @frame_cache()

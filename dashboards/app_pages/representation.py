@@ -15,7 +15,6 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
 )
-from claw_pipelines.tokenization import decode, load_tokenizer
 from claw_pipelines.transforms.judges import judge_agreement, judge_rewards
 from dashboards import data
 
@@ -73,11 +72,20 @@ left.markdown(
 )
 right.markdown(f"prompt `{step['prompt_id']}` · response `{step['response_id']}`")
 boundaries = st.toggle("show token boundaries", value=False)
-tokenizer = load_tokenizer()
+chat = data.step_tokenizer(at, step.get("tokenizer"))
+if chat is None:
+    st.caption(
+        "this step names no tokenizer the lake holds: its ids are shown as numbers (claw import "
+        "--tokenizer, or a gateway with CLAW_TOKENIZER, names it)"
+    )
+else:
+    st.caption(f"decoded with its tokenizer `{chat.name}` ({chat.fingerprint})")
 
 
 def pieces(ids: list[int]) -> list[str]:
-    return [decode([token], tokenizer) for token in ids]
+    if chat is None:
+        return [f"{token} " for token in ids]
+    return [chat.decode([token]) for token in ids]
 
 
 def render(ids: list[int], logprobs: list[float] | None = None) -> str:

@@ -92,3 +92,20 @@ def test_the_contract_report_counts_token_sources_and_can_block_on_them(lake):
     build_partition(lake, strict, 1)
     with pytest.raises(ContractViolation, match=r"exact_ids .*rows: flagged:0"):
         list(open_dataset("strict", lake.uri).batches(1, batch_size=10))
+
+
+def test_steps_of_different_tokenizers_never_share_a_prefix_tree(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    rows = []
+    for trajectory, tokenizer in (("a", "fp-one"), ("b", "fp-one"), ("c", "fp-two")):
+        rows.append(step(trajectory, 0, [1, 2, 3], [4], group="g", tokenizer=tokenizer))
+        rows.append(completion(trajectory, 1.0))
+    land(lake, rows)
+    build_silver(lake)
+    spec = CurationSpec(name="grouped", reward_status=["final", "missing"], merge="prompt_group")
+    save_spec(lake, spec)
+    build_partition(lake, spec, 1)
+    steps = open_dataset("grouped", lake.uri).steps(1)
+    trees = dict(zip(steps["trajectory_uid"], steps["tree_id"], strict=True))
+    assert trees == {"a": "g@fp-one", "b": "g@fp-one", "c": "g@fp-two"}  # same prompt, apart
+    assert dict(zip(steps["trajectory_uid"], steps["tokenizer"], strict=True))["c"] == "fp-two"
