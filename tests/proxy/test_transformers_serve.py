@@ -205,7 +205,14 @@ def test_a_scoped_conversation_numbers_its_turns(gateway, served, truth):
         _check_labels(row, usage)
 
 
-def test_the_conversation_exports_in_the_models_own_language(gateway, served, tmp_path):
+def test_the_conversation_exports_in_the_models_own_language(served, tmp_path):
+    # a lake of its own: the other tests' legacy completions are no chats to export
+    env = proxy_env(served.base_url, KEY, "t", CLAW_TOKENIZER=served.model)
+    with GatewayProcess(tmp_path / "lake", **env) as gateway:
+        _export_a_conversation(gateway, served, tmp_path)
+
+
+def _export_a_conversation(gateway, served, tmp_path) -> None:
     trajectory = f"export-{uuid.uuid4().hex[:8]}"
     client = _client(gateway, f"/t/{trajectory}/g/{trajectory}/v1")
     messages = [{"role": "system", "content": "Be brief."}, *QUESTION]
