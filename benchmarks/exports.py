@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from claw_pipelines.app.cli import main as claw  # noqa: E402
 from claw_pipelines.consume import open_dataset  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
-from claw_pipelines.export import CHUNK_ROWS, export  # noqa: E402
+from claw_pipelines.export import CHUNK_ROWS, export, sft_record  # noqa: E402
 from claw_pipelines.gold import build_partition  # noqa: E402
 from claw_pipelines.lake import Lake  # noqa: E402
 from claw_pipelines.silver import build_silver  # noqa: E402
@@ -146,19 +146,8 @@ def before(steps: pl.DataFrame) -> pl.DataFrame:
     )
     replies = decode_lists(steps["response_ids"].to_arrow()).str.strip_suffix(IM_END)
     reply = pl.concat_list(pl.struct(role=pl.lit("assistant"), content=pl.lit(replies)))
-    ones = pl.col("response_ids").list.eval(pl.element() * 0 + 1).cast(pl.List(pl.Int8))
-    return steps.with_columns(prompt_messages=prompts).select(
-        messages=pl.concat_list("prompt_messages", reply),
-        prompt_ids="prompt_ids",
-        response_ids="response_ids",
-        response_mask=pl.coalesce(pl.col("response_mask"), ones),
-        reward="reward",
-        trajectory_return="trajectory_return",
-        step_key="step_key",
-        trajectory_uid="trajectory_uid",
-        step_index="step_index",
-        policy_version="policy_version",
-    )
+    framed = steps.with_columns(prompt_messages=prompts)
+    return framed.select(sft_record(pl.concat_list("prompt_messages", reply)))
 
 
 def write_before(dataset, out: Path) -> int:

@@ -84,20 +84,27 @@ def sft_frame(
 ) -> pl.DataFrame:
     """Gold steps as SFT records: messages and token ids (see the module doc)."""
     decoded = decode_steps(steps, resolve, recorded)
-    ones = pl.col("response_ids").list.eval(pl.element() * 0 + 1).cast(pl.List(pl.Int8))
-    return steps.join(decoded, on="step_key", how="left", maintain_order="left").select(
-        messages=pl.concat_list("prompt_messages", "reply"),
-        prompt_ids="prompt_ids",
-        response_ids="response_ids",
-        response_mask=pl.coalesce(pl.col("response_mask"), ones),
-        reward="reward",
-        trajectory_return="trajectory_return",
-        step_key="step_key",
-        trajectory_uid="trajectory_uid",
-        step_index="step_index",
-        policy_version="policy_version",
-        decoded_with="decoded_with",
+    joined = steps.join(decoded, on="step_key", how="left", maintain_order="left")
+    return joined.select(
+        *sft_record(pl.concat_list("prompt_messages", "reply")), decoded_with="decoded_with"
     )
+
+
+def sft_record(messages: pl.Expr) -> list[pl.Expr]:
+    """An SFT record's columns beside its `messages` (see the module doc)."""
+    ones = pl.col("response_ids").list.eval(pl.element() * 0 + 1).cast(pl.List(pl.Int8))
+    return [
+        messages.alias("messages"),
+        pl.col("prompt_ids"),
+        pl.col("response_ids"),
+        pl.coalesce(pl.col("response_mask"), ones).alias("response_mask"),
+        pl.col("reward"),
+        pl.col("trajectory_return"),
+        pl.col("step_key"),
+        pl.col("trajectory_uid"),
+        pl.col("step_index"),
+        pl.col("policy_version"),
+    ]
 
 
 def preference_frame(
