@@ -227,6 +227,8 @@ def decode_steps(
     messages, its reply and `decoded_with` ({name, fingerprint, via}); `resolve` gives a
     fingerprint's tokenizer (None where unknown or not held), `recorded` a step's kept request
     (`messages`, `tools`, `reply`). Undecodable for the first step that cannot be decoded."""
+    if "tokenizer" not in steps.columns:  # written before steps named their tokenizer
+        steps = steps.with_columns(tokenizer=pl.lit(None, pl.String))
     parts = []
     for (fingerprint,), group in steps.group_by("tokenizer", maintain_order=True):
         chat = resolve(fingerprint)
