@@ -42,6 +42,7 @@ import polars as pl
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.token_in import gateway_ms  # noqa: E402
 from claw_pipelines.contracts.tables import EXACT_TOKEN_SOURCES  # noqa: E402
 from claw_pipelines.simulation.model_folders import tiny_model_folder  # noqa: E402
 from claw_pipelines.tokenization import load_chat_tokenizer, server_messages  # noqa: E402
@@ -109,7 +110,7 @@ def conversations(
                 through, through_ms, seen = _post(http, url, body, headers)
                 _, direct_ms, _ = _post(http, direct + "/chat/completions", body, {})
             added.append(through_ms - direct_ms)
-            own = gateway_ms(seen.get("server-timing")) if not stream else None
+            own = None if stream else gateway_ms(seen["server-timing"])  # streams have none
             calls.append(
                 {"key": key, "body": body, "choices": len(through["texts"]), "own_ms": own}
             )
@@ -120,14 +121,6 @@ def conversations(
                 {"role": "user", "content": f"And after {turn}?"},
             ]
     return calls, added
-
-
-def gateway_ms(header: str | None) -> float | None:
-    """The gateway's own time from a Server-Timing header (non-streamed answers carry it)."""
-    if not header:
-        return None
-    metrics = dict(part.strip().split(";dur=") for part in header.split(","))
-    return float(metrics["gateway"])
 
 
 def sim_truth(http: httpx.Client, twin: str, calls: list[dict]) -> dict[str, list[list[int]]]:

@@ -24,7 +24,7 @@ import polars as pl
 
 from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.lake import Lake
-from claw_pipelines.tokenization import ChatTokenizer, load_chat_tokenizer
+from claw_pipelines.tokenization import IM_END, IM_START, ChatTokenizer, load_chat_tokenizer
 from claw_pipelines.tokenizer_store import tokenizer_of
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -118,14 +118,6 @@ class MessageReader:
             roles = (*roles, role)
         return None
 
-    def reply(self, response_ids: list[int]) -> dict[str, str]:
-        """The assistant's message of sampled ids (the end-of-turn token dropped)."""
-        text = self.chat.decode(response_ids)
-        eos = self.chat.eos_token
-        if eos and text.endswith(eos):
-            text = text[: -len(eos)]
-        return {"role": "assistant", "content": text}
-
     def renders(self, messages: Any, tools: Any, text: str) -> bool:
         """Whether recorded messages (and tools) render exactly to `text`."""
         if not complete(messages):
@@ -171,7 +163,6 @@ def prompt_messages(
 
 # -- many steps at once ----------------------------------------------------------------------
 
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHATML_TURN = r"<\|im_start\|>(?s:.*?)<\|im_end\|>\n"
 GENERATION = IM_START + "assistant\n"
 MESSAGE = pl.Struct({"role": pl.String, "content": pl.String})

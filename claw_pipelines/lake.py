@@ -558,8 +558,10 @@ class Lake:
         if set(kinds) - {"insert"}:
             return None  # rows were updated or deleted: not an append-only range
         changed = changed.drop_columns([c for c in CHANGE_COLUMNS if c in changed.column_names])
+        declared = TABLES[name].schema if name in TABLES else pa.schema([])
         for column in [c for c in columns or () if c not in changed.column_names]:
-            changed = changed.append_column(column, pa.nulls(changed.num_rows, pa.string()))
+            kind = declared.field(column).type if column in declared.names else pa.string()
+            changed = changed.append_column(column, pa.nulls(changed.num_rows, kind))
         return changed
 
     def scan(self, name: str, version: int | None = None) -> pl.LazyFrame:

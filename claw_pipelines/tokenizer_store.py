@@ -13,9 +13,9 @@ from pathlib import Path
 
 from claw_pipelines.lake import Lake
 from claw_pipelines.tokenization import ChatTokenizer, load_chat_tokenizer
+from claw_pipelines.tokenization.templates import TEMPLATE_DIR
 
 TOKENIZER_FOLDER = "_tokenizers"
-TEMPLATE_DIR = "additional_chat_templates"
 NAME_FILE = "claw-name.txt"  # the folder it was kept from (what steps call it)
 # what a tokenizer folder needs to load as transformers loads it (no weights)
 KEPT_FILES = (
