@@ -344,8 +344,8 @@ def tree_ids(frame: pl.DataFrame, spec: CurationSpec) -> pl.Series:
     vocabularies never share a prefix."""
     column = {"trajectory": "trajectory_uid", "prompt_group": GROUP, "none": "step_key"}
     scope = pl.col(column[spec.merge])
-    if "tokenizer" not in frame.columns:
-        return frame[column[spec.merge]].alias("tree_id")
+    if "tokenizer" not in frame.columns or frame["tokenizer"].n_unique() <= 1:
+        return frame[column[spec.merge]].alias("tree_id")  # one tokenizer: nothing to cut
     mixed = pl.col("tokenizer").fill_null("").n_unique().over(scope) > 1
     split = scope + "@" + pl.col("tokenizer").fill_null("unknown")
     return frame.select(pl.when(mixed).then(split).otherwise(scope).alias("tree_id")).to_series()
