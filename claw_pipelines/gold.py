@@ -161,33 +161,50 @@ def candidate_steps(lake: Lake, versions: dict[str, int | None]) -> pl.DataFrame
     return candidates(steps, rewards, trajectories)
 
 
+@dataclass(frozen=True)
+class Part:
+    """Some groups of silver to curate alone: their `candidates`, and what curation needs
+    of the rest (the newest policy version, the deadline clock, the judges' facts)."""
+
+    frame: pl.DataFrame
+    newest: int
+    clock: datetime | None
+    facts: pl.DataFrame | None = None  # silver/feedback rows of the part's steps
+
+
 def classified(
     lake: Lake,
     spec: CurationSpec,
     versions: dict[str, int | None],
-    frame: pl.DataFrame | None = None,
+    frame: pl.DataFrame | Part | None = None,
     trail: tuple[str, ...] = (),
 ) -> pl.DataFrame:
     """Every step the spec draws from (silver, or another dataset's rejections when it
     re-admits them) classified by it (`classify`: its reasons, null when kept), at the
-    pinned `versions`. `frame`: `candidate_steps` at `versions`, when already at hand."""
+    pinned `versions`. `frame`: `candidate_steps` at `versions`, when already at hand, or a
+    `Part` of it."""
     frame = candidate_steps(lake, versions) if frame is None else frame
-    newest = newest_policy(lake, versions, frame)
-    pool = frame
+    if isinstance(frame, Part):
+        part = frame
+    else:
+        part = Part(frame, newest_policy(lake, versions, frame), None)
+    pool = part.frame
     if spec.readmit is not None:
-        pool = readmitted(lake, spec, versions, frame, trail)
+        pool = readmitted(lake, spec, versions, part, trail)
     if spec.reward_judge is not None:
         judge, pinned = spec.reward_judge, versions.get(SILVER_FEEDBACK)
-        facts = lake.read(SILVER_FEEDBACK, pinned, columns=JUDGE_FACT_COLUMNS)
-        pool = judged(pool, facts, judge.name, judge.version)
-    return classify(pool, spec, newest)
+        facts = part.facts
+        if facts is None:
+            facts = lake.read(SILVER_FEEDBACK, pinned, columns=JUDGE_FACT_COLUMNS)
+        pool = judged(pool, facts.select(JUDGE_FACT_COLUMNS), judge.name, judge.version)
+    return classify(pool, spec, part.newest, part.clock)
 
 
 def readmitted(
     lake: Lake,
     spec: CurationSpec,
     versions: dict[str, int | None],
-    frame: pl.DataFrame,
+    frame: pl.DataFrame | Part,
     trail: tuple[str, ...] = (),
 ) -> pl.DataFrame:
     """The candidate steps `spec.readmit` names: those its dataset's spec rejects (for one
@@ -200,7 +217,8 @@ def readmitted(
     )
     if spec.readmit.reasons is not None:
         rejected = rejected.filter(pl.col("reason").is_in(spec.readmit.reasons))
-    return frame.filter(pl.col("step_key").is_in(rejected["step_key"].implode()))
+    pool = frame.frame if isinstance(frame, Part) else frame
+    return pool.filter(pl.col("step_key").is_in(rejected["step_key"].implode()))
 
 
 def readmit_source(lake: Lake, spec: CurationSpec, trail: tuple[str, ...] = ()) -> CurationSpec:
@@ -242,7 +260,7 @@ def curated_and_rejected(
     lake: Lake,
     spec: CurationSpec,
     versions: dict[str, int | None],
-    frame: pl.DataFrame | None = None,
+    frame: pl.DataFrame | Part | None = None,
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(the steps the spec keeps, with `tree_id`; the steps it leaves out, with reasons)."""
     rows = classified(lake, spec, versions, frame)

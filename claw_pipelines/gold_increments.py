@@ -15,7 +15,7 @@ full build's (`landed_at` aside).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import polars as pl
@@ -24,6 +24,8 @@ import pyarrow as pa
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_DATASET_SCHEMA,
+    GOLD_POLICY_VERSIONS,
+    SILVER_FEEDBACK,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
@@ -38,6 +40,7 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.gold import (
     TOKEN_COLUMNS,
     GoldPartition,
+    Part,
     candidate_steps,
     curated_and_rejected,
     dataset_rows,
@@ -54,6 +57,8 @@ from claw_pipelines.gold import (
     with_tokens,
 )
 from claw_pipelines.lake import Guard, Lake, conform, until_landed
+from claw_pipelines.silver_view import SilverView
+from claw_pipelines.transforms.curation import GROUP
 
 UNIT = ["policy_version", "unit"]
 # what a unit's rows are judged on: every dataset column but tokens and write bookkeeping
@@ -77,6 +82,7 @@ class GoldIncrement:
     dataset_version: int | None = None
     trees_version: int | None = None
     write_conflicts: int = 0
+    brings: Brought | None = None  # what the dataset stands at once this increment landed
 
     @property
     def changed(self) -> bool:
@@ -115,22 +121,47 @@ def unit_fingerprints(rows: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+@dataclass(frozen=True)
+class Brought:
+    """What a follower last brought a dataset up to: silver's marker version, the spec and
+    the specs it re-admits from, the newest policy version and the deadline clock."""
+
+    marker: int | None
+    spec_hash: str
+    sources: dict[str, str]
+    newest: int
+    clock: datetime | None
+
+
 @dataclass
 class AtHand:
     """What a follower keeps between increments: the token columns of steps silver took
-    lately (`tokens`), and the candidate steps at the silver versions it last read (shared
-    by every spec's increment of a round)."""
+    lately (`tokens`), its silver view (`silver`), what each dataset was last brought up to
+    (`brought`: an increment then curates the groups that changed since, alone), and the
+    candidate steps at the silver versions it last read in full."""
 
     tokens: pl.DataFrame | None = None
+    silver: SilverView | None = None
+    brought: dict[str, Brought] = field(default_factory=dict)
     _candidates: tuple[tuple, pl.DataFrame] | None = None
     # per dataset: (its rejections table's version, the fingerprints of that version)
     rejections: dict[str, tuple[int, pl.DataFrame]] = field(default_factory=dict)
+
+    def view_at(self, versions: dict[str, int | None]) -> SilverView | None:
+        """The silver view when it stands at `versions` (what a gold build reads)."""
+        view = self.silver
+        tables = (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES, SILVER_FEEDBACK)
+        if view is None or any(view.versions.get(t) != versions[t] for t in tables):
+            return None
+        return view
 
     def candidates(self, lake: Lake, versions: dict[str, int | None]) -> pl.DataFrame:
         """`candidate_steps` at `versions`, read once per set of silver versions."""
         key = tuple(versions[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES))
         if self._candidates is None or self._candidates[0] != key:
-            self._candidates = (key, candidate_steps(lake, versions))
+            view = self.view_at(versions)
+            frame = candidate_steps(lake, versions) if view is None else view.all_candidates()
+            self._candidates = (key, frame)
         return self._candidates[1]
 
 
@@ -152,11 +183,81 @@ def update_dataset(
         lambda: _increment_once(lake, spec, at_hand), f"gold {spec.name}"
     )
     increment.write_conflicts = lost
+    if increment.brings is not None:
+        at_hand.brought[spec.name] = increment.brings
     return increment
 
 
 def _quoted(values: list[str]) -> str:
     return ", ".join("'" + v.replace("'", "''") + "'" for v in sorted(values))
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The part of a dataset an increment curates: some prompt groups (`groups`, in the
+    policy-version partitions `partitions`) of silver, or all of it (`groups` None)."""
+
+    groups: pl.Series | None = None
+    partitions: list[int] | None = None
+
+    def where(self) -> pl.Expr | None:
+        """Which gold rows lie in the scope (None: all)."""
+        if self.groups is None or self.partitions is None:
+            return None
+        group = pl.coalesce("prompt_uid", "trajectory_uid")
+        return pl.col("policy_version").is_in(self.partitions) & group.is_in(self.groups.implode())
+
+
+def _scope(
+    lake: Lake, spec: CurationSpec, versions: dict[str, int | None], at_hand: AtHand
+) -> tuple[Scope, Part | pl.DataFrame, Brought | None]:
+    """What the increment curates: the groups that changed since the follower last brought
+    the dataset up to date (their steps' trajectories touched by silver runs since, groups
+    a newer policy version moved past the staleness bound, groups whose deadline passed),
+    or everything when it cannot tell (a first increment, a spec change, a view that does
+    not reach back). Returns the scope, what to curate and what it brings the dataset to."""
+    view = at_hand.view_at(versions)
+    if view is None:
+        return Scope(), at_hand.candidates(lake, versions), None
+    sources = spec_sources(lake, spec)
+    newest = max(view.newest_policy, _published_newest(lake, versions))
+    now = Brought(versions[SILVER_TRAJECTORIES], spec.spec_hash, sources, newest, view.last_seen)
+    before = at_hand.brought.get(spec.name)
+    touched = None
+    if before is not None and (before.spec_hash, before.sources) == (now.spec_hash, sources):
+        touched = view.touched_since(before.marker)
+    if before is None or touched is None:
+        return Scope(), Part(view.all_candidates(), newest, view.last_seen), now
+    groups = [view.groups_of(touched)]
+    if spec.max_policy_staleness is not None and before.newest != newest:
+        low, high = sorted(v - spec.max_policy_staleness for v in (before.newest, newest))
+        moved = view.steps.frame.filter(
+            pl.col("policy_version").fill_null(0).is_between(low, high, closed="left")
+        )
+        groups.append(moved[GROUP].unique())
+    if spec.group_deadline_s is not None and before.clock != view.last_seen:
+        late = timedelta(seconds=spec.group_deadline_s)
+        start = (before.clock or view.last_seen) - late
+        first_seen = pl.col("first_seen_at")
+        crossed = view.trajectories.frame.filter(
+            (first_seen >= start) & (first_seen <= view.last_seen - late)
+        )
+        groups.append(view.groups_of(crossed["trajectory_uid"].unique()))
+    frame = view.candidates_of(pl.concat(groups).unique())
+    facts = view.facts_of(frame) if spec.reward_judge is not None else None
+    versions_in = frame["policy_version"].unique().to_list()
+    scope = Scope(frame[GROUP].unique(), sorted(int(v) for v in versions_in))
+    return scope, Part(frame, newest, view.last_seen, facts), now
+
+
+def _published_newest(lake: Lake, versions: dict[str, int | None]) -> int:
+    """The newest published policy version (0 when none is)."""
+    if versions.get(GOLD_POLICY_VERSIONS) is None:
+        return 0
+    published = lake.read(
+        GOLD_POLICY_VERSIONS, versions[GOLD_POLICY_VERSIONS], columns=["policy_version"]
+    )["policy_version"].max()
+    return 0 if published is None else int(published)
 
 
 def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncrement:
@@ -166,12 +267,19 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
     if versions[SILVER_STEPS] is None:
         return increment
     table = gold_dataset_table(spec.name)
-    now, rejected = curated_and_rejected(lake, spec, versions, at_hand.candidates(lake, versions))
+    scope, frame, brings = _scope(lake, spec, versions, at_hand)
+    at_hand.brought.pop(spec.name, None)  # set again once the increment lands
+    increment.brings = brings
+    if scope.partitions == []:  # nothing changed
+        return increment
+    now, rejected = curated_and_rejected(lake, spec, versions, frame)
     now = with_units(now)
     increment.source_versions = versions | spec_sources(lake, spec)
-    rejections = _rejections_to_write(lake, spec, pins, rejected, at_hand)
-    stored = with_units(lake.read(table, pins[table], columns=FINGERPRINTED.names))
-    segments = _stored_segments(lake, spec, pins)
+    rejections = _rejections_to_write(lake, spec, pins, rejected, at_hand, scope)
+    stored = with_units(
+        lake.read(table, pins[table], columns=FINGERPRINTED.names, where=scope.where())
+    )
+    segments = _stored_segments(lake, spec, pins, scope.partitions)
     judged = unit_fingerprints(now).join(
         _torn(unit_fingerprints(stored), segments),
         on=UNIT,
@@ -183,6 +291,7 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
         pl.col("fingerprint").ne_missing(pl.col("fingerprint_stored"))
         | pl.col("torn").fill_null(False)
     ).with_columns(key=pl.col("policy_version").cast(pl.String) + ":" + pl.col("unit"))
+    increment.brings = brings
     if changed.is_empty() and rejections is None:
         return increment
     increment.added = changed.filter(pl.col("fingerprint_stored").is_null())["key"].to_list()
@@ -197,7 +306,7 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
         "policy_version",
         trees=pl.concat_list(pl.col("trees").fill_null([]), pl.col("trees_stored").fill_null([])),
     )
-    stats = _stored_tree_stats(segments, stored)
+    stats = _partition_stats(lake, table, pins, scope, segments, stored, changed)
     landed_at = datetime.now(UTC)
     clauses, dataset_parts, tree_parts, lineages = [], [], [], []
     for (version,), gone in doomed.group_by("policy_version"):
@@ -228,7 +337,7 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
     guard = Guard(writers, versions[SILVER_TRAJECTORIES] or 0, pins)
     if rejections is not None:
         increment.rejected = rejections.versions
-        where_rejected = f"policy_version IN ({', '.join(map(str, rejections.versions))})"
+        where_rejected = rejections.where
         meta = {"spec_hash": spec.spec_hash, "source_versions": increment.source_versions}
         written = lake.overwrite(
             gold_rejection_spec(spec.name),
@@ -237,7 +346,10 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
             where=where_rejected,
             guard=guard,
         )
-        at_hand.rejections[spec.name] = (written, rejections.fingerprints)
+        if rejections.fingerprints is None:
+            at_hand.rejections.pop(spec.name, None)
+        else:
+            at_hand.rejections[spec.name] = (written, rejections.fingerprints)
     if changed.is_empty():
         return increment
     where = " OR ".join(clauses)
@@ -273,7 +385,8 @@ class RejectionsWrite:
 
     versions: list[int]
     rows: pa.Table
-    fingerprints: pl.DataFrame
+    fingerprints: pl.DataFrame | None  # None: a write of some groups only
+    where: str
 
 
 def rejection_fingerprints(rows: pa.Table) -> pl.DataFrame:
@@ -286,12 +399,19 @@ def rejection_fingerprints(rows: pa.Table) -> pl.DataFrame:
 
 
 def _rejections_to_write(
-    lake: Lake, spec: CurationSpec, pins: dict[str, int], rejected: pl.DataFrame, at_hand: AtHand
+    lake: Lake,
+    spec: CurationSpec,
+    pins: dict[str, int],
+    rejected: pl.DataFrame,
+    at_hand: AtHand,
+    scope: Scope,
 ) -> RejectionsWrite | None:
     """What the dataset's rejections table must be rewritten with (None: nothing changed):
     compared per policy version with the table at its pin (its fingerprints kept between
-    increments while no one else writes it)."""
+    increments while no one else writes it), or for a scope of some groups per group."""
     table = gold_rejection_table(spec.name)
+    if scope.groups is not None:
+        return _group_rejections_to_write(lake, table, pins, rejected, scope)
     cached = at_hand.rejections.get(spec.name)
     if cached is not None and cached[0] == pins[table]:
         stored = cached[1]
@@ -306,7 +426,41 @@ def _rejections_to_write(
         return None
     versions = sorted(int(v) for v in differ["policy_version"])
     chosen = pl.from_arrow(rows["policy_version"]).is_in(versions).to_arrow()
-    return RejectionsWrite(versions, rows.filter(chosen), now)
+    where = f"policy_version IN ({', '.join(map(str, versions))})"
+    return RejectionsWrite(versions, rows.filter(chosen), now, where)
+
+
+def _group_rejections_to_write(
+    lake: Lake, table: str, pins: dict[str, int], rejected: pl.DataFrame, scope: Scope
+) -> RejectionsWrite | None:
+    """`_rejections_to_write` for a scope of some groups: their rows, compared per (policy
+    version, group) with the stored ones, and a predicate naming the groups that differ."""
+    assert scope.groups is not None and scope.partitions is not None
+    key = ["policy_version", "group_key"]
+    where = pl.col("policy_version").is_in(scope.partitions) & pl.col("group_key").is_in(
+        scope.groups.implode()
+    )
+    stored = lake.read(table, pins[table], where=where).drop("landed_at")
+    rows = rejection_rows(rejected, datetime.now(UTC))
+    now = pl.from_arrow(rows.drop_columns(["landed_at"]))
+    assert isinstance(now, pl.DataFrame)
+
+    def fingerprints(frame: pl.DataFrame) -> pl.DataFrame:
+        return frame.group_by(key).agg(fingerprint=pl.struct(pl.exclude(key)).hash().sum())
+
+    both = fingerprints(now).join(
+        fingerprints(stored.select(now.columns)), on=key, how="full", coalesce=True, suffix="_s"
+    )
+    differ = both.filter(pl.col("fingerprint").ne_missing(pl.col("fingerprint_s")))
+    if differ.is_empty():
+        return None
+    versions = sorted(int(v) for v in differ["policy_version"].unique())
+    chosen = pl.from_arrow(rows.select(key)).join(
+        differ.select(key).with_columns(hit=pl.lit(True)), on=key, how="left"
+    )["hit"].fill_null(False)
+    groups = _quoted(differ["group_key"].unique().to_list())
+    where_sql = f"policy_version IN ({', '.join(map(str, versions))}) AND group_key IN ({groups})"
+    return RejectionsWrite(versions, rows.filter(chosen.to_arrow()), None, where_sql)
 
 
 def _stack(parts: list[pa.Table], schema: pa.Schema) -> pa.Table:
@@ -316,14 +470,43 @@ def _stack(parts: list[pa.Table], schema: pa.Schema) -> pa.Table:
     return pa.concat_tables([conform(part, schema) for part in parts])
 
 
-def _stored_segments(lake: Lake, spec: CurationSpec, pins: dict[str, int]) -> pl.DataFrame:
-    """The depth range of every stored tree segment (the trees table at its pin)."""
+def _stored_segments(
+    lake: Lake, spec: CurationSpec, pins: dict[str, int], partitions: list[int] | None
+) -> pl.DataFrame:
+    """The depth range of every stored tree segment (the trees table at its pin), of the
+    given policy-version partitions (None: all)."""
     trees_table = gold_tree_table(spec.name)
+    where = None if partitions is None else pl.col("policy_version").is_in(partitions)
     return lake.read(
         trees_table,
         pins[trees_table],
         columns=["policy_version", "tree_id", "start_depth", "end_depth"],
+        where=where,
     )
+
+
+def _partition_stats(
+    lake: Lake,
+    table: str,
+    pins: dict[str, int],
+    scope: Scope,
+    segments: pl.DataFrame,
+    stored: pl.DataFrame,
+    changed: pl.DataFrame,
+) -> pl.DataFrame:
+    """`_stored_tree_stats` of the partitions an increment writes (`changed`'s versions):
+    from the rows at hand for a whole-dataset scope, else read for those partitions."""
+    if scope.groups is None:
+        return _stored_tree_stats(segments, stored)
+    written = changed["policy_version"].unique().to_list()
+    in_written = pl.col("policy_version").is_in(written)
+    rows = lake.read(
+        table,
+        pins[table],
+        columns=["policy_version", "tree_id", "prompt_len", "response_len"],
+        where=in_written,
+    )
+    return _stored_tree_stats(segments.filter(in_written), rows)
 
 
 def _torn(stored_units: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:

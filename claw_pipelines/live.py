@@ -77,7 +77,8 @@ class LiveMaterializer:
         bronze = self.lake.version(BRONZE_EVENTS)
         state = silver_state(self.lake)
         if bronze is not None and (state.bronze_version is None or bronze > state.bronze_version):
-            done.silver = build_silver(self.lake, self.options)
+            done.silver = build_silver(self.lake, self.options, view=self.at_hand.silver)
+            self.at_hand.silver = done.silver.view
             state = silver_state(self.lake)
             self._remember(done.silver)
         specs, done.spec_errors = self._current_specs()

@@ -45,6 +45,7 @@ from claw_pipelines.quality import (
     token_ids_are_exact,
 )
 from claw_pipelines.settings import ClawSettings
+from claw_pipelines.silver_view import SilverView
 from claw_pipelines.transforms.feedback import (
     RewardTarget,
     bronze_facts,
@@ -129,6 +130,7 @@ class SilverRun:
     index: pl.DataFrame = field(default_factory=pl.DataFrame)
     new_facts: pl.DataFrame = field(default_factory=pl.DataFrame)
     conflicts: pl.DataFrame = field(default_factory=pl.DataFrame)
+    view: SilverView | None = None  # silver as this run left it, for the next run
 
     def summary(self) -> dict[str, Any]:
         """The run's counts, as plain JSON-able values."""
@@ -202,7 +204,7 @@ def _stored(lake: Lake, table: str, columns: list[str], version: int | None = No
     return lake.read(table, version=version, columns=columns)
 
 
-def _anchors(lake: Lake, calls: pl.DataFrame, window_us: int, version: int) -> pl.DataFrame:
+def _anchors(view: SilverView, calls: pl.DataFrame, window_us: int) -> pl.DataFrame:
     """Unscoped steps in silver that the new calls may continue (within the window), as
     hashes, content ids and lengths: their tokens are never read back."""
     columns = {
@@ -219,52 +221,59 @@ def _anchors(lake: Lake, calls: pl.DataFrame, window_us: int, version: int) -> p
     }
     if calls.is_empty():
         return pl.DataFrame(schema=columns | {"has_successor": pl.Boolean})
-    steps = lake.scan(SILVER_STEPS, version)
-    anchors = (
-        steps.filter(
-            pl.col("origin_step_key").is_not_null()
-            & (pl.col("created_at").dt.epoch("us") >= calls["received_us"].min() - window_us)
-            & pl.col("tenant").is_in(calls["tenant"].unique().implode())
-        )
-        .select(
-            "tenant",
-            received_us=pl.col("created_at").dt.epoch("us"),
-            seq_len=pl.col("prompt_len") + pl.col("response_len"),
-            sequence_hash="sequence_hash",
-            prompt_id="prompt_id",
-            response_id="response_id",
-            prompt_len="prompt_len",
-            trajectory_uid="trajectory_uid",
-            step_index="step_index",
-            prompt_uid="prompt_uid",
-        )
-        .collect()
+    steps = view.steps.frame
+    anchors = steps.filter(
+        pl.col("origin_step_key").is_not_null()
+        & (pl.col("created_at").dt.epoch("us") >= calls["received_us"].min() - window_us)
+        & pl.col("tenant").is_in(calls["tenant"].unique().implode())
+    ).select(
+        "tenant",
+        received_us=pl.col("created_at").dt.epoch("us"),
+        seq_len=pl.col("prompt_len") + pl.col("response_len"),
+        sequence_hash="sequence_hash",
+        prompt_id="prompt_id",
+        response_id="response_id",
+        prompt_len="prompt_len",
+        trajectory_uid="trajectory_uid",
+        step_index="step_index",
+        prompt_uid="prompt_uid",
     )
-    successors = (
-        steps.filter(pl.col("trajectory_uid").is_in(anchors["trajectory_uid"].unique().implode()))
-        .select("trajectory_uid", step_index=pl.col("step_index") - 1, has_successor=True)
-        .collect()
+    successors = view.steps_of(anchors["trajectory_uid"].unique()).select(
+        "trajectory_uid", step_index=pl.col("step_index") - 1, has_successor=pl.lit(True)
     )
     anchors = anchors.join(successors, on=["trajectory_uid", "step_index"], how="left")
     return anchors.with_columns(pl.col("has_successor").fill_null(False))
 
 
 def _new_steps(
-    lake: Lake, steps: pl.DataFrame, index: pl.DataFrame, options: SilverOptions, version: int
+    view: SilverView, steps: pl.DataFrame, options: SilverOptions
 ) -> tuple[pl.DataFrame, pl.DataFrame, int]:
-    """(new silver steps with their `reward`, conflicts, duplicates dropped).
-
-    `index` is silver's key columns at steps version `version`, before this run."""
+    """(new silver steps with their `reward`, conflicts, duplicates dropped), looked up in
+    the view (silver before this run): only the stored rows sharing an event id or a step
+    key with the new ones are compared."""
+    stored = view.steps.frame
     candidates = step_candidates(steps)
-    first = first_arrivals(candidates, index["event_id"])
+    known = stored.filter(pl.col("event_id").is_in(candidates["event_id"].implode()))
+    first = first_arrivals(candidates, known["event_id"])
     candidates = with_content_ids(keep_rows(candidates, first))
     window_us = int(options.stitch_window_s * _US)
     unscoped = candidates.filter(pl.col("unscoped")).select("tenant", "received_us")
-    anchors = _anchors(lake, unscoped, window_us, version)
+    anchors = _anchors(view, unscoped, window_us)
     candidates = with_step_keys(place_unscoped(candidates, anchors, window_us))
-    keep, conflicts, duplicates = split_duplicates(candidates, index)
+    taken = stored.filter(pl.col("step_key").is_in(candidates["step_key"].implode()))
+    keep, conflicts, duplicates = split_duplicates(candidates, taken.select(INDEX_COLUMNS))
     known = steps.height - int(first.sum())
     return keep_rows(candidates, keep), conflicts, known + duplicates
+
+
+def _derive(
+    index: pl.DataFrame, facts: pl.DataFrame, clock_us: int, options: SilverOptions
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(step rewards, trajectories) of the trajectories of `index` (their steps' key
+    columns), from `facts` (every fact that may address them) and the silver clock."""
+    statuses = trajectory_statuses(index, facts, clock_us, int(options.idle_timeout_s * _US))
+    rewards = resolve_rewards(index, facts, statuses, options.trajectory_reward_to)
+    return rewards, with_returns(statuses, rewards)
 
 
 def _rebuild_derived(
@@ -275,9 +284,7 @@ def _rebuild_derived(
     newest = [index["created_at"].max(), facts["received_at"].max()]
     present = [t for t in newest if t is not None]
     clock_us = int(max(present).timestamp() * _US) if present else 0
-    statuses = trajectory_statuses(index, facts, clock_us, int(options.idle_timeout_s * _US))
-    rewards = resolve_rewards(index, facts, statuses, options.trajectory_reward_to)
-    return rewards, with_returns(statuses, rewards)
+    return _derive(index, facts, clock_us, options)
 
 
 def _finish(
@@ -291,14 +298,49 @@ def _finish(
     """Rewrite the derived tables from `index` and the facts at `versions`; the trajectories
     commit, last, is the run's marker (it records `versions`, updated in place)."""
     rewards, trajectories = _rebuild_derived(lake, index, options, versions[SILVER_FEEDBACK])
-    versions[SILVER_STEP_REWARDS] = lake.overwrite(
-        SILVER_STEP_REWARDS, rewards.to_arrow(), metadata=meta, guard=guard
-    )
-    marker = meta | {"silver_versions": {t: v for t, v in versions.items() if t != WATERMARK_TABLE}}
-    versions[WATERMARK_TABLE] = lake.overwrite(
-        SILVER_TRAJECTORIES, trajectories.to_arrow(), metadata=marker, guard=guard
-    )
+    _write_derived(lake, guard, versions, rewards, trajectories, meta, None)
     return rewards, trajectories
+
+
+def _quoted(values: pl.Series) -> str:
+    return ", ".join("'" + v.replace("'", "''") + "'" for v in values.sort().to_list())
+
+
+def _write_derived(
+    lake: Lake,
+    guard: Guard,
+    versions: dict[str, int | None],
+    rewards: pl.DataFrame,
+    trajectories: pl.DataFrame,
+    meta: dict[str, Any],
+    stored: pl.DataFrame | None,
+) -> None:
+    """Write derived rows, the trajectories commit last (the run's marker, recording
+    `versions`, updated in place). `stored`: the rows of silver/trajectories these replace
+    (only those and their steps' rewards are rewritten); None: the tables are rewritten
+    whole."""
+    write: dict[str, dict[str, Any]] = {SILVER_STEP_REWARDS: {}, SILVER_TRAJECTORIES: {}}
+    if stored is not None and stored.height:  # rows written must match the predicate
+        both = pl.concat([stored["trajectory_uid"], trajectories["trajectory_uid"]]).unique()
+        uids = f"trajectory_uid IN ({_quoted(both)})"
+        write[SILVER_STEP_REWARDS] = {"where": uids}
+        since = pl.concat([stored["first_seen_at"], trajectories["first_seen_at"]])
+        if since.null_count() == 0:  # lets the delete skip files of older trajectories
+            uids = f"first_seen_at >= '{since.min()}' AND {uids}"
+        write[SILVER_TRAJECTORIES] = {"where": uids}
+    marker = meta | {"silver_versions": {t: v for t, v in versions.items() if t != WATERMARK_TABLE}}
+    for table, rows, metadata in (
+        (SILVER_STEP_REWARDS, rewards, meta),
+        (SILVER_TRAJECTORIES, trajectories, marker),
+    ):
+        if stored is not None and not write[table]:  # only trajectories new to silver
+            versions[table] = lake.append(table, rows.to_arrow(), metadata=metadata, guard=guard)
+        else:
+            versions[table] = lake.overwrite(
+                table, rows.to_arrow(), metadata=metadata, guard=guard, **write[table]
+            )
+        if table == SILVER_STEP_REWARDS:
+            marker["silver_versions"][table] = versions[table]
 
 
 def ensure_silver(lake: Lake) -> None:
@@ -313,22 +355,30 @@ def build_silver(
     bronze_version: int | None = None,
     *,
     full: bool = False,
+    view: SilverView | None = None,
 ) -> SilverRun:
     """Bring silver up to `bronze_version` (default: bronze's current version).
 
     `full` reads all of bronze again instead of what it gained (everything already in silver
-    is recognised and dropped): the repair for a watermark that cannot be trusted. A run
-    that loses to a concurrent writer starts again from the new state."""
+    is recognised and dropped) and rewrites the derived tables whole: the repair for a
+    watermark that cannot be trusted. `view`: the silver view a follower kept (loaded from
+    the lake when missing or behind); the run's `view` is the one to keep. A run that loses
+    to a concurrent writer starts again from the new state."""
     options = options or SilverOptions()
     ensure_silver(lake)
-    run, run.write_conflicts = until_landed(
-        lambda: _build_once(lake, options, bronze_version, full), "silver"
-    )
+    kept = [view]
+
+    def attempt() -> SilverRun:
+        run = _build_once(lake, options, bronze_version, full, kept[0])
+        kept[0] = run.view
+        return run
+
+    run, run.write_conflicts = until_landed(attempt, "silver")
     return run
 
 
 def _build_once(
-    lake: Lake, options: SilverOptions, bronze_version: int | None, full: bool
+    lake: Lake, options: SilverOptions, bronze_version: int | None, full: bool, view
 ) -> SilverRun:
     """One attempt: pin every silver table, compute against the pins, commit guarded."""
     pins = {t: lake.version(t) for t in SILVER_TABLES}
@@ -336,28 +386,32 @@ def _build_once(
     until = lake.version(BRONZE_EVENTS) if bronze_version is None else bronze_version
     after = None if full else state.bronze_version
     run = SilverRun(bronze_version=until, previous_bronze_version=state.bronze_version)
+    run.view = view
     if until is None or (after is not None and until <= after):
         run.bronze_version = state.bronze_version
         run.versions = dict(state.versions)
         return run
+    if view is None or not view.stands_at(pins):
+        view = run.view = SilverView.load(lake, pins)
     guard = Guard((SILVER_WRITER,), until, pins)
     steps, fact_records, run.read_mode = _read_bronze(lake, after, until)
     run.bronze_rows = steps.height + fact_records.height
-    index = _stored(lake, SILVER_STEPS, INDEX_COLUMNS, pins[SILVER_STEPS])
-    new, conflicts, run.duplicates_dropped = _new_steps(
-        lake, steps, index, options, pins[SILVER_STEPS]
-    )
-    stored_conflicts = _stored(
-        lake, SILVER_STEP_CONFLICTS, ["event_id"], pins[SILVER_STEP_CONFLICTS]
-    )
-    conflicts = conflicts.join(stored_conflicts, on="event_id", how="anti")
-    stored_facts = _stored(lake, SILVER_FEEDBACK, ["feedback_id"], pins[SILVER_FEEDBACK])
+    new, conflicts, run.duplicates_dropped = _new_steps(view, steps, options)
+    if conflicts.height:  # rare: the (small) conflicts table is read only then
+        stored_conflicts = _stored(
+            lake, SILVER_STEP_CONFLICTS, ["event_id"], pins[SILVER_STEP_CONFLICTS]
+        )
+        conflicts = conflicts.join(stored_conflicts, on="event_id", how="anti")
     facts = pl.concat([bronze_facts(fact_records), step_reward_facts(new)], how="vertical_relaxed")
+    stored_facts = view.facts.frame.filter(pl.col("feedback_id").is_in(facts["feedback_id"].implode()))
     facts = facts.unique("feedback_id", keep="first", maintain_order=True).join(
-        stored_facts, on="feedback_id", how="anti"
+        stored_facts.select("feedback_id"), on="feedback_id", how="anti"
     )
     meta = {"bronze_version": until, "bronze_after": after, "read_mode": run.read_mode}
     versions = dict(pins)
+    # a run killed after its appends left rows past the last marker: derive everything again
+    leftovers = any(pins[t] != state.versions.get(t) for t in (SILVER_STEPS, SILVER_FEEDBACK))
+    view.versions = {}  # changing: not to be trusted until the run completes
     if conflicts.height:  # appends first, in this order: a rerun recognises each of them
         conflicts = conflicts.with_columns(bronze_version=pl.lit(until, pl.Int64))
         versions[SILVER_STEP_CONFLICTS] = lake.append(
@@ -371,14 +425,39 @@ def _build_once(
         versions[SILVER_STEPS] = lake.append(
             SILVER_STEPS, new.to_arrow(), metadata=meta, guard=guard
         )
-    index = pl.concat([index, new.select(INDEX_COLUMNS)], how="vertical_relaxed")
-    rewards, trajectories = _finish(lake, guard, versions, index, options, meta)
+    view.add(new, facts)
+    touched = None if full or leftovers else _touched(view, new, facts, options)
+    if touched is None:
+        index, derived_from, stored = view.steps.current(), view.facts.current(), None
+    else:
+        index = view.steps_of(touched)
+        derived_from = view.facts_of(index)
+        stored = view.trajectories.rows_where("trajectory_uid", touched)
+    rewards, trajectories = _derive(
+        index.select(INDEX_COLUMNS), derived_from, view.clock_us, options
+    )
+    _write_derived(lake, guard, versions, rewards, trajectories, meta, stored)
+    view.derived(versions[WATERMARK_TABLE], versions, rewards, trajectories)
     run.steps_added, run.feedback_added = new.height, facts.height
     run.conflicts_added = conflicts.height
-    run.steps_total, run.trajectories = rewards.height, trajectories.height
-    run.new_steps, run.new_facts, run.conflicts, run.index = new, facts, conflicts, index
+    run.steps_total, run.trajectories = view.steps.frame.height, trajectories.height
+    run.new_steps, run.new_facts, run.conflicts = new, facts, conflicts
+    run.index = view.steps.frame.select(INDEX_COLUMNS)
     run.versions = versions
     return run
+
+
+def _touched(
+    view: SilverView, new: pl.DataFrame, facts: pl.DataFrame, options: SilverOptions
+) -> pl.Series:
+    """The trajectories whose derived rows a run changes: those of its new steps, those its
+    new facts address, and those the advancing clock ends (idle past the timeout). `view`
+    already holds the run's new rows."""
+    idle = view.idle_since(view.clock_us - int(options.idle_timeout_s * _US))
+    parts = [new["trajectory_uid"], idle]
+    if facts.height:
+        parts.append(view.trajectories_of_facts(facts))
+    return pl.concat([p.cast(pl.String) for p in parts]).unique()
 
 
 def dedupe_silver(lake: Lake, options: SilverOptions | None = None) -> dict[str, int]:

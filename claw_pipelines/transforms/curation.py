@@ -22,6 +22,8 @@ Steps without a policy version belong to version 0.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import polars as pl
 
 from claw_pipelines.contracts.specs import CurationSpec
@@ -48,6 +50,23 @@ CANDIDATE_STEP_COLUMNS = [
 ]
 
 
+# what `superseded_by` and `generation_ms` need of a step's metadata, drawn out once
+CALL_COLUMNS = ["choice_index", "generation_given", "upstream_ms", "call"]
+
+
+def with_call_columns(steps: pl.DataFrame) -> pl.DataFrame:
+    """Steps with the CALL_COLUMNS drawn from their `metadata` (which is dropped)."""
+    if "metadata" not in steps.columns:
+        return steps
+    meta = pl.col("metadata").str.json_path_match
+    return steps.with_columns(
+        choice_index=meta("$.choice_index").cast(pl.Int64, strict=False),
+        generation_given=meta("$.generation_ms").cast(pl.Float64, strict=False),
+        upstream_ms=meta("$.upstream_ms").cast(pl.Float64, strict=False),
+        call=meta("$.response_id"),
+    ).drop("metadata")
+
+
 def superseded_by(steps: pl.DataFrame) -> pl.Series:
     """Per step (in `steps` order): the step_key of the retry that supersedes it, or null.
 
@@ -56,9 +75,9 @@ def superseded_by(steps: pl.DataFrame) -> pl.Series:
     it). A call whose next call in the trajectory has the same prompt (`prompt_id`) was
     retried before anything continued it: each of its steps is superseded by that next
     call's first step. (Unscoped calls never share a trajectory with their retry.)"""
-    choice = steps["metadata"].str.json_path_match("$.choice_index").cast(pl.Int64, strict=False)
+    steps = with_call_columns(steps)
     frame = steps.select("step_key", "trajectory_uid", "step_index", "prompt_id").with_columns(
-        row=pl.int_range(pl.len()), starts=choice.fill_null(0) == 0
+        row=pl.int_range(pl.len()), starts=steps["choice_index"].fill_null(0) == 0
     )
     frame = frame.sort("trajectory_uid", "step_index").with_columns(
         call=pl.col("starts").cum_sum().over("trajectory_uid")
@@ -85,13 +104,9 @@ def generation_ms(steps: pl.DataFrame) -> pl.Series:
     """Per step: how long the model took to generate it, in ms, when known: the client's
     `metadata.generation_ms`, else the proxied call's upstream time (`metadata.upstream_ms`)
     shared evenly by the call's choices; null for steps that carry neither."""
-    meta = steps["metadata"]
-    given = meta.str.json_path_match("$.generation_ms").cast(pl.Float64, strict=False)
-    upstream = meta.str.json_path_match("$.upstream_ms").cast(pl.Float64, strict=False)
-    call = meta.str.json_path_match("$.response_id")
-    frame = pl.DataFrame({"given": given, "upstream": upstream, "call": call})
+    frame = with_call_columns(steps)
     share = pl.when(pl.col("call").is_null()).then(1).otherwise(pl.len().over("call"))
-    out = frame.select(pl.coalesce("given", pl.col("upstream") / share))
+    out = frame.select(pl.coalesce("generation_given", pl.col("upstream_ms") / share))
     return out.to_series().alias("generation_ms")
 
 
@@ -124,7 +139,8 @@ def candidates(
 ) -> pl.DataFrame:
     """Silver's small step columns beside each step's resolved reward and trajectory, and
     the retry that supersedes it (`superseded_by`)."""
-    steps = steps.with_columns(superseded_by(steps), generation_ms(steps)).drop("metadata")
+    steps = with_call_columns(steps)
+    steps = steps.with_columns(superseded_by(steps), generation_ms(steps)).drop(CALL_COLUMNS)
     return (
         steps.join(
             rewards.select("step_key", "reward", "reward_status", "rating", "labels"),
@@ -281,15 +297,24 @@ def _selection(rows: pl.DataFrame, spec: CurationSpec) -> pl.DataFrame:
     return out.select("trajectory_uid", selection=reason)
 
 
-def classify(frame: pl.DataFrame, spec: CurationSpec, newest: int | None = None) -> pl.DataFrame:
+def classify(
+    frame: pl.DataFrame,
+    spec: CurationSpec,
+    newest: int | None = None,
+    clock: datetime | None = None,
+) -> pl.DataFrame:
     """Every step of `frame` beside its group stats, `admission`, and why `spec` leaves it
     out: `reasons` (every rule it fails, in REJECTION_REASONS order) and `reason` (the first;
     null for the steps the spec keeps). Staleness counts from `newest` (default: the newest
-    version in `frame`); deadlines from the newest trajectory activity in `frame`."""
+    version in `frame`); deadlines from `clock` (default: the newest trajectory activity in
+    `frame`). Given both, `frame` may hold some groups of silver only: each group is judged
+    on its own rows."""
     if newest is None:
         top = frame["policy_version"].max()
         newest = 0 if top is None else int(top)
-    clock = pl.lit(frame["trajectory_last_seen"].max(), dtype=frame["trajectory_last_seen"].dtype)
+    if clock is None:
+        clock = frame["trajectory_last_seen"].max()
+    clock = pl.lit(clock, dtype=pl.Datetime("us", "UTC"))
     failed = [pl.when(~ok).then(pl.lit(r)) for r, ok in step_checks(spec, newest).items()]
     waiting = pl.col("admission").is_null()
     skipped = waiting & _past_deadline(spec, clock) & (spec.on_deadline == "skip")

@@ -1,0 +1,273 @@
+"""What a follower keeps of silver between runs, so that an increment costs what changed.
+
+`SilverView` holds silver's small columns in memory, as of the table versions one completed
+silver run left: every step's keys and curation columns (never its tokens), every fact, the
+derived rows (step rewards, trajectories), the clock the idle timeout counts from, and a log
+of which trajectories each run touched. A silver run whose view stands at the versions it
+pins reads nothing else of silver: it looks the new rows up in memory, recomputes the derived
+rows of the affected trajectories alone and writes only those. A gold increment asks the log
+which trajectories changed since it last ran and curates their prompt groups alone.
+
+The view is loaded from the lake (one read of those small columns) when it is cold, when
+another writer moved silver, or after a repair; then the runs that use it keep it current.
+Derived rows are kept in generations (`Keyed`): a key's newest row is its current one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import polars as pl
+
+from claw_pipelines.contracts.tables import (
+    SILVER_FEEDBACK,
+    SILVER_STEP_CONFLICTS,
+    SILVER_STEP_REWARDS,
+    SILVER_STEPS,
+    SILVER_TRAJECTORIES,
+    TABLES,
+)
+from claw_pipelines.lake import Lake, conform
+from claw_pipelines.transforms.curation import (
+    CALL_COLUMNS,
+    CANDIDATE_STEP_COLUMNS,
+    GROUP,
+    candidates,
+    with_call_columns,
+)
+
+# the silver/steps columns the view keeps (metadata only as the call columns drawn from it)
+VIEW_STEP_COLUMNS = list(
+    dict.fromkeys(
+        [
+            *CANDIDATE_STEP_COLUMNS,
+            "model",
+            "created_at",
+            "event_id",
+            "origin_step_key",
+            "response_id",
+            "is_last",
+            "response_len",
+            "sequence_hash",
+        ]
+    )
+)
+KEPT_LOG = 256  # runs the change log remembers (a dataset further behind is rebuilt)
+RECHUNK_AT = 64  # appended generations before a frame is made contiguous again
+_US = 1_000_000
+
+
+class Keyed:
+    """Rows by key, appended in generations: the newest row of a key is its current one."""
+
+    def __init__(self, key: list[str], frame: pl.DataFrame) -> None:
+        self.key, self.frame, self._appended, self._rows_put = key, frame, 0, 0
+
+    def current(self) -> pl.DataFrame:
+        """Every key's current row (reads everything: for a full build)."""
+        if not self._rows_put:
+            return self.frame
+        return self.frame.unique(self.key, keep="last", maintain_order=True)
+
+    def rows_where(self, column: str, values: pl.Series) -> pl.DataFrame:
+        """The current rows whose `column` is one of `values`."""
+        hit = self.frame.filter(pl.col(column).is_in(values.implode()))
+        return hit.unique(self.key, keep="last", maintain_order=True)
+
+    def put(self, rows: pl.DataFrame) -> None:
+        """Add rows (new keys, or newer rows of known ones)."""
+        if rows.is_empty():
+            return
+        rows = rows.select(self.frame.columns) if self.frame.width else rows
+        self.frame = pl.concat([self.frame, rows], how="vertical_relaxed", rechunk=False)
+        self._appended, self._rows_put = self._appended + 1, self._rows_put + rows.height
+        if self._rows_put > self.frame.height // 4 and self._rows_put > 10_000:
+            self.frame, self._rows_put = self.current(), 0  # drop superseded generations
+        if self._appended >= RECHUNK_AT:
+            self.frame, self._appended = self.frame.rechunk(), 0
+
+
+def _shaped(rows: pl.DataFrame, table: str) -> pl.DataFrame:
+    """Rows conformed to a silver table's schema (as a read of it gives them)."""
+    frame = pl.from_arrow(conform(rows.to_arrow(), TABLES[table].schema))
+    assert isinstance(frame, pl.DataFrame)
+    return frame
+
+
+def _steps_frame(steps: pl.DataFrame) -> pl.DataFrame:
+    """Silver step rows (with `metadata`) in the view's shape: call columns, group key."""
+    frame = with_call_columns(steps.select(VIEW_STEP_COLUMNS))
+    return frame.with_columns(pl.coalesce("prompt_uid", "trajectory_uid").alias(GROUP))
+
+
+@dataclass
+class SilverView:
+    """Silver's small columns as of `versions` (see the module doc)."""
+
+    versions: dict[str, int | None]
+    steps: Keyed
+    facts: Keyed
+    rewards: Keyed
+    trajectories: Keyed
+    clock_us: int = 0
+    newest_policy: int = 0  # the newest policy version among silver's steps
+    last_seen: datetime | None = None  # the newest step: the clock of curation deadlines
+    log: list[tuple[int, pl.Series]] = field(default_factory=list)  # (marker version, touched)
+
+    @classmethod
+    def load(cls, lake: Lake, versions: dict[str, int | None]) -> SilverView:
+        """Read the view from the lake at `versions` (silver table -> version)."""
+
+        def read(table: str, columns: list[str] | None = None) -> pl.DataFrame:
+            if versions.get(table) is None or not lake.exists(table):
+                schema = TABLES[table].schema
+                return pl.from_arrow(schema.empty_table()).select(columns or schema.names)
+            return lake.read(table, versions[table], columns=columns)
+
+        steps = _steps_frame(read(SILVER_STEPS, VIEW_STEP_COLUMNS))
+        facts = read(SILVER_FEEDBACK)
+        view = cls(
+            versions=dict(versions),
+            steps=Keyed(["step_key"], steps),
+            facts=Keyed(["feedback_id"], facts),
+            rewards=Keyed(["step_key"], read(SILVER_STEP_REWARDS)),
+            trajectories=Keyed(["trajectory_uid"], read(SILVER_TRAJECTORIES)),
+        )
+        view._advance_clock(steps, facts)
+        marker = versions.get(SILVER_TRAJECTORIES)
+        if marker is not None:  # what changed after this marker, the view will know
+            view.log = [(marker, pl.Series("trajectory_uid", [], pl.String))]
+        return view
+
+    def stands_at(self, versions: dict[str, int | None]) -> bool:
+        """Whether the view holds silver exactly at `versions`."""
+        tables = (SILVER_STEPS, SILVER_FEEDBACK, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES)
+        same = all(self.versions.get(t) == versions.get(t) for t in tables)
+        return same and self.versions.get(SILVER_STEP_CONFLICTS) == versions.get(
+            SILVER_STEP_CONFLICTS
+        )
+
+    def _advance_clock(self, steps: pl.DataFrame, facts: pl.DataFrame) -> None:
+        newest = [steps["created_at"].max(), facts["received_at"].max()]
+        present = [int(t.timestamp() * _US) for t in newest if t is not None]
+        self.clock_us = max([self.clock_us, *present])
+        seen = steps["created_at"].max()
+        if seen is not None and (self.last_seen is None or seen > self.last_seen):
+            self.last_seen = seen
+        top = steps["policy_version"].max()
+        self.newest_policy = max(self.newest_policy, 0 if top is None else int(top))
+
+    def add(self, steps: pl.DataFrame, facts: pl.DataFrame) -> None:
+        """Take a run's new steps (silver rows, with `metadata`) and facts."""
+        if steps.height:
+            steps = _shaped(steps, SILVER_STEPS)
+            self.steps.put(_steps_frame(steps))
+            self._advance_clock(steps, facts.head(0))
+        if facts.height:
+            facts = _shaped(facts, SILVER_FEEDBACK)
+            self.facts.put(facts)
+            self._advance_clock(self.steps.frame.head(0), facts)
+
+    def derived(
+        self,
+        marker: int | None,
+        versions: dict[str, int | None],
+        rewards: pl.DataFrame,
+        trajectories: pl.DataFrame,
+    ) -> None:
+        """Take a run's derived rows (of the trajectories it touched), its versions and the
+        version of its marker."""
+        self.rewards.put(_shaped(rewards, SILVER_STEP_REWARDS))
+        self.trajectories.put(_shaped(trajectories, SILVER_TRAJECTORIES))
+        self.versions = dict(versions)
+        if marker is not None:
+            touched = trajectories["trajectory_uid"].unique()
+            self.log = [*self.log, (marker, touched)][-KEPT_LOG:]
+
+    # -- what changed ------------------------------------------------------------------------
+    def touched_since(self, marker: int | None) -> pl.Series | None:
+        """The trajectories runs after marker version `marker` touched (None: the log does not
+        reach back that far; an empty series: nothing changed)."""
+        if marker is None or not self.log:
+            return None
+        if marker == self.log[-1][0]:
+            return pl.Series("trajectory_uid", [], pl.String)
+        after = [i for i, (version, _) in enumerate(self.log) if version == marker]
+        if not after:
+            return None
+        parts = [uids for _, uids in self.log[after[0] + 1 :]]
+        return pl.concat(parts).unique() if parts else pl.Series("trajectory_uid", [], pl.String)
+
+    def idle_since(self, before_us: int) -> pl.Series:
+        """Open trajectories last seen before `before_us`: the idle timeout ends them."""
+        before = pl.lit(before_us).cast(pl.Datetime("us", "UTC"))
+        idle = (pl.col("status") == "open") & (pl.col("last_seen_at") < before)
+        maybe = self.trajectories.frame.filter(idle)["trajectory_uid"].unique()
+        if maybe.is_empty():
+            return maybe
+        now = self.trajectories.rows_where("trajectory_uid", maybe).filter(idle)
+        return now["trajectory_uid"]
+
+    def trajectories_of_facts(self, facts: pl.DataFrame) -> pl.Series:
+        """The trajectories facts address (directly, or through the keys the gateway gave
+        unscoped calls before they were stitched)."""
+        by_step = facts["step_key"].drop_nulls()
+        by_trajectory = facts.filter(pl.col("step_key").is_null())["trajectory_uid"].drop_nulls()
+        origin_trajectory = pl.col("origin_step_key").str.replace(r":[0-9]+$", "")
+        hit = self.steps.frame.filter(
+            pl.col("step_key").is_in(by_step.implode())
+            | pl.col("origin_step_key").is_in(by_step.implode())
+            | pl.col("trajectory_uid").is_in(by_trajectory.implode())
+            | origin_trajectory.is_in(by_trajectory.implode())
+        )
+        return hit["trajectory_uid"].unique()
+
+    # -- rows of some trajectories or groups --------------------------------------------------
+    def steps_of(self, trajectories: pl.Series) -> pl.DataFrame:
+        """The view's rows of the steps of `trajectories`."""
+        return self.steps.rows_where("trajectory_uid", trajectories)
+
+    def facts_of(self, steps: pl.DataFrame) -> pl.DataFrame:
+        """Every fact that may address one of `steps` (by key, trajectory, or the keys the
+        gateway gave them before stitching)."""
+        origin = steps["origin_step_key"].drop_nulls()
+        step_aliases = pl.concat([steps["step_key"], origin]).unique()
+        trajectory_aliases = pl.concat(
+            [steps["trajectory_uid"], origin.str.replace(r":[0-9]+$", "")]
+        ).unique()
+        hit = self.facts.frame.filter(
+            pl.col("step_key").is_in(step_aliases.implode())
+            | pl.col("trajectory_uid").is_in(trajectory_aliases.implode())
+        )
+        return hit.unique("feedback_id", keep="last", maintain_order=True)
+
+    def groups_of(self, trajectories: pl.Series) -> pl.Series:
+        """The prompt groups the steps of `trajectories` belong to."""
+        return self.steps_of(trajectories)[GROUP].unique()
+
+    def candidates_of(self, groups: pl.Series) -> pl.DataFrame:
+        """`candidates` of every step of `groups` (and of any group sharing a trajectory
+        with them, so whole trajectories and whole groups are curated together)."""
+        steps = self.steps.rows_where(GROUP, groups)
+        for _ in range(3):  # a trajectory spanning groups pulls the other groups in
+            wider = self.steps.rows_where(GROUP, steps.select(GROUP).to_series().unique())
+            wider = pl.concat([wider, self.steps_of(wider["trajectory_uid"].unique())])
+            wider = wider.unique("step_key", keep="last", maintain_order=True)
+            if wider.height == steps.height:
+                break
+            steps = wider
+        return self._candidates(steps)
+
+    def all_candidates(self) -> pl.DataFrame:
+        """`candidates` of every step in silver (what `gold.candidate_steps` reads)."""
+        return self._candidates(self.steps.current())
+
+    def _candidates(self, steps: pl.DataFrame) -> pl.DataFrame:
+        uids = steps["trajectory_uid"].unique()
+        rewards = self.rewards.rows_where("trajectory_uid", uids)
+        trajectories = self.trajectories.rows_where("trajectory_uid", uids)
+        keep = [c for c in steps.columns if c not in {GROUP, "is_last", "sequence_hash"}]
+        keep = [c for c in keep if c not in {"origin_step_key", "response_id"}]
+        frame = candidates(steps.select(keep), rewards, trajectories)
+        return frame.drop([c for c in CALL_COLUMNS if c in frame.columns])
