@@ -251,16 +251,15 @@ def _new_steps(
     """(new silver steps with their `reward`, conflicts, duplicates dropped), looked up in
     the view (silver before this run): only the stored rows sharing an event id or a step
     key with the new ones are compared."""
-    stored = view.steps.frame
     candidates = step_candidates(steps)
-    known = stored.filter(pl.col("event_id").is_in(candidates["event_id"].implode()))
+    known = view.steps.rows_where("event_id", candidates["event_id"])
     first = first_arrivals(candidates, known["event_id"])
     candidates = with_content_ids(keep_rows(candidates, first))
     window_us = int(options.stitch_window_s * _US)
     unscoped = candidates.filter(pl.col("unscoped")).select("tenant", "received_us")
     anchors = _anchors(view, unscoped, window_us)
     candidates = with_step_keys(place_unscoped(candidates, anchors, window_us))
-    taken = stored.filter(pl.col("step_key").is_in(candidates["step_key"].implode()))
+    taken = view.steps.rows_where("step_key", candidates["step_key"])
     keep, conflicts, duplicates = split_duplicates(candidates, taken.select(INDEX_COLUMNS))
     known = steps.height - int(first.sum())
     return keep_rows(candidates, keep), conflicts, known + duplicates
@@ -403,7 +402,7 @@ def _build_once(
         )
         conflicts = conflicts.join(stored_conflicts, on="event_id", how="anti")
     facts = pl.concat([bronze_facts(fact_records), step_reward_facts(new)], how="vertical_relaxed")
-    stored_facts = view.facts.frame.filter(pl.col("feedback_id").is_in(facts["feedback_id"].implode()))
+    stored_facts = view.facts.rows_where("feedback_id", facts["feedback_id"])
     facts = facts.unique("feedback_id", keep="first", maintain_order=True).join(
         stored_facts.select("feedback_id"), on="feedback_id", how="anti"
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
+import numpy as np
 import polars as pl
 
 from claw_pipelines.contracts.tables import (
@@ -55,14 +56,59 @@ VIEW_STEP_COLUMNS = list(
 )
 KEPT_LOG = 256  # runs the change log remembers (a dataset further behind is rebuilt)
 RECHUNK_AT = 64  # appended generations before a frame is made contiguous again
+MERGE_AT = 20_000  # rows appended before a HashIndex sorts them in
+COMPACT_AT = 10_000  # superseded rows (and a quarter of the frame) before they are dropped
 _US = 1_000_000
 
 
+class HashIndex:
+    """Where a column's values sit in a growing frame, found without scanning it: the hashes
+    of rows [0, `upto`) sorted beside their positions (binary search), the rows appended
+    since scanned directly until there are MERGE_AT of them."""
+
+    SEED = 0x636C6177
+
+    def __init__(self) -> None:
+        self.hashes = np.empty(0, np.uint64)
+        self.rows = np.empty(0, np.int64)
+        self.upto = 0
+
+    def positions(self, column: pl.Series, values: pl.Series) -> np.ndarray:
+        """Sorted positions of the rows of `column` (the frame's, whole) holding one of
+        `values`."""
+        if column.len() - self.upto > MERGE_AT:
+            self._extend(column)
+        wanted = values.drop_nulls().unique()
+        if wanted.is_empty():
+            return np.empty(0, np.int64)
+        found = wanted.hash(self.SEED).to_numpy()
+        left = np.searchsorted(self.hashes, found, "left")
+        right = np.searchsorted(self.hashes, found, "right")
+        counts = right - left
+        starts = np.repeat(left - np.cumsum(counts) + counts, counts)
+        rows = self.rows[starts + np.arange(counts.sum())]
+        tail = column.slice(self.upto).is_in(wanted.implode())
+        rows = np.concatenate([rows, np.flatnonzero(tail.to_numpy()) + self.upto])
+        rows.sort()
+        same = column.gather(rows).is_in(wanted.implode()).to_numpy()  # hash collisions out
+        return rows[same]
+
+    def _extend(self, column: pl.Series) -> None:
+        """Take the rows appended since into the sorted part (runs merge in linear time)."""
+        added = column.slice(self.upto).hash(self.SEED).to_numpy()
+        hashes = np.concatenate([self.hashes, added])
+        rows = np.concatenate([self.rows, np.arange(self.upto, column.len(), dtype=np.int64)])
+        order = np.argsort(hashes, kind="stable")
+        self.hashes, self.rows, self.upto = hashes[order], rows[order], column.len()
+
+
 class Keyed:
-    """Rows by key, appended in generations: the newest row of a key is its current one."""
+    """Rows by key, appended in generations: the newest row of a key is its current one.
+    Lookups by a column go through a `HashIndex` of it."""
 
     def __init__(self, key: list[str], frame: pl.DataFrame) -> None:
         self.key, self.frame, self._appended, self._rows_put = key, frame, 0, 0
+        self._indexes: dict[str, HashIndex] = {}
 
     def current(self) -> pl.DataFrame:
         """Every key's current row (reads everything: for a full build)."""
@@ -72,7 +118,8 @@ class Keyed:
 
     def rows_where(self, column: str, values: pl.Series) -> pl.DataFrame:
         """The current rows whose `column` is one of `values`."""
-        hit = self.frame.filter(pl.col(column).is_in(values.implode()))
+        index = self._indexes.setdefault(column, HashIndex())
+        hit = self.frame[index.positions(self.frame[column], values)]
         return hit.unique(self.key, keep="last", maintain_order=True)
 
     def put(self, rows: pl.DataFrame) -> None:
@@ -82,8 +129,9 @@ class Keyed:
         rows = rows.select(self.frame.columns) if self.frame.width else rows
         self.frame = pl.concat([self.frame, rows], how="vertical_relaxed", rechunk=False)
         self._appended, self._rows_put = self._appended + 1, self._rows_put + rows.height
-        if self._rows_put > self.frame.height // 4 and self._rows_put > 10_000:
+        if self._rows_put > self.frame.height // 4 and self._rows_put > COMPACT_AT:
             self.frame, self._rows_put = self.current(), 0  # drop superseded generations
+            self._indexes = {}  # positions moved
         if self._appended >= RECHUNK_AT:
             self.frame, self._appended = self.frame.rechunk(), 0
 
@@ -98,7 +146,10 @@ def _shaped(rows: pl.DataFrame, table: str) -> pl.DataFrame:
 def _steps_frame(steps: pl.DataFrame) -> pl.DataFrame:
     """Silver step rows (with `metadata`) in the view's shape: call columns, group key."""
     frame = with_call_columns(steps.select(VIEW_STEP_COLUMNS))
-    return frame.with_columns(pl.coalesce("prompt_uid", "trajectory_uid").alias(GROUP))
+    return frame.with_columns(
+        pl.coalesce("prompt_uid", "trajectory_uid").alias(GROUP),
+        origin_trajectory=pl.col("origin_step_key").str.replace(r":[0-9]+$", ""),
+    )
 
 
 @dataclass
@@ -214,14 +265,17 @@ class SilverView:
         unscoped calls before they were stitched)."""
         by_step = facts["step_key"].drop_nulls()
         by_trajectory = facts.filter(pl.col("step_key").is_null())["trajectory_uid"].drop_nulls()
-        origin_trajectory = pl.col("origin_step_key").str.replace(r":[0-9]+$", "")
-        hit = self.steps.frame.filter(
-            pl.col("step_key").is_in(by_step.implode())
-            | pl.col("origin_step_key").is_in(by_step.implode())
-            | pl.col("trajectory_uid").is_in(by_trajectory.implode())
-            | origin_trajectory.is_in(by_trajectory.implode())
-        )
-        return hit["trajectory_uid"].unique()
+        hits = [
+            self.steps.rows_where(column, keys)["trajectory_uid"]
+            for column, keys in (
+                ("step_key", by_step),
+                ("origin_step_key", by_step),
+                ("trajectory_uid", by_trajectory),
+                ("origin_trajectory", by_trajectory),
+            )
+            if keys.len()
+        ]
+        return pl.concat(hits).unique() if hits else pl.Series("trajectory_uid", [], pl.String)
 
     # -- rows of some trajectories or groups --------------------------------------------------
     def steps_of(self, trajectories: pl.Series) -> pl.DataFrame:
@@ -231,14 +285,15 @@ class SilverView:
     def facts_of(self, steps: pl.DataFrame) -> pl.DataFrame:
         """Every fact that may address one of `steps` (by key, trajectory, or the keys the
         gateway gave them before stitching)."""
-        origin = steps["origin_step_key"].drop_nulls()
-        step_aliases = pl.concat([steps["step_key"], origin]).unique()
+        step_aliases = pl.concat([steps["step_key"], steps["origin_step_key"].drop_nulls()])
         trajectory_aliases = pl.concat(
-            [steps["trajectory_uid"], origin.str.replace(r":[0-9]+$", "")]
-        ).unique()
-        hit = self.facts.frame.filter(
-            pl.col("step_key").is_in(step_aliases.implode())
-            | pl.col("trajectory_uid").is_in(trajectory_aliases.implode())
+            [steps["trajectory_uid"], steps["origin_trajectory"].drop_nulls()]
+        )
+        hit = pl.concat(
+            [
+                self.facts.rows_where("step_key", step_aliases.unique()),
+                self.facts.rows_where("trajectory_uid", trajectory_aliases.unique()),
+            ]
         )
         return hit.unique("feedback_id", keep="last", maintain_order=True)
 
@@ -267,7 +322,7 @@ class SilverView:
         uids = steps["trajectory_uid"].unique()
         rewards = self.rewards.rows_where("trajectory_uid", uids)
         trajectories = self.trajectories.rows_where("trajectory_uid", uids)
-        keep = [c for c in steps.columns if c not in {GROUP, "is_last", "sequence_hash"}]
-        keep = [c for c in keep if c not in {"origin_step_key", "response_id"}]
+        dropped = {GROUP, "is_last", "sequence_hash", "origin_step_key", "origin_trajectory"}
+        keep = [c for c in steps.columns if c not in {*dropped, "response_id"}]
         frame = candidates(steps.select(keep), rewards, trajectories)
         return frame.drop([c for c in CALL_COLUMNS if c in frame.columns])

@@ -119,7 +119,8 @@ def test_increments_equal_full_rebuilds_through_late_facts_stitching_specs_and_r
     same(lake.read(SILVER_STEP_REWARDS), full.read(SILVER_STEP_REWARDS), ["step_key"])
     statuses = lake.read(SILVER_TRAJECTORIES, columns=["trajectory_uid", "status"])
     expired = statuses.filter(pl.col("trajectory_uid").str.starts_with("idle-"))
-    assert set(expired["status"]) == {"abandoned", "open"}  # the clock ended the old ones
+    assert "abandoned" in set(expired["status"])  # the clock ended the old ones
+    assert bulk or "open" in set(expired["status"])  # and not the newest
     stitched = lake.read("silver/steps").filter(pl.col("origin_step_key").is_not_null())
     assert stitched["trajectory_uid"].n_unique() == 1 and stitched.height == rounds
 
