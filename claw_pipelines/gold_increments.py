@@ -83,6 +83,7 @@ class GoldIncrement:
     trees_version: int | None = None
     write_conflicts: int = 0
     brings: Brought | None = None  # what the dataset stands at once this increment landed
+    groups_curated: int | None = None  # prompt groups curated (None: all of silver)
 
     @property
     def changed(self) -> bool:
@@ -100,6 +101,7 @@ class GoldIncrement:
             "partitions": sorted(self.partitions),
             "dataset_version": self.dataset_version,
             "write_conflicts": self.write_conflicts,
+            "groups_curated": "all" if self.groups_curated is None else self.groups_curated,
         }
 
 
@@ -131,6 +133,26 @@ class Brought:
     sources: dict[str, str]
     newest: int
     clock: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        """As plain JSON values (kept in the follower's heartbeat)."""
+        clock = None if self.clock is None else self.clock.isoformat()
+        return {"marker": self.marker, "spec_hash": self.spec_hash, "sources": self.sources} | {
+            "newest": self.newest,
+            "clock": clock,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Brought:
+        """Read back `to_json`'s values."""
+        clock = data.get("clock")
+        return cls(
+            data["marker"],
+            data["spec_hash"],
+            dict(data["sources"]),
+            int(data["newest"]),
+            None if clock is None else datetime.fromisoformat(clock),
+        )
 
 
 @dataclass
@@ -225,7 +247,7 @@ def _scope(
     before = at_hand.brought.get(spec.name)
     touched = None
     if before is not None and (before.spec_hash, before.sources) == (now.spec_hash, sources):
-        touched = view.touched_since(before.marker)
+        touched = view.touched_since(before.marker, lake)
     if before is None or touched is None:
         return Scope(), Part(view.all_candidates(), newest, view.last_seen), now
     groups = [view.groups_of(touched)]
@@ -270,6 +292,7 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
     scope, frame, brings = _scope(lake, spec, versions, at_hand)
     at_hand.brought.pop(spec.name, None)  # set again once the increment lands
     increment.brings = brings
+    increment.groups_curated = None if scope.groups is None else scope.groups.len()
     if scope.partitions == []:  # nothing changed
         return increment
     now, rejected = curated_and_rejected(lake, spec, versions, frame)

@@ -528,6 +528,34 @@ class Lake:
 
         Compaction rewrites files without changing data (`dataChange = false`): it adds nothing.
         """
+        changed = self._feed(name, after, until, columns)
+        if changed is None:
+            return None
+        kinds = changed.column("_change_type").unique().to_pylist() if changed.num_rows else []
+        if set(kinds) - {"insert"}:
+            return None  # rows were updated or deleted: not an append-only range
+        changed = changed.drop_columns([c for c in CHANGE_COLUMNS if c in changed.column_names])
+        declared = TABLES[name].schema if name in TABLES else pa.schema([])
+        for column in [c for c in columns or () if c not in changed.column_names]:
+            kind = declared.field(column).type if column in declared.names else pa.string()
+            changed = changed.append_column(column, pa.nulls(changed.num_rows, kind))
+        return changed
+
+    def changed_values(self, name: str, after: int, until: int, column: str) -> pl.Series | None:
+        """The values of `column` in every row versions `after`+1 .. `until` inserted,
+        updated or deleted (the change data feed; None when it cannot answer)."""
+        if until <= after:
+            return pl.Series(column, [], pl.String)
+        changed = self._feed(name, after, until, [column])
+        if changed is None:
+            return None
+        return pl.Series(column, changed.column(column)).unique()
+
+    def _feed(
+        self, name: str, after: int, until: int, columns: list[str] | None
+    ) -> pa.Table | None:
+        """The change data feed of versions `after`+1 .. `until` (with `_change_type`), or
+        None when it cannot answer (not enabled then, or the log was cleaned up)."""
         if until <= after:
             raise ValueError(f"empty version range ({after}, {until}]")
         try:
@@ -541,7 +569,7 @@ class Lake:
                 reader = table.load_cdf(
                     starting_version=after + 1, ending_version=until, columns=wanted
                 )
-                changed = pa.table(reader.read_all())
+                return pa.table(reader.read_all())
         except DeltaError as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             if not _FEED_GONE.search(reason):
@@ -554,15 +582,6 @@ class Lake:
                 reason,
             )
             return None
-        kinds = changed.column("_change_type").unique().to_pylist() if changed.num_rows else []
-        if set(kinds) - {"insert"}:
-            return None  # rows were updated or deleted: not an append-only range
-        changed = changed.drop_columns([c for c in CHANGE_COLUMNS if c in changed.column_names])
-        declared = TABLES[name].schema if name in TABLES else pa.schema([])
-        for column in [c for c in columns or () if c not in changed.column_names]:
-            kind = declared.field(column).type if column in declared.names else pa.string()
-            changed = changed.append_column(column, pa.nulls(changed.num_rows, kind))
-        return changed
 
     def scan(self, name: str, version: int | None = None) -> pl.LazyFrame:
         """A lazy polars scan of table `name` (at `version` when given)."""

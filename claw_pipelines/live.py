@@ -1,8 +1,11 @@
 """Continuous materialization: silver and every spec's gold, up to date seconds after bronze.
 
 `LiveMaterializer.step()` is one round: a silver run when bronze has a version silver has not
-read, then an increment of every valid spec's dataset when silver, the specs or the
-published policy version moved. Datasets a trainer pulls from live (`next_batch`) go first
+read (at most CATCH_UP_VERSIONS of them, so a backlog is taken in rounds of bounded memory),
+then an increment of every valid spec's dataset when silver, the specs or the published
+policy version moved. Between rounds it keeps a view of silver's small columns
+(`silver_view`) and what each dataset was brought up to (also in its heartbeat, so a restart
+resumes there): a round costs what changed, not what the lake holds. Datasets a trainer pulls from live (`next_batch`) go first
 and every round; while there are such, the others follow at most every BACKGROUND_S. It
 uses the same guarded transforms as the Dagster assets, so it may run beside them and
 beside itself; a killed materializer converges on restart. It leaves a heartbeat in the
@@ -25,9 +28,10 @@ from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, GOLD_CONSUMPTION, GOLD_POLICY_VERSIONS
 from claw_pipelines.delivery import NEXT
 from claw_pipelines.gold import TOKEN_COLUMNS
-from claw_pipelines.gold_increments import AtHand, GoldIncrement, update_dataset
+from claw_pipelines.gold_increments import AtHand, Brought, GoldIncrement, update_dataset
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import SilverOptions, SilverRun, build_silver, silver_state
+from claw_pipelines.silver_view import SilverView
 from claw_pipelines.spec_store import SpecError, read_specs
 
 HEARTBEAT = "_live/materializer.json"
@@ -37,6 +41,7 @@ SPECS_EVERY_S = 2.0  # spec files are listed again at most this often
 PULLING_S = 600.0  # a dataset pulled from live within this long has a trainer waiting
 BACKGROUND_S = 5.0  # while trainers wait on some datasets, the others follow this often
 RECENT_S = 300.0  # how much data time of new steps' tokens a follower keeps at hand
+CATCH_UP_VERSIONS = 64  # bronze versions (gateway flushes) one round takes at most
 
 
 @dataclass
@@ -69,6 +74,7 @@ class LiveMaterializer:
         self._brought_at: dict[str, float] = {}  # per dataset: its last increment (monotonic)
         self.rounds = 0
         self.reported_errors: set[str] = set()  # spec errors already shown
+        self.at_hand.brought = brought_before(lake)  # a restart resumes where it was
 
     def step(self) -> Round:
         """One round: silver if bronze moved, then the datasets whose inputs moved."""
@@ -76,8 +82,12 @@ class LiveMaterializer:
         done = Round()
         bronze = self.lake.version(BRONZE_EVENTS)
         state = silver_state(self.lake)
+        if self.at_hand.silver is None and state.bronze_version is not None:
+            self.at_hand.silver = SilverView.load(self.lake, state.versions)  # a (re)start
         if bronze is not None and (state.bronze_version is None or bronze > state.bronze_version):
-            done.silver = build_silver(self.lake, self.options, view=self.at_hand.silver)
+            read = -1 if state.bronze_version is None else state.bronze_version
+            upto = min(bronze, read + CATCH_UP_VERSIONS)
+            done.silver = build_silver(self.lake, self.options, upto, view=self.at_hand.silver)
             self.at_hand.silver = done.silver.view
             state = silver_state(self.lake)
             self._remember(done.silver)
@@ -136,7 +146,19 @@ class LiveMaterializer:
         self._beat_at = now
         beat = {"pid": os.getpid(), "updated_at": datetime.now(UTC).isoformat()}
         beat |= {"rounds": self.rounds, "last_round_s": done.seconds if done else None}
+        beat["brought"] = {name: b.to_json() for name, b in self.at_hand.brought.items()}
         self.lake.write_text(HEARTBEAT, json.dumps(beat))
+
+
+def brought_before(lake: Lake) -> dict[str, Brought]:
+    """What the last follower's heartbeat says it brought each dataset up to (nothing when
+    it says nothing readable): a restarted follower's increments start from there."""
+    try:
+        text = lake.read_text(HEARTBEAT)
+        saved = json.loads(text).get("brought", {}) if text else {}
+        return {name: Brought.from_json(data) for name, data in saved.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 def live_consumed(lake: Lake, within_s: float | None = None) -> dict[str, str]:

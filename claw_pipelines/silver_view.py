@@ -54,6 +54,14 @@ VIEW_STEP_COLUMNS = list(
         ]
     )
 )
+# the silver/trajectories columns the view keeps (curation and the idle clock read them)
+VIEW_TRAJECTORY_COLUMNS = [
+    "trajectory_uid",
+    "status",
+    "resolved_return",
+    "first_seen_at",
+    "last_seen_at",
+]
 KEPT_LOG = 256  # runs the change log remembers (a dataset further behind is rebuilt)
 RECHUNK_AT = 64  # appended generations before a frame is made contiguous again
 MERGE_AT = 20_000  # rows appended before a HashIndex sorts them in
@@ -95,11 +103,14 @@ class HashIndex:
 
     def _extend(self, column: pl.Series) -> None:
         """Take the rows appended since into the sorted part (runs merge in linear time)."""
-        added = column.slice(self.upto).hash(self.SEED).to_numpy()
-        hashes = np.concatenate([self.hashes, added])
-        rows = np.concatenate([self.rows, np.arange(self.upto, column.len(), dtype=np.int64)])
-        order = np.argsort(hashes, kind="stable")
-        self.hashes, self.rows, self.upto = hashes[order], rows[order], column.len()
+        added = column.slice(self.upto).hash(self.SEED)
+        first = added.arg_sort().to_numpy()  # polars sorts on every core
+        hashes = np.concatenate([self.hashes, added.to_numpy()[first]])
+        rows = np.concatenate([self.rows, first.astype(np.int64) + self.upto])
+        if self.upto:  # two sorted runs: a stable (merging) sort takes linear time
+            order = np.argsort(hashes, kind="stable")
+            hashes, rows = hashes[order], rows[order]
+        self.hashes, self.rows, self.upto = hashes, rows, column.len()
 
 
 class Keyed:
@@ -107,7 +118,8 @@ class Keyed:
     Lookups by a column go through a `HashIndex` of it."""
 
     def __init__(self, key: list[str], frame: pl.DataFrame) -> None:
-        self.key, self.frame, self._appended, self._rows_put = key, frame, 0, 0
+        # contiguous: a read gives a chunk per row group, and gathers walk the chunks
+        self.key, self.frame, self._appended, self._rows_put = key, frame.rechunk(), 0, 0
         self._indexes: dict[str, HashIndex] = {}
 
     def current(self) -> pl.DataFrame:
@@ -130,7 +142,7 @@ class Keyed:
         self.frame = pl.concat([self.frame, rows], how="vertical_relaxed", rechunk=False)
         self._appended, self._rows_put = self._appended + 1, self._rows_put + rows.height
         if self._rows_put > self.frame.height // 4 and self._rows_put > COMPACT_AT:
-            self.frame, self._rows_put = self.current(), 0  # drop superseded generations
+            self.frame, self._rows_put = self.current().rechunk(), 0  # drop superseded rows
             self._indexes = {}  # positions moved
         if self._appended >= RECHUNK_AT:
             self.frame, self._appended = self.frame.rechunk(), 0
@@ -183,7 +195,9 @@ class SilverView:
             steps=Keyed(["step_key"], steps),
             facts=Keyed(["feedback_id"], facts),
             rewards=Keyed(["step_key"], read(SILVER_STEP_REWARDS)),
-            trajectories=Keyed(["trajectory_uid"], read(SILVER_TRAJECTORIES)),
+            trajectories=Keyed(
+                ["trajectory_uid"], read(SILVER_TRAJECTORIES, VIEW_TRAJECTORY_COLUMNS)
+            ),
         )
         view._advance_clock(steps, facts)
         marker = versions.get(SILVER_TRAJECTORIES)
@@ -237,18 +251,24 @@ class SilverView:
             self.log = [*self.log, (marker, touched)][-KEPT_LOG:]
 
     # -- what changed ------------------------------------------------------------------------
-    def touched_since(self, marker: int | None) -> pl.Series | None:
-        """The trajectories runs after marker version `marker` touched (None: the log does not
-        reach back that far; an empty series: nothing changed)."""
+    def touched_since(self, marker: int | None, lake: Lake | None = None) -> pl.Series | None:
+        """The trajectories silver runs after marker version `marker` touched: from the log,
+        and for runs before it (another process's) from silver/trajectories' change feed
+        when `lake` is given. None: neither reaches back that far."""
         if marker is None or not self.log:
             return None
-        if marker == self.log[-1][0]:
-            return pl.Series("trajectory_uid", [], pl.String)
-        after = [i for i, (version, _) in enumerate(self.log) if version == marker]
-        if not after:
+        versions = [version for version, _ in self.log]
+        if marker in versions:
+            parts = [uids for _, uids in self.log[versions.index(marker) + 1 :]]
+        elif lake is not None and marker < versions[0]:
+            before = lake.changed_values(SILVER_TRAJECTORIES, marker, versions[0], "trajectory_uid")
+            if before is None:
+                return None
+            parts = [before, *(uids for _, uids in self.log[1:])]
+        else:
             return None
-        parts = [uids for _, uids in self.log[after[0] + 1 :]]
-        return pl.concat(parts).unique() if parts else pl.Series("trajectory_uid", [], pl.String)
+        empty = pl.Series("trajectory_uid", [], pl.String)
+        return pl.concat([empty, *parts]).unique()
 
     def idle_since(self, before_us: int) -> pl.Series:
         """Open trajectories last seen before `before_us`: the idle timeout ends them."""

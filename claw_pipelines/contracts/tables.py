@@ -201,7 +201,9 @@ SILVER_TRAJECTORIES_SPEC = TableSpec(
             ("last_seen_at", UTC_MICROS),
         ]
     ),
-    description="One trajectory: its steps, status and resolved return.",
+    change_feed=True,
+    description="One trajectory: its steps, status and resolved return. Each silver run "
+    "rewrites the rows of the trajectories it touched (the change feed says which).",
 )
 
 SILVER_STEP_REWARDS_SPEC = TableSpec(
