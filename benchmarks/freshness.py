@@ -533,13 +533,31 @@ def warm_up(url: str, got: Deliveries, out, timeout: float) -> float:
     return time.monotonic() - started
 
 
-def measure(path: str, seconds: float, drain_s: float, args: argparse.Namespace) -> dict:
-    """One path on a fresh lake: services, trainer, warm-up, paced load, drain; figures."""
+def peak_rss_gib(pid: int) -> float | None:
+    """The peak resident memory of a running process (VmHWM), in GiB."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    return round(int(found.group(1)) / 2**20, 3) if found else None
+
+
+def measure(
+    path: str,
+    seconds: float,
+    drain_s: float,
+    args: argparse.Namespace,
+    lake_uri: str | None = None,
+    spec: CurationSpec = SPEC,
+) -> dict:
+    """One path: services, trainer, warm-up, paced load, drain; figures. On a fresh lake,
+    or on `lake_uri` (a pre-filled one, written to) with `spec` (named SPEC.name)."""
     with tempfile.TemporaryDirectory(prefix=f"claw-bench-fresh-{path}-") as tmp:
         workdir = Path(tmp)
-        uri = str(workdir / "lake")
+        uri = lake_uri or str(workdir / "lake")
         lake = Lake(uri)
-        save_spec(lake, SPEC)
+        save_spec(lake, spec)
         gateway = gateway_service(uri, workdir, args.flush_ms)
         builder = (
             materializer_service(uri, workdir, args.poll_s)
@@ -564,6 +582,7 @@ def measure(path: str, seconds: float, drain_s: float, args: argparse.Namespace)
             while thread.is_alive():
                 got.collect(out, 0.2)
             cpu1, t1 = {k: tree_cpu_s(p) for k, p in pids.items()}, time.monotonic()
+            builder_rss = peak_rss_gib(builder.proc.pid)
             cores = {k: round((cpu1[k] - cpu0[k]) / (t1 - t0), 3) for k in pids}
             expected = acks.complete_groups()
             log(f"{path}: load done ({len(expected)} complete groups acknowledged); draining")
@@ -618,6 +637,7 @@ def measure(path: str, seconds: float, drain_s: float, args: argparse.Namespace)
         "client_errors": dict(acks.errors),
         "retries": acks.retries,
         ("materializer_cores" if path == "live" else "daemon_cores"): cores["builder"],
+        "builder_peak_rss_gib": builder_rss,
         "gateway_cores": cores["gateway"],
         "trainer_cores": cores["trainer"],
         "breakdown": split,

@@ -52,6 +52,7 @@ class Round:
     gold: list[GoldIncrement] = field(default_factory=list)
     spec_errors: dict[str, SpecError] = field(default_factory=dict)
     seconds: float = 0.0
+    silver_seconds: float = 0.0  # of which the silver run
 
     @property
     def changed(self) -> bool:
@@ -88,6 +89,7 @@ class LiveMaterializer:
             read = -1 if state.bronze_version is None else state.bronze_version
             upto = min(bronze, read + CATCH_UP_VERSIONS)
             done.silver = build_silver(self.lake, self.options, upto, view=self.at_hand.silver)
+            done.silver_seconds = time.perf_counter() - started
             self.at_hand.silver = done.silver.view
             state = silver_state(self.lake)
             self._remember(done.silver)

@@ -1,13 +1,39 @@
-"""Table maintenance: compact, checkpoint and vacuum bronze and silver, one run at a time."""
+"""Table maintenance: compact, checkpoint and vacuum every table, one run at a time.
+
+What it keeps bounded: the number of files a table's reads open (increments append a small
+file per round and table; compaction bins them), the log a reader replays (delta-rs also
+checkpoints every 100 commits on its own) and the storage of replaced files (vacuumed after
+CLAW_RETENTION_HOURS, the time-travel window).
+"""
 
 import dagster as dg
 
-from claw_pipelines.contracts.tables import BRONZE_EVENTS
+from claw_pipelines.contracts.tables import (
+    BRONZE_EVENTS,
+    GOLD_CONSUMPTION,
+    GOLD_LINEAGE,
+    gold_dataset_table,
+    gold_rejection_table,
+    gold_tree_table,
+)
 from claw_pipelines.defs.resources import ClawLake
+from claw_pipelines.integrity import gold_datasets
+from claw_pipelines.lake import Lake
 from claw_pipelines.silver import SILVER_TABLES
 
 MAINTENANCE_POOL = "claw_maintenance"
-MAINTAINED_TABLES = (BRONZE_EVENTS, *SILVER_TABLES)
+MAINTAINED_TABLES = (BRONZE_EVENTS, *SILVER_TABLES, GOLD_LINEAGE, GOLD_CONSUMPTION)
+
+
+def maintained_tables(lake: Lake) -> list[str]:
+    """Every table maintenance keeps (that exists): bronze, silver, lineage, consumption and
+    each gold dataset's rows, trees and rejections."""
+    per_dataset = [
+        table(name)
+        for name in gold_datasets(lake)
+        for table in (gold_dataset_table, gold_tree_table, gold_rejection_table)
+    ]
+    return [t for t in (*MAINTAINED_TABLES, *per_dataset) if lake.exists(t)]
 
 
 @dg.op(
@@ -17,16 +43,15 @@ MAINTAINED_TABLES = (BRONZE_EVENTS, *SILVER_TABLES)
     "(dataChange = false), so it commits beside the gateway's appends without conflict.",
 )
 def maintain_tables(context: dg.OpExecutionContext, claw: ClawLake) -> None:
-    """Maintain every bronze and silver table that exists."""
+    """Maintain every table that exists."""
     lake, retention = claw.lake(), claw.settings().retention_hours
-    for table in MAINTAINED_TABLES:
-        if lake.exists(table):
-            result = lake.maintain(table, retention_hours=retention)
-            context.log.info(f"{table}: {result}")
+    for table in maintained_tables(lake):
+        result = lake.maintain(table, retention_hours=retention)
+        context.log.info(f"{table}: {result}")
 
 
 @dg.job(
-    description="Compact, checkpoint and vacuum bronze and silver (one at a time).",
+    description="Compact, checkpoint and vacuum every table (one at a time).",
     tags={"claw/maintenance": "true"},
 )
 def maintenance_job() -> None:

@@ -11,8 +11,8 @@ import shutil
 import polars as pl
 import pytest
 
-from claw_pipelines.contracts.specs import CurationSpec, Readmission
 from claw_pipelines import live
+from claw_pipelines.contracts.specs import CurationSpec, Readmission
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     SILVER_STEP_REWARDS,
@@ -21,6 +21,8 @@ from claw_pipelines.contracts.tables import (
     gold_rejection_table,
     gold_tree_table,
 )
+from claw_pipelines.definitions import defs
+from claw_pipelines.defs.maintenance import maintained_tables
 from claw_pipelines.gold import build_partition, policy_versions
 from claw_pipelines.lake import Lake
 from claw_pipelines.live import LiveMaterializer
@@ -197,3 +199,27 @@ def test_a_backlog_is_taken_in_bounded_rounds_that_end_where_one_run_would(tmp_p
         full.read(gold_dataset_table("live")).drop("landed_at"),
         ["step_key"],
     )
+
+
+def test_maintenance_compacts_what_increments_append_in_every_layer(tmp_path, monkeypatch):
+    lake = Lake(str(tmp_path / "lake"))
+    save_spec(lake, LIVE)
+    follower = LiveMaterializer(lake, OPTIONS)
+    for round_ in range(6):  # a small file per round and table
+        land(lake, group_of(f"g{round_}", [round_, 5], [1.0, 0.0], version=1))
+        follower.step()
+    tables = maintained_tables(lake)
+    assert {gold_dataset_table("live"), gold_tree_table("live"), SILVER_STEP_REWARDS} <= set(
+        tables
+    )
+    files = {t: len(lake.open(t).file_uris()) for t in tables}
+    rows = {t: lake.read(t).height for t in tables}
+    monkeypatch.setenv("CLAW_LAKE_URI", lake.uri)
+    assert defs.resolve_job_def("maintenance_job").execute_in_process().success
+    after = {t: len(lake.open(t).file_uris()) for t in tables}
+    assert after[gold_dataset_table("live")] < files[gold_dataset_table("live")]
+    assert after[SILVER_STEP_REWARDS] < files[SILVER_STEP_REWARDS]
+    assert all(after[t] <= files[t] for t in tables)
+    assert {t: lake.read(t).height for t in tables} == rows  # the same rows
+    land(lake, group_of("after", [9, 9], [1.0, 0.0], version=1))  # increments go on
+    assert [g.added for g in follower.step().gold if g.dataset == "live"] == [["1:after"]]
