@@ -221,22 +221,22 @@ def _anchors(view: SilverView, calls: pl.DataFrame, window_us: int) -> pl.DataFr
     }
     if calls.is_empty():
         return pl.DataFrame(schema=columns | {"has_successor": pl.Boolean})
-    steps = view.steps.frame
-    anchors = steps.filter(
-        pl.col("origin_step_key").is_not_null()
-        & (pl.col("created_at").dt.epoch("us") >= calls["received_us"].min() - window_us)
-        & pl.col("tenant").is_in(calls["tenant"].unique().implode())
-    ).select(
-        "tenant",
-        received_us=pl.col("created_at").dt.epoch("us"),
-        seq_len=pl.col("prompt_len") + pl.col("response_len"),
-        sequence_hash="sequence_hash",
-        prompt_id="prompt_id",
-        response_id="response_id",
-        prompt_len="prompt_len",
-        trajectory_uid="trajectory_uid",
-        step_index="step_index",
-        prompt_uid="prompt_uid",
+    since = calls["received_us"].min() - window_us
+    anchors = (
+        view.stitched_since(since)
+        .filter(pl.col("tenant").is_in(calls["tenant"].unique().implode()))
+        .select(
+            "tenant",
+            received_us=pl.col("created_at").dt.epoch("us"),
+            seq_len=pl.col("prompt_len") + pl.col("response_len"),
+            sequence_hash="sequence_hash",
+            prompt_id="prompt_id",
+            response_id="response_id",
+            prompt_len="prompt_len",
+            trajectory_uid="trajectory_uid",
+            step_index="step_index",
+            prompt_uid="prompt_uid",
+        )
     )
     successors = view.steps_of(anchors["trajectory_uid"].unique()).select(
         "trajectory_uid", step_index=pl.col("step_index") - 1, has_successor=pl.lit(True)

@@ -117,9 +117,10 @@ class Keyed:
     """Rows by key, appended in generations: the newest row of a key is its current one.
     Lookups by a column go through a `HashIndex` of it."""
 
-    def __init__(self, key: list[str], frame: pl.DataFrame) -> None:
+    def __init__(self, key: list[str], frame: pl.DataFrame, append_only: bool = False) -> None:
         # contiguous: a read gives a chunk per row group, and gathers walk the chunks
         self.key, self.frame, self._appended, self._rows_put = key, frame.rechunk(), 0, 0
+        self.append_only = append_only  # no key is ever put twice: rows never move
         self._indexes: dict[str, HashIndex] = {}
 
     def current(self) -> pl.DataFrame:
@@ -141,7 +142,8 @@ class Keyed:
         rows = rows.select(self.frame.columns) if self.frame.width else rows
         self.frame = pl.concat([self.frame, rows], how="vertical_relaxed", rechunk=False)
         self._appended, self._rows_put = self._appended + 1, self._rows_put + rows.height
-        if self._rows_put > self.frame.height // 4 and self._rows_put > COMPACT_AT:
+        superseded = 0 if self.append_only else self._rows_put
+        if superseded > self.frame.height // 4 and superseded > COMPACT_AT:
             self.frame, self._rows_put = self.current().rechunk(), 0  # drop superseded rows
             self._indexes = {}  # positions moved
         if self._appended >= RECHUNK_AT:
@@ -177,6 +179,8 @@ class SilverView:
     newest_policy: int = 0  # the newest policy version among silver's steps
     last_seen: datetime | None = None  # the newest step: the clock of curation deadlines
     log: list[tuple[int, pl.Series]] = field(default_factory=list)  # (marker version, touched)
+    # stitched steps (an origin key): their positions in `steps` and times, taken in lazily
+    _stitched: tuple[int, np.ndarray, np.ndarray] = (0, np.empty(0, np.int64), np.empty(0))
 
     @classmethod
     def load(cls, lake: Lake, versions: dict[str, int | None]) -> SilverView:
@@ -192,8 +196,8 @@ class SilverView:
         facts = read(SILVER_FEEDBACK)
         view = cls(
             versions=dict(versions),
-            steps=Keyed(["step_key"], steps),
-            facts=Keyed(["feedback_id"], facts),
+            steps=Keyed(["step_key"], steps, append_only=True),
+            facts=Keyed(["feedback_id"], facts, append_only=True),
             rewards=Keyed(["step_key"], read(SILVER_STEP_REWARDS)),
             trajectories=Keyed(
                 ["trajectory_uid"], read(SILVER_TRAJECTORIES, VIEW_TRAJECTORY_COLUMNS)
@@ -269,6 +273,21 @@ class SilverView:
             return None
         empty = pl.Series("trajectory_uid", [], pl.String)
         return pl.concat([empty, *parts]).unique()
+
+    def stitched_since(self, since_us: int) -> pl.DataFrame:
+        """Steps of unscoped calls (those with an origin key) created at or after
+        `since_us`: what new unscoped calls may continue (found without scanning silver)."""
+        upto, rows, times = self._stitched
+        frame = self.steps.frame
+        if frame.height > upto:
+            added = frame.slice(upto).select(
+                pl.col("origin_step_key").is_not_null(), pl.col("created_at").dt.epoch("us")
+            )
+            mask = added["origin_step_key"].to_numpy()
+            rows = np.concatenate([rows, np.flatnonzero(mask) + upto])
+            times = np.concatenate([times, added["created_at"].to_numpy()[mask]])
+            self._stitched = upto, rows, times = frame.height, rows, times
+        return frame[rows[times >= since_us]]
 
     def idle_since(self, before_us: int) -> pl.Series:
         """Open trajectories last seen before `before_us`: the idle timeout ends them."""
