@@ -323,10 +323,13 @@ def _write_derived(
         both = pl.concat([stored["trajectory_uid"], trajectories["trajectory_uid"]]).unique()
         uids = f"trajectory_uid IN ({_quoted(both)})"
         write[SILVER_STEP_REWARDS] = {"where": uids}
-        since = pl.concat([stored["first_seen_at"], trajectories["first_seen_at"]])
-        if since.null_count() == 0:  # lets the delete skip files of older trajectories
-            uids = f"first_seen_at >= '{since.min()}' AND {uids}"
         write[SILVER_TRAJECTORIES] = {"where": uids}
+        since = pl.concat([stored["first_seen_at"], trajectories["first_seen_at"]])
+        if since.null_count() == 0:  # lets the deletes skip the files of older trajectories
+            after = f"'{since.min()}'"
+            write[SILVER_TRAJECTORIES]["where"] = f"first_seen_at >= {after} AND {uids}"
+            recent = f"(created_at IS NULL OR created_at >= {after})"  # null: written before
+            write[SILVER_STEP_REWARDS]["where"] = f"{recent} AND {uids}"
     marker = meta | {"silver_versions": {t: v for t, v in versions.items() if t != WATERMARK_TABLE}}
     for table, rows, metadata in (
         (SILVER_STEP_REWARDS, rewards, meta),

@@ -223,9 +223,11 @@ SILVER_STEP_REWARDS_SPEC = TableSpec(
             ("num_ratings", pa.int64()),
             ("labels", pa.list_(pa.string())),
             ("num_corrections", pa.int64()),
+            ("created_at", UTC_MICROS),
         ]
     ),
-    description="Each step's resolved reward (latest fact wins) and its human quality signals.",
+    description="Each step's resolved reward (latest fact wins) and its human quality signals; "
+    "`created_at` is the step's (a rewrite of recent trajectories skips older files by it).",
 )
 
 GOLD_LINEAGE_SPEC = TableSpec(

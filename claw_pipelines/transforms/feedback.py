@@ -219,7 +219,8 @@ def resolve_rewards(
         .group_by("step_key")
         .agg(num_corrections=pl.len().cast(pl.Int64))
     )
-    resolved = steps.select("step_key", "trajectory_uid", "step_index")
+    when = [c for c in ("created_at",) if c in steps.columns]  # lets writes prune by time
+    resolved = steps.select("step_key", "trajectory_uid", "step_index", *when)
     for part in (rewards, ratings, labels, corrections):
         resolved = resolved.join(part, on="step_key", how="left")
     open_now = statuses.select("trajectory_uid", is_open=pl.col("status") == "open")
