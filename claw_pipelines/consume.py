@@ -66,11 +66,11 @@ from claw_pipelines.delivery import (
     REFUSED,
     UNIT_COLUMNS,
     Ledger,
+    LiveRows,
     available_units,
     choose,
     ledger,
     record_delivery,
-    unit_keys,
 )
 from claw_pipelines.lake import Lake, until_landed
 from claw_pipelines.settings import ClawSettings
@@ -305,7 +305,7 @@ class Dataset:
         self.version: int = newest if version is None else self._readable(version, newest)
         # live delivery keeps what it read while the tables it came from have not moved
         self._books: dict[tuple[str, int], Ledger] = {}
-        self._newest: tuple[int, pl.DataFrame] | None = None
+        self._newest: LiveRows | None = None
         self._floor: tuple[tuple[int | None, int | None], int | None] | None = None
         # per dataset version: (the lineage version read, its spec and partition spec hashes)
         self._specs: dict[int, tuple[int | None, tuple[CurationSpec | None, dict[int, str]]]] = {}
@@ -597,16 +597,16 @@ class Dataset:
         """One attempt: choose from the newest version, pack, record (guarded), or None."""
         book = self._ledger(consumer, rank)
         version = self.lake.version(self.table)
-        if self._newest is None or self._newest[0] != version:
-            columns = list(dict.fromkeys([*BATCH_READ_COLUMNS, *UNIT_COLUMNS]))
-            self._newest = version, self.lake.read(self.table, version, columns=columns)
-        steps = self._newest[1]
+        columns = list(dict.fromkeys([*BATCH_READ_COLUMNS, *UNIT_COLUMNS]))
+        if self._newest is None:
+            self._newest = LiveRows.read(self.lake, self.table, version, columns)
+        self._newest = live = self._newest.at(self.lake, self.table, version, columns)
         floor = self.staleness_floor() if min_policy_version is None else min_policy_version
-        units = available_units(steps, book.units, floor, rank, world_size)
+        units = available_units(live.units, book.units, floor, rank, world_size)
         chosen = choose(units, groups, max_tokens)
         if chosen is None:
             return None
-        frame = steps.filter(unit_keys(steps).is_in(chosen))
+        frame = live.rows.filter(pl.col("unit").is_in(chosen)).drop("unit")
         batch = self._pack(frame.select(BATCH_READ_COLUMNS), version, layout)
         batch.contract = self.contract(batch, frame, version)
         failed = blocking_failures(batch.contract)

@@ -55,13 +55,15 @@ def unit_keys(frame: pl.DataFrame) -> pl.Series:
     ).to_series()
 
 
+def _digests(units: list[str]) -> np.ndarray:
+    """Each unit's stable 64-bit hash (BLAKE2b)."""
+    digests = [hashlib.blake2b(u.encode(), digest_size=8).digest() for u in units]
+    return np.frombuffer(b"".join(digests), dtype=np.uint64) if digests else np.zeros(0, np.uint64)
+
+
 def shard_of(units: list[str], world_size: int) -> np.ndarray:
     """The rank each unit goes to: a stable hash (BLAKE2b) modulo `world_size`."""
-    digests = [hashlib.blake2b(u.encode(), digest_size=8).digest() for u in units]
-    values = (
-        np.frombuffer(b"".join(digests), dtype=np.uint64) if digests else np.zeros(0, np.uint64)
-    )
-    return (values % np.uint64(world_size)).astype(np.int64)
+    return (_digests(units) % np.uint64(world_size)).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -93,26 +95,87 @@ def ledger(lake: Lake, dataset: str, consumer: str, rank: int) -> Ledger:
     return Ledger(version, units, 0 if top is None else int(top) + 1)
 
 
-def available_units(
-    steps: pl.DataFrame, taken: set[str], min_policy_version: int | None, rank: int, world: int
-) -> pl.DataFrame:
-    """Units of `steps` (UNIT_COLUMNS of a dataset version) this rank may be given now, oldest
-    landed first: (unit, policy_version, steps, tokens, landed_at)."""
-    frame = steps.with_columns(unit=unit_keys(steps))
-    if min_policy_version is not None:
-        frame = frame.filter(pl.col("policy_version") >= min_policy_version)
-    units = (
-        frame.group_by("unit")
-        .agg(
-            pl.col("policy_version").first(),
-            steps=pl.len(),
-            tokens=(pl.col("prompt_len") + pl.col("response_len")).sum(),
-            landed_at=pl.col("landed_at").min(),
-        )
-        .filter(~pl.col("unit").is_in(list(taken)))
-        .sort("landed_at", "unit", nulls_last=False)
+def unit_table(rows: pl.DataFrame) -> pl.DataFrame:
+    """Per unit of `rows` (with `unit`): policy_version, steps, tokens, landed_at and the
+    64-bit digest its rank is drawn from (`shard_of`)."""
+    units = rows.group_by("unit").agg(
+        pl.col("policy_version").first(),
+        steps=pl.len(),
+        tokens=(pl.col("prompt_len") + pl.col("response_len")).sum(),
+        landed_at=pl.col("landed_at").min(),
     )
-    return units.filter(pl.Series(shard_of(units["unit"].to_list(), world) == rank))
+    return units.with_columns(digest=pl.Series(_digests(units["unit"].to_list()), dtype=pl.UInt64))
+
+
+@dataclass
+class LiveRows:
+    """A dataset's rows (with their `unit`) and units at dataset version `version`, brought
+    to a newer version by the table's change feed: what changed is read, not the table."""
+
+    version: int
+    rows: pl.DataFrame
+    units: pl.DataFrame
+
+    @classmethod
+    def read(cls, lake: Lake, table: str, version: int, columns: list[str]) -> LiveRows:
+        """Every row of the table at `version`."""
+        rows = lake.read(table, version, columns=columns)
+        rows = rows.with_columns(unit=unit_keys(rows))
+        return cls(version, rows, unit_table(rows))
+
+    def at(self, lake: Lake, table: str, version: int, columns: list[str]) -> LiveRows:
+        """The rows at `version` (this object when it stands there): the changes of the
+        versions in between applied in order, or a full read when the feed cannot say."""
+        if version == self.version:
+            return self
+        changed = (
+            lake.change_feed(table, self.version, version, columns)
+            if version > self.version
+            else None
+        )
+        if changed is None:
+            return LiveRows.read(lake, table, version, columns)
+        feed = pl.from_arrow(changed)
+        assert isinstance(feed, pl.DataFrame)
+        rows, touched = self.rows, []
+        for (_,), commit in feed.sort("_commit_version").group_by(
+            "_commit_version", maintain_order=True
+        ):
+            gone = commit.filter(pl.col("_change_type").is_in(["delete", "update_preimage"]))
+            added = commit.filter(pl.col("_change_type").is_in(["insert", "update_postimage"]))
+            if gone.height:
+                hit = rows.filter(pl.col("step_key").is_in(gone["step_key"].implode()))
+                touched.append(hit["unit"])
+                rows = rows.filter(~pl.col("step_key").is_in(gone["step_key"].implode()))
+            if added.height:
+                missing = [pl.lit(None).alias(c) for c in columns if c not in added.columns]
+                added = added.with_columns(missing).select(columns)  # declared since: nulls
+                added = added.with_columns(unit=unit_keys(added))  # whole trees land at once
+                touched.append(added["unit"])
+                rows = pl.concat([rows, added], how="vertical_relaxed")
+        if not touched:
+            return LiveRows(version, rows, self.units)
+        units = pl.concat(touched).unique()
+        fresh = unit_table(rows.filter(pl.col("unit").is_in(units.implode())))
+        kept = self.units.filter(~pl.col("unit").is_in(units.implode()))
+        return LiveRows(version, rows, pl.concat([kept, fresh.select(kept.columns)]))
+
+
+def available_units(
+    units: pl.DataFrame, taken: set[str], min_policy_version: int | None, rank: int, world: int
+) -> pl.DataFrame:
+    """Units (`unit_table`'s) this rank may be given now, oldest landed first: (unit,
+    policy_version, steps, tokens, landed_at)."""
+    if min_policy_version is not None:
+        units = units.filter(pl.col("policy_version") >= min_policy_version)
+    mine = (pl.col("digest") % world) == rank
+    return (
+        units.filter(
+            mine & ~pl.col("unit").is_in(pl.Series(list(taken), dtype=pl.String).implode())
+        )
+        .sort("landed_at", "unit", nulls_last=False)
+        .drop("digest")
+    )
 
 
 def choose(units: pl.DataFrame, groups: int | None, max_tokens: int | None) -> list[str] | None:

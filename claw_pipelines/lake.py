@@ -528,7 +528,7 @@ class Lake:
 
         Compaction rewrites files without changing data (`dataChange = false`): it adds nothing.
         """
-        changed = self._feed(name, after, until, columns)
+        changed = self.change_feed(name, after, until, columns)
         if changed is None:
             return None
         kinds = changed.column("_change_type").unique().to_pylist() if changed.num_rows else []
@@ -546,16 +546,17 @@ class Lake:
         updated or deleted (the change data feed; None when it cannot answer)."""
         if until <= after:
             return pl.Series(column, [], pl.String)
-        changed = self._feed(name, after, until, [column])
+        changed = self.change_feed(name, after, until, [column])
         if changed is None:
             return None
         return pl.Series(column, changed.column(column)).unique()
 
-    def _feed(
+    def change_feed(
         self, name: str, after: int, until: int, columns: list[str] | None
     ) -> pa.Table | None:
-        """The change data feed of versions `after`+1 .. `until` (with `_change_type`), or
-        None when it cannot answer (not enabled then, or the log was cleaned up)."""
+        """The change data feed of versions `after`+1 .. `until` (with `_change_type` and
+        `_commit_version`), or None when it cannot answer (not enabled then, or the log was
+        cleaned up)."""
         if until <= after:
             raise ValueError(f"empty version range ({after}, {until}]")
         try:
@@ -565,7 +566,7 @@ class Lake:
                 present = set(table.schema().to_arrow().names)
                 wanted = None
                 if columns is not None:  # a column declared since: nulls, added below
-                    wanted = [*(c for c in columns if c in present), "_change_type"]
+                    wanted = [*(c for c in columns if c in present), *CHANGE_COLUMNS[:2]]
                 reader = table.load_cdf(
                     starting_version=after + 1, ending_version=until, columns=wanted
                 )

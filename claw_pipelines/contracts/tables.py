@@ -417,6 +417,7 @@ def gold_dataset_spec(name: str) -> TableSpec:
         gold_dataset_table(name),
         GOLD_DATASET_SCHEMA,
         partition_by=("policy_version",),
+        change_feed=True,  # live delivery reads what each increment changed, not the table
         description=f"Gold dataset {name}: curated, training-ready steps.",
     )
 

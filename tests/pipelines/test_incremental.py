@@ -12,6 +12,7 @@ import polars as pl
 import pytest
 
 from claw_pipelines import live
+from claw_pipelines.consume import Dataset
 from claw_pipelines.contracts.specs import CurationSpec, Readmission
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -23,6 +24,7 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.definitions import defs
 from claw_pipelines.defs.maintenance import maintained_tables
+from claw_pipelines.delivery import LiveRows
 from claw_pipelines.gold import build_partition, policy_versions
 from claw_pipelines.lake import Lake
 from claw_pipelines.live import LiveMaterializer
@@ -223,3 +225,27 @@ def test_maintenance_compacts_what_increments_append_in_every_layer(tmp_path, mo
     assert {t: lake.read(t).height for t in tables} == rows  # the same rows
     land(lake, group_of("after", [9, 9], [1.0, 0.0], version=1))  # increments go on
     assert [g.added for g in follower.step().gold if g.dataset == "live"] == [["1:after"]]
+
+
+def test_live_delivery_follows_the_dataset_by_its_change_feed(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    save_spec(lake, LIVE)
+    follower = LiveMaterializer(lake, OPTIONS)
+    dataset, delivered = None, []
+    for round_ in range(5):
+        rows = group_of(f"g{round_}", [round_, 5], [1.0, 0.0], version=1 + round_ // 3)
+        if round_:  # a late reward rewrites the previous group's rows
+            rows.append(feedback({"trajectory_uid": f"g{round_ - 1}-r1"}, "reward", 0.5))
+        land(lake, rows)
+        follower.step()
+        dataset = dataset or Dataset(lake, "live")
+        batch = dataset.next_batch(1, consumer="trainer", timeout=2.0)
+        assert batch is not None
+        delivered += batch.groups
+        kept = dataset._newest
+        assert kept is not None and kept.version == lake.version(gold_dataset_table("live"))
+        columns = kept.rows.drop("unit").columns
+        read = LiveRows.read(lake, gold_dataset_table("live"), kept.version, columns)
+        same(kept.rows, read.rows, ["step_key"])  # what the feed applied = a full read
+        same(kept.units, read.units, ["unit"])
+    assert delivered == ["1:g0", "1:g1", "1:g2", "2:g3", "2:g4"]
