@@ -62,6 +62,23 @@ VIEW_TRAJECTORY_COLUMNS = [
     "first_seen_at",
     "last_seen_at",
 ]
+# the silver/feedback columns the view keeps (what resolving rewards and statuses reads)
+VIEW_FACT_COLUMNS = [
+    "feedback_id",
+    "step_key",
+    "trajectory_uid",
+    "kind",
+    "value_number",
+    "value_text",
+    "source",
+    "judge",
+    "judge_version",
+    "tenant",
+    "created_at",
+    "received_at",
+]
+# the silver/step_rewards columns the view keeps (curation reads them)
+VIEW_REWARD_COLUMNS = ["step_key", "trajectory_uid", "reward", "reward_status", "rating", "labels"]
 KEPT_LOG = 256  # runs the change log remembers (a dataset further behind is rebuilt)
 RECHUNK_AT = 64  # appended generations before a frame is made contiguous again
 MERGE_AT = 20_000  # rows appended before a HashIndex sorts them in
@@ -193,12 +210,12 @@ class SilverView:
             return lake.read(table, versions[table], columns=columns)
 
         steps = _steps_frame(read(SILVER_STEPS, VIEW_STEP_COLUMNS))
-        facts = read(SILVER_FEEDBACK)
+        facts = read(SILVER_FEEDBACK, VIEW_FACT_COLUMNS)
         view = cls(
             versions=dict(versions),
             steps=Keyed(["step_key"], steps, append_only=True),
             facts=Keyed(["feedback_id"], facts, append_only=True),
-            rewards=Keyed(["step_key"], read(SILVER_STEP_REWARDS)),
+            rewards=Keyed(["step_key"], read(SILVER_STEP_REWARDS, VIEW_REWARD_COLUMNS)),
             trajectories=Keyed(
                 ["trajectory_uid"], read(SILVER_TRAJECTORIES, VIEW_TRAJECTORY_COLUMNS)
             ),
@@ -234,7 +251,7 @@ class SilverView:
             self.steps.put(_steps_frame(steps))
             self._advance_clock(steps, facts.head(0))
         if facts.height:
-            facts = _shaped(facts, SILVER_FEEDBACK)
+            facts = _shaped(facts, SILVER_FEEDBACK).select(VIEW_FACT_COLUMNS)
             self.facts.put(facts)
             self._advance_clock(self.steps.frame.head(0), facts)
 
