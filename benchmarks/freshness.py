@@ -131,7 +131,7 @@ def group_steps(rng: np.random.Generator, group: str) -> list[list[dict]]:
     return rollouts
 
 
-def plan_load(seconds: float, rate: float, turn_gap: float, seed: int) -> Plan:
+def plan_load(seconds: float, rate: float, turn_gap: float, seed: int, prefix: str = "") -> Plan:
     """A new group every 24/rate s for `seconds`; turn t of each rollout due t x turn_gap
     (plus up to half a gap of jitter) after its group starts: the rollouts of ~2.5 x
     turn_gap x rate / 24 groups interleave, at `rate` steps/s once the ramp is over."""
@@ -139,7 +139,7 @@ def plan_load(seconds: float, rate: float, turn_gap: float, seed: int) -> Plan:
     interval = STEPS_PER_GROUP / rate
     sends, event_ids = [], {}
     for g in range(max(1, int(seconds / interval))):
-        group, start = f"g{g:05d}", g * interval
+        group, start = f"{prefix}g{g:05d}", g * interval
         rollouts = group_steps(rng, group)
         event_ids[group] = [s["event_id"] for turns in rollouts for s in turns]
         for turns in rollouts:
@@ -215,16 +215,24 @@ def start_load(url: str, plan: Plan) -> tuple[threading.Thread, Acks]:
     return thread, acks
 
 
-def warm_group_body(seed: int) -> bytes:
+def warm_group_body(seed: int, name: str = WARM_GROUP) -> bytes:
     """The warm-up group, all 24 steps in one request."""
-    rollouts = group_steps(np.random.default_rng(seed), WARM_GROUP)
+    rollouts = group_steps(np.random.default_rng(seed), name)
     return json.dumps({"steps": [s for turns in rollouts for s in turns]}).encode()
 
 
 # -- trainer ------------------------------------------------------------------------------
 
 
-def trainer(uri: str, groups: int | None, max_tokens: int | None, poll_s: float, stop, out):
+def trainer(
+    uri: str,
+    groups: int | None,
+    max_tokens: int | None,
+    poll_s: float,
+    stop,
+    out,
+    consumer: str = CONSUMER,
+):
     """Spawned: block on `next_batch` until `stop`; report each batch's delivery time."""
     from claw_pipelines.consume import Dataset
 
@@ -240,7 +248,7 @@ def trainer(uri: str, groups: int | None, max_tokens: int | None, poll_s: float,
         started = time.perf_counter()
         try:
             batch = dataset.next_batch(
-                groups, consumer=CONSUMER, max_tokens=max_tokens, timeout=1.0, poll_s=poll_s
+                groups, consumer=consumer, max_tokens=max_tokens, timeout=1.0, poll_s=poll_s
             )
         except Exception as exc:  # every exception is reported, none hidden
             errors[f"{type(exc).__name__}: {exc}"[:300]] += 1
@@ -289,12 +297,14 @@ class Deliveries:
             self.summary = {"calls": calls, "empty_calls": empty, "errors": errors}
 
 
-def start_trainer(uri: str, groups: int | None, max_tokens: int | None, poll_s: float) -> tuple:
+def start_trainer(
+    uri: str, groups: int | None, max_tokens: int | None, poll_s: float, consumer: str = CONSUMER
+) -> tuple:
     """A spawned trainer process (fork after delta-rs' runtime started would panic), once it
     has imported everything."""
     context = mp.get_context("spawn")
     stop, out = context.Event(), context.Queue()
-    options = (uri, groups, max_tokens, poll_s, stop, out)
+    options = (uri, groups, max_tokens, poll_s, stop, out, consumer)
     proc = context.Process(target=trainer, args=options, daemon=True)
     proc.start()
     message = out.get(timeout=120)
@@ -462,10 +472,10 @@ def gold_first_seen(lake: Lake) -> tuple[dict[str, float], int]:
     return seen, len(history)
 
 
-def consumption_check(lake: Lake) -> dict:
+def consumption_check(lake: Lake, consumer: str = CONSUMER) -> dict:
     """The trainer's record in gold/consumption: batches, groups, duplicated groups."""
     rows = lake.read(GOLD_CONSUMPTION).filter(
-        (pl.col("consumer") == CONSUMER) & (pl.col("dataset") == SPEC.name)
+        (pl.col("consumer") == consumer) & (pl.col("dataset") == SPEC.name)
     )
     groups = rows["groups"].explode().drop_nulls()
     return {
@@ -516,17 +526,17 @@ def steady_rate(acks: Acks, seconds: float, ramp_s: float) -> float:
     return inside / (hi - lo)
 
 
-def warm_up(url: str, got: Deliveries, out, timeout: float) -> float:
+def warm_up(url: str, got: Deliveries, out, timeout: float, warm: str = WARM_GROUP) -> float:
     """Post the warm-up group and wait for its delivery (the path works end to end)."""
     started = time.monotonic()
     answer = httpx.post(
         url + "/v1/steps",
-        content=warm_group_body(7),
+        content=warm_group_body(7, warm),
         headers={"content-type": "application/json"},
         timeout=60,
     )
     answer.raise_for_status()
-    while WARM_GROUP not in got.at:
+    while warm not in got.at:
         if time.monotonic() - started > timeout:
             raise TimeoutError(f"the warm-up group was not delivered within {timeout:.0f} s")
         got.collect(out, 0.5)
@@ -552,7 +562,10 @@ def measure(
     spec: CurationSpec = SPEC,
 ) -> dict:
     """One path: services, trainer, warm-up, paced load, drain; figures. On a fresh lake,
-    or on `lake_uri` (a pre-filled one, written to) with `spec` (named SPEC.name)."""
+    or on `lake_uri` (a pre-filled one, written to; groups and consumer named for this run)
+    with `spec` (named SPEC.name)."""
+    tag = f"-{uuid.uuid4().hex[:6]}" if lake_uri else ""
+    consumer, warm = CONSUMER + tag, WARM_GROUP + tag
     with tempfile.TemporaryDirectory(prefix=f"claw-bench-fresh-{path}-") as tmp:
         workdir = Path(tmp)
         uri = lake_uri or str(workdir / "lake")
@@ -570,11 +583,11 @@ def measure(
             builder.start(timeout=120)
             groups = None if args.trainer_max_tokens else args.trainer_groups
             trainer_proc, stop, out = start_trainer(
-                uri, groups, args.trainer_max_tokens, args.trainer_poll_s
+                uri, groups, args.trainer_max_tokens, args.trainer_poll_s, consumer
             )
-            warm_s = warm_up(gateway.url, got, out, args.warmup_timeout)
+            warm_s = warm_up(gateway.url, got, out, args.warmup_timeout, warm)
             log(f"{path}: warm-up group delivered after {warm_s:.1f} s")
-            plan = plan_load(seconds, args.rate, args.turn_gap, seed=11)
+            plan = plan_load(seconds, args.rate, args.turn_gap, seed=11, prefix=tag)
             pids = {"builder": builder.proc.pid, "gateway": gateway.proc.pid}
             pids["trainer"] = trainer_proc.pid
             cpu0, t0 = {k: tree_cpu_s(p) for k, p in pids.items()}, time.monotonic()
@@ -594,7 +607,7 @@ def measure(
             drained = time.monotonic() - drain_started
             trainer_code = stop_trainer(trainer_proc, stop, out, got)
             trainer_proc = None
-            consumed = consumption_check(lake)
+            consumed = consumption_check(lake, consumer)
             measured = sorted(expected & got.at.keys())
             split = breakdown(lake, plan, measured, acks, got)
         finally:
@@ -606,7 +619,7 @@ def measure(
         rounds = materializer_rounds(builder.log_path) if path == "live" else None
     latencies = [got.at[g] - acks.last_ack[g] for g in measured]
     figures = percentiles(latencies)
-    delivered_keys = got.at.keys() - {WARM_GROUP}
+    delivered_keys = got.at.keys() - {warm}
     duplicates = sum(n - 1 for n in got.times.values() if n > 1)
     partial = sum(1 for g in measured if 0 <= got.steps[g] < STEPS_PER_GROUP)
     calls = [b[3] for b in got.batches]

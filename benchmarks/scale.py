@@ -82,9 +82,10 @@ def take_in(uri: str, out) -> None:
     follower = LiveMaterializer(Lake(uri))
     while follower.step().changed:
         rounds += 1
-    out.put({"seconds": round(time.perf_counter() - started, 1), "rounds": rounds} | {
-        "peak_rss_gib": _peak_gib()
-    })
+    out.put(
+        {"seconds": round(time.perf_counter() - started, 1), "rounds": rounds}
+        | {"peak_rss_gib": _peak_gib()}
+    )
 
 
 def increments(uri: str, count: int, groups: int, out) -> None:
@@ -138,9 +139,10 @@ def next_batch(uri: str, out) -> None:
         batch = dataset.next_batch(1, consumer="scale-probe", timeout=5.0)
         calls.append(time.perf_counter() - started)
         assert batch is not None and len(batch.groups) == 1
-    out.put({"open_s": round(opened, 3), "first_s": round(calls[0], 3)} | {
-        "second_s": round(calls[1], 3)
-    })
+    out.put(
+        {"open_s": round(opened, 3), "first_s": round(calls[0], 3)}
+        | {"second_s": round(calls[1], 3)}
+    )
 
 
 def build(uri: str, steps: int) -> dict:
@@ -182,7 +184,8 @@ def measure(steps: int, workdir: Path, args: argparse.Namespace) -> dict:
     if not Path(uri, "bronze").exists():
         result["build"] = build(uri, steps)
     result |= _in_child(increments, uri, args.increments, args.groups)
-    log(f"{steps:,} steps: increments {result['increment_s']} (first round {result['first_round_s']} s)")
+    first = result["first_round_s"]
+    log(f"{steps:,} steps: increments {result['increment_s']} (first round {first} s)")
     result["next_batch"] = _in_child(next_batch, uri)
     log(f"{steps:,} steps: next_batch {result['next_batch']}")
     if args.freshness_seconds > 0 and steps == max(args.sizes):

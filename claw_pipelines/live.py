@@ -7,10 +7,10 @@ policy version moved. Between rounds it keeps a view of silver's small columns
 (`silver_view`) and what each dataset was brought up to (also in its heartbeat, so a restart
 resumes there): a round costs what changed, not what the lake holds. Datasets a trainer
 pulls from live (`next_batch`) go first and every round; while there are such, the others
-follow at most every BACKGROUND_S. It uses the same guarded transforms as the Dagster assets, so it may run beside them and
-beside itself; a killed materializer converges on restart. It leaves a heartbeat in the
-lake (`_live/materializer.json`), and while that is fresh the Dagster sensors leave routine
-runs to it (Dagster's jobs stay for backfills, spec changes made from the UI and full
+follow at most every BACKGROUND_S. It uses the same guarded transforms as the Dagster
+assets, so it may run beside them and beside itself; a killed materializer converges on
+restart. It leaves a heartbeat in the lake (`_live/materializer.json`), and while that is
+fresh the Dagster sensors leave routine runs to it (Dagster's jobs stay for backfills, spec changes made from the UI and full
 rebuilds).
 """
 

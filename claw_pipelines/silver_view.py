@@ -87,15 +87,16 @@ _US = 1_000_000
 
 
 class HashIndex:
-    """Where a column's values sit in a growing frame, found without scanning it: the hashes
-    of rows [0, `upto`) sorted beside their positions (binary search), the rows appended
-    since scanned directly until there are MERGE_AT of them."""
+    """Where a column's values sit in a growing frame, found without scanning it: hashes
+    sorted beside their positions (binary search) in two levels, a large one and a small
+    one the rows appended since are merged into (MERGE_AT at a time; the small one merges
+    into the large one when it reaches a quarter of it), and the newest rows scanned."""
 
     SEED = 0x636C6177
 
     def __init__(self) -> None:
-        self.hashes = np.empty(0, np.uint64)
-        self.rows = np.empty(0, np.int64)
+        empty = (np.empty(0, np.uint64), np.empty(0, np.int64))
+        self.levels = [empty, empty]  # (sorted hashes, positions): large, small
         self.upto = 0
 
     def positions(self, column: pl.Series, values: pl.Series) -> np.ndarray:
@@ -107,27 +108,44 @@ class HashIndex:
         if wanted.is_empty():
             return np.empty(0, np.int64)
         found = wanted.hash(self.SEED).to_numpy()
-        left = np.searchsorted(self.hashes, found, "left")
-        right = np.searchsorted(self.hashes, found, "right")
-        counts = right - left
-        starts = np.repeat(left - np.cumsum(counts) + counts, counts)
-        rows = self.rows[starts + np.arange(counts.sum())]
+        parts = [_search(hashes, rows, found) for hashes, rows in self.levels]
         tail = column.slice(self.upto).is_in(wanted.implode())
-        rows = np.concatenate([rows, np.flatnonzero(tail.to_numpy()) + self.upto])
+        parts.append(np.flatnonzero(tail.to_numpy()) + self.upto)
+        rows = np.concatenate(parts)
         rows.sort()
         same = column.gather(rows).is_in(wanted.implode()).to_numpy()  # hash collisions out
         return rows[same]
 
     def _extend(self, column: pl.Series) -> None:
-        """Take the rows appended since into the sorted part (runs merge in linear time)."""
+        """Merge the rows appended since into the small level (and that into the large one
+        when it has grown): sorted runs merge in linear time."""
         added = column.slice(self.upto).hash(self.SEED)
         first = added.arg_sort().to_numpy()  # polars sorts on every core
-        hashes = np.concatenate([self.hashes, added.to_numpy()[first]])
-        rows = np.concatenate([self.rows, first.astype(np.int64) + self.upto])
-        if self.upto:  # two sorted runs: a stable (merging) sort takes linear time
-            order = np.argsort(hashes, kind="stable")
-            hashes, rows = hashes[order], rows[order]
-        self.hashes, self.rows, self.upto = hashes, rows, column.len()
+        run = (added.to_numpy()[first], first.astype(np.int64) + self.upto)
+        large, small = self.levels
+        small = _merged(small, run)
+        if len(small[0]) * 4 > len(large[0]):
+            large, small = _merged(large, small), (small[0][:0], small[1][:0])
+        self.levels, self.upto = [large, small], column.len()
+
+
+def _search(hashes: np.ndarray, rows: np.ndarray, found: np.ndarray) -> np.ndarray:
+    """The positions whose hash is one of `found` (`hashes` sorted, `rows` beside them)."""
+    left = np.searchsorted(hashes, found, "left")
+    counts = np.searchsorted(hashes, found, "right") - left
+    starts = np.repeat(left - np.cumsum(counts) + counts, counts)
+    return rows[starts + np.arange(counts.sum())]
+
+
+def _merged(
+    a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Two sorted (hashes, positions) runs as one (a stable sort merges runs linearly)."""
+    if not len(a[0]):
+        return b
+    hashes, rows = np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]])
+    order = np.argsort(hashes, kind="stable")
+    return hashes[order], rows[order]
 
 
 class Keyed:
