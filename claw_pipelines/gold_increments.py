@@ -478,9 +478,11 @@ def _group_rejections_to_write(
     if differ.is_empty():
         return None
     versions = sorted(int(v) for v in differ["policy_version"].unique())
-    chosen = pl.from_arrow(rows.select(key)).join(
-        differ.select(key).with_columns(hit=pl.lit(True)), on=key, how="left"
-    )["hit"].fill_null(False)
+    chosen = (
+        pl.from_arrow(rows.select(key))
+        .join(differ.select(key).with_columns(hit=pl.lit(True)), on=key, how="left")["hit"]
+        .fill_null(False)
+    )
     groups = _quoted(differ["group_key"].unique().to_list())
     where_sql = f"policy_version IN ({', '.join(map(str, versions))}) AND group_key IN ({groups})"
     return RejectionsWrite(versions, rows.filter(chosen.to_arrow()), None, where_sql)

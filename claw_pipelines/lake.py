@@ -351,6 +351,18 @@ class Lake:
             for entry in self._commits(name, newest, after + 1):
                 yield int(entry["version"]), _claw_metadata(entry)
 
+    def only_maintenance(self, name: str, after: int | None, until: int | None) -> bool:
+        """Whether every commit to table `name` in versions `after`+1 .. `until` only
+        maintained it (compaction: the same rows in fewer files), so a reader of version
+        `after` holds what `until` holds."""
+        if after is None or until is None or until < after:
+            return False
+        return all(
+            "maintenance" in meta
+            for version, meta in self.commits_after(name, after)
+            if version <= until
+        )
+
     def recent_commits(self, name: str, limit: int = 50) -> list[dict[str, Any]]:
         """The newest `limit` commits to table `name`, newest first: version, commit time
         (ms since the epoch) and claw metadata (empty when the table does not exist)."""

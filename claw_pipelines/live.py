@@ -10,8 +10,8 @@ pulls from live (`next_batch`) go first and every round; while there are such, t
 follow at most every BACKGROUND_S. It uses the same guarded transforms as the Dagster
 assets, so it may run beside them and beside itself; a killed materializer converges on
 restart. It leaves a heartbeat in the lake (`_live/materializer.json`), and while that is
-fresh the Dagster sensors leave routine runs to it (Dagster's jobs stay for backfills, spec changes made from the UI and full
-rebuilds).
+fresh the Dagster sensors leave routine runs to it (Dagster's jobs stay for backfills, spec
+changes made from the UI and full rebuilds).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEP_CONFLICTS,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
+    SILVER_TABLES,
     SILVER_TRAJECTORIES,
     STEP_KINDS,
     TABLES,
@@ -65,13 +66,6 @@ from claw_pipelines.transforms.steps import (
 )
 from claw_pipelines.transforms.trajectories import trajectory_statuses, with_returns
 
-SILVER_TABLES = (
-    SILVER_STEPS,
-    SILVER_FEEDBACK,
-    SILVER_TRAJECTORIES,
-    SILVER_STEP_REWARDS,
-    SILVER_STEP_CONFLICTS,
-)
 WATERMARK_TABLE = SILVER_TRAJECTORIES  # its commit is a run's marker: written last
 SILVER_WRITER = "claw.silver"  # the application id every silver commit carries
 STEP_INDEX_COLUMNS = [
@@ -393,7 +387,7 @@ def _build_once(
         run.bronze_version = state.bronze_version
         run.versions = dict(state.versions)
         return run
-    if view is None or not view.stands_at(pins):
+    if view is None or not view.stands_at(pins, lake):
         view = run.view = SilverView.load(lake, pins)
     guard = Guard((SILVER_WRITER,), until, pins)
     steps, fact_records, run.read_mode = _read_bronze(lake, after, until)
@@ -412,7 +406,10 @@ def _build_once(
     meta = {"bronze_version": until, "bronze_after": after, "read_mode": run.read_mode}
     versions = dict(pins)
     # a run killed after its appends left rows past the last marker: derive everything again
-    leftovers = any(pins[t] != state.versions.get(t) for t in (SILVER_STEPS, SILVER_FEEDBACK))
+    leftovers = not all(
+        pins[t] == state.versions.get(t) or lake.only_maintenance(t, state.versions.get(t), pins[t])
+        for t in (SILVER_STEPS, SILVER_FEEDBACK)
+    )
     view.versions = {}  # changing: not to be trusted until the run completes
     if conflicts.height:  # appends first, in this order: a rerun recognises each of them
         conflicts = conflicts.with_columns(bronze_version=pl.lit(until, pl.Int64))

@@ -23,9 +23,9 @@ import polars as pl
 
 from claw_pipelines.contracts.tables import (
     SILVER_FEEDBACK,
-    SILVER_STEP_CONFLICTS,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
+    SILVER_TABLES,
     SILVER_TRAJECTORIES,
     TABLES,
 )
@@ -244,13 +244,21 @@ class SilverView:
             view.log = [(marker, pl.Series("trajectory_uid", [], pl.String))]
         return view
 
-    def stands_at(self, versions: dict[str, int | None]) -> bool:
-        """Whether the view holds silver exactly at `versions`."""
-        tables = (SILVER_STEPS, SILVER_FEEDBACK, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES)
-        same = all(self.versions.get(t) == versions.get(t) for t in tables)
-        return same and self.versions.get(SILVER_STEP_CONFLICTS) == versions.get(
-            SILVER_STEP_CONFLICTS
-        )
+    def stands_at(self, versions: dict[str, int | None], lake: Lake | None = None) -> bool:
+        """Whether the view holds silver as of `versions`: the versions it was taken at, or
+        (asking `lake`) later ones that only compacted its tables (then it moves to them)."""
+        if not self.versions:
+            return False
+        moved = [t for t in SILVER_TABLES if self.versions.get(t) != versions.get(t)]
+        if moved and (
+            lake is None
+            or not all(
+                lake.only_maintenance(t, self.versions.get(t), versions.get(t)) for t in moved
+            )
+        ):
+            return False
+        self.versions = {**self.versions, **{t: versions[t] for t in moved}}
+        return True
 
     def _advance_clock(self, steps: pl.DataFrame, facts: pl.DataFrame) -> None:
         newest = [steps["created_at"].max(), facts["received_at"].max()]

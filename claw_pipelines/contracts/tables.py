@@ -14,6 +14,13 @@ SILVER_FEEDBACK = "silver/feedback"
 SILVER_TRAJECTORIES = "silver/trajectories"
 SILVER_STEP_REWARDS = "silver/step_rewards"
 SILVER_STEP_CONFLICTS = "silver/step_conflicts"
+SILVER_TABLES = (  # every table a silver run writes (its marker, trajectories, last)
+    SILVER_STEPS,
+    SILVER_FEEDBACK,
+    SILVER_TRAJECTORIES,
+    SILVER_STEP_REWARDS,
+    SILVER_STEP_CONFLICTS,
+)
 GOLD_LINEAGE = "gold/lineage"
 GOLD_CONSUMPTION = "gold/consumption"
 GOLD_POLICY_VERSIONS = "gold/policy_versions"

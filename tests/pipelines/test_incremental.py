@@ -223,8 +223,14 @@ def test_maintenance_compacts_what_increments_append_in_every_layer(tmp_path, mo
     assert after[SILVER_STEP_REWARDS] < files[SILVER_STEP_REWARDS]
     assert all(after[t] <= files[t] for t in tables)
     assert {t: lake.read(t).height for t in tables} == rows  # the same rows
+    view = follower.at_hand.silver
     land(lake, group_of("after", [9, 9], [1.0, 0.0], version=1))  # increments go on
-    assert [g.added for g in follower.step().gold if g.dataset == "live"] == [["1:after"]]
+    done = follower.step()
+    assert [g.added for g in done.gold if g.dataset == "live"] == [["1:after"]]
+    assert follower.at_hand.silver is view  # compaction moved no data: the view stays
+    assert all(g.groups_curated is not None for g in done.gold)
+    (last,) = lake.open(SILVER_TRAJECTORIES).history(limit=1)
+    assert last["operationMetrics"]["num_added_rows"] == 2  # only the new trajectories
 
 
 def test_live_delivery_follows_the_dataset_by_its_change_feed(tmp_path):
