@@ -564,8 +564,8 @@ def measure(
     """One path: services, trainer, warm-up, paced load, drain; figures. On a fresh lake,
     or on `lake_uri` (a pre-filled one, written to; groups and consumer named for this run)
     with `spec` (named SPEC.name)."""
-    tag = f"-{uuid.uuid4().hex[:6]}" if lake_uri else ""
-    consumer, warm = CONSUMER + tag, WARM_GROUP + tag
+    tag = f"r{uuid.uuid4().hex[:6]}" if lake_uri else ""  # ids start with a letter or digit
+    consumer, warm = (f"{name}-{tag}" if tag else name for name in (CONSUMER, WARM_GROUP))
     with tempfile.TemporaryDirectory(prefix=f"claw-bench-fresh-{path}-") as tmp:
         workdir = Path(tmp)
         uri = lake_uri or str(workdir / "lake")
@@ -587,7 +587,8 @@ def measure(
             )
             warm_s = warm_up(gateway.url, got, out, args.warmup_timeout, warm)
             log(f"{path}: warm-up group delivered after {warm_s:.1f} s")
-            plan = plan_load(seconds, args.rate, args.turn_gap, seed=11, prefix=tag)
+            prefix = f"{tag}-" if tag else ""
+            plan = plan_load(seconds, args.rate, args.turn_gap, seed=11, prefix=prefix)
             pids = {"builder": builder.proc.pid, "gateway": gateway.proc.pid}
             pids["trainer"] = trainer_proc.pid
             cpu0, t0 = {k: tree_cpu_s(p) for k, p in pids.items()}, time.monotonic()

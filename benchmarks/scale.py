@@ -3,7 +3,7 @@
 For each lake size (default 50,000 and 2,000,000 steps), a lake of simulated GRPO traffic
 written to bronze column-wise (`simulation/bulk.py`: 8 rollouts x 3 turns per group, 1,000
 groups per policy version), taken in by the live materializer (bounded rounds, a child
-process). Then, each in a fresh child process:
+process), then maintained once (compaction, checkpoints: what the maintenance schedule does). Then, each in a fresh child process:
   - a restarted follower: its first round (loading what it keeps between rounds), then the
     median of 5 increments of 20 new groups (480 steps) landed in bronze, each timed from the
     bronze commit to the round that brought silver and gold up to date, and its peak memory;
@@ -75,16 +75,23 @@ def _in_child(target, *args):
 
 
 def take_in(uri: str, out) -> None:
-    """Child: the live materializer until silver and gold hold all of bronze."""
+    """Child: the live materializer until silver and gold hold all of bronze, then the
+    maintenance a deployment runs on its schedule (compaction, checkpoints)."""
+    from claw_pipelines.defs.maintenance import maintained_tables
     from claw_pipelines.live import LiveMaterializer
 
+    lake = Lake(uri)
     started, rounds = time.perf_counter(), 0
-    follower = LiveMaterializer(Lake(uri))
+    follower = LiveMaterializer(lake)
     while follower.step().changed:
         rounds += 1
+    taken = time.perf_counter() - started
+    started = time.perf_counter()
+    for table in maintained_tables(lake):
+        lake.maintain(table)
     out.put(
-        {"seconds": round(time.perf_counter() - started, 1), "rounds": rounds}
-        | {"peak_rss_gib": _peak_gib()}
+        {"seconds": round(taken, 1), "rounds": rounds, "peak_rss_gib": _peak_gib()}
+        | {"maintenance_s": round(time.perf_counter() - started, 1)}
     )
 
 
@@ -213,6 +220,8 @@ def measure(steps: int, workdir: Path, args: argparse.Namespace) -> dict:
                 "materializer_cores",
                 "builder_peak_rss_gib",
                 "warmup_s",
+                "statuses",
+                "client_errors",
                 "breakdown",
             )
             if k in live

@@ -310,6 +310,8 @@ class Dataset:
         # per dataset version: (the lineage version read, its spec and partition spec hashes)
         self._specs: dict[int, tuple[int | None, tuple[CurationSpec | None, dict[int, str]]]] = {}
         self._rejections: tuple[tuple, dict[str, int]] | None = None
+        self._lineage: tuple[int, pl.DataFrame] | None = None  # (lineage version, its rows)
+        self._spec_by_hash: dict[str, CurationSpec] = {}
 
     def __repr__(self) -> str:
         return f"Dataset({self.name!r}, version={self.version})"
@@ -606,7 +608,7 @@ class Dataset:
         chosen = choose(units, groups, max_tokens)
         if chosen is None:
             return None
-        frame = live.rows.filter(pl.col("unit").is_in(chosen)).drop("unit")
+        frame = live.rows_of(chosen).drop("unit")
         batch = self._pack(frame.select(BATCH_READ_COLUMNS), version, layout)
         batch.contract = self.contract(batch, frame, version)
         failed = blocking_failures(batch.contract)
@@ -665,19 +667,47 @@ class Dataset:
             return kept[1]
         found: tuple[CurationSpec | None, dict[int, str]] = (None, {})
         if lineage is not None:
-            rows = (
-                self.lake.scan(GOLD_LINEAGE)
-                .filter((pl.col("dataset") == self.name) & (pl.col("dataset_version") <= at))
-                .select("policy_version", "spec_json", "spec_hash", "written_at")
-                .sort("written_at")
-                .collect()
-            )
+            rows = self._lineage_rows(lineage).filter(pl.col("dataset_version") <= at)
             if rows.height:
-                spec = CurationSpec.model_validate_json(rows["spec_json"][-1])
+                spec = self._spec_of(rows["spec_hash"][-1])
                 latest = rows.group_by("policy_version").agg(pl.col("spec_hash").last())
                 found = spec, {int(v): h for v, h in latest.iter_rows()}
-        self._specs[at] = lineage, found
+        self._specs = {at: (lineage, found)}  # live delivery asks of the newest version
         return found
+
+    def _lineage_rows(self, lineage: int) -> pl.DataFrame:
+        """This dataset's lineage rows (policy_version, spec_hash, dataset_version,
+        written_at) in written order, as of lineage version `lineage`: rows written since
+        the last call are read, not the whole table."""
+        kept = self._lineage
+        if kept is not None and kept[0] == lineage:
+            return kept[1]
+        mine = pl.col("dataset") == self.name
+        if kept is not None and kept[1].height:
+            mine = mine & (pl.col("written_at") > kept[1]["written_at"].max())
+        new = (
+            self.lake.scan(GOLD_LINEAGE, lineage)
+            .filter(mine)
+            .select("policy_version", "spec_hash", "dataset_version", "written_at")
+            .collect()
+        )
+        rows = new if kept is None else pl.concat([kept[1], new])
+        rows = rows.sort("written_at", maintain_order=True)
+        self._lineage = lineage, rows
+        return rows
+
+    def _spec_of(self, spec_hash: str) -> CurationSpec:
+        """The spec with this hash, as lineage recorded it (read once per hash)."""
+        if spec_hash not in self._spec_by_hash:
+            text = (
+                self.lake.scan(GOLD_LINEAGE)
+                .filter((pl.col("dataset") == self.name) & (pl.col("spec_hash") == spec_hash))
+                .select("spec_json")
+                .head(1)
+                .collect()["spec_json"][0]
+            )
+            self._spec_by_hash[spec_hash] = CurationSpec.model_validate_json(text)
+        return self._spec_by_hash[spec_hash]
 
     def _left_out(self, versions: tuple[int, ...]) -> dict[str, int]:
         """Steps the spec left out of these partitions, per reason (gold/rejections)."""

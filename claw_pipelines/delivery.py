@@ -109,11 +109,12 @@ def unit_table(rows: pl.DataFrame) -> pl.DataFrame:
 
 @dataclass
 class LiveRows:
-    """A dataset's rows (with their `unit`) and units at dataset version `version`, brought
-    to a newer version by the table's change feed: what changed is read, not the table."""
+    """A dataset's rows (with their `unit`), per policy-version partition, and its units at
+    dataset version `version`, brought to a newer version by the table's change feed: what
+    changed is read and applied to the partitions it touched, never the whole table."""
 
     version: int
-    rows: pl.DataFrame
+    parts: dict[int, pl.DataFrame]
     units: pl.DataFrame
 
     @classmethod
@@ -121,44 +122,69 @@ class LiveRows:
         """Every row of the table at `version`."""
         rows = lake.read(table, version, columns=columns)
         rows = rows.with_columns(unit=unit_keys(rows))
-        return cls(version, rows, unit_table(rows))
+        return cls(version, _partitions(rows), unit_table(rows))
+
+    @property
+    def rows(self) -> pl.DataFrame:
+        """Every row (all partitions)."""
+        return pl.concat(list(self.parts.values())) if self.parts else pl.DataFrame()
+
+    def rows_of(self, units: list[str]) -> pl.DataFrame:
+        """The rows of `units` ("<policy_version>:<group>" keys), read from their partitions."""
+        versions = {int(u.split(":", 1)[0]) for u in units}
+        found = [
+            self.parts[v].filter(pl.col("unit").is_in(units)) for v in versions if v in self.parts
+        ]
+        return pl.concat(found) if found else pl.DataFrame()
 
     def at(self, lake: Lake, table: str, version: int, columns: list[str]) -> LiveRows:
         """The rows at `version` (this object when it stands there): the changes of the
         versions in between applied in order, or a full read when the feed cannot say."""
         if version == self.version:
             return self
-        changed = (
-            lake.change_feed(table, self.version, version, columns)
-            if version > self.version
-            else None
-        )
+        changed = None
+        if version > self.version:
+            changed = lake.change_feed(table, self.version, version, columns)
         if changed is None:
             return LiveRows.read(lake, table, version, columns)
         feed = pl.from_arrow(changed)
         assert isinstance(feed, pl.DataFrame)
-        rows, touched = self.rows, []
-        for (_,), commit in feed.sort("_commit_version").group_by(
-            "_commit_version", maintain_order=True
-        ):
+        parts, touched = dict(self.parts), []
+        commits = feed.sort("_commit_version").group_by("_commit_version", maintain_order=True)
+        for _, commit in commits:
             gone = commit.filter(pl.col("_change_type").is_in(["delete", "update_preimage"]))
+            for (pv,), rows in gone.group_by("policy_version"):
+                part = parts.get(int(pv))
+                if part is not None:
+                    hit = pl.col("step_key").is_in(rows["step_key"].implode())
+                    touched.append(part.filter(hit).select("policy_version", "unit"))
+                    parts[int(pv)] = part.filter(~hit)
             added = commit.filter(pl.col("_change_type").is_in(["insert", "update_postimage"]))
-            if gone.height:
-                hit = rows.filter(pl.col("step_key").is_in(gone["step_key"].implode()))
-                touched.append(hit["unit"])
-                rows = rows.filter(~pl.col("step_key").is_in(gone["step_key"].implode()))
             if added.height:
                 missing = [pl.lit(None).alias(c) for c in columns if c not in added.columns]
                 added = added.with_columns(missing).select(columns)  # declared since: nulls
                 added = added.with_columns(unit=unit_keys(added))  # whole trees land at once
-                touched.append(added["unit"])
-                rows = pl.concat([rows, added], how="vertical_relaxed")
+                touched.append(added.select("policy_version", "unit"))
+                for pv, rows in _partitions(added).items():
+                    kept = parts.get(pv)
+                    parts[pv] = (
+                        rows if kept is None else pl.concat([kept, rows], how="vertical_relaxed")
+                    )
         if not touched:
-            return LiveRows(version, rows, self.units)
+            return LiveRows(version, parts, self.units)
         units = pl.concat(touched).unique()
-        fresh = unit_table(rows.filter(pl.col("unit").is_in(units.implode())))
-        kept = self.units.filter(~pl.col("unit").is_in(units.implode()))
-        return LiveRows(version, rows, pl.concat([kept, fresh.select(kept.columns)]))
+        fresh = [
+            unit_table(parts[int(pv)].filter(pl.col("unit").is_in(group["unit"].implode())))
+            for (pv,), group in units.group_by("policy_version")
+            if int(pv) in parts
+        ]
+        kept = self.units.filter(~pl.col("unit").is_in(units["unit"].implode()))
+        return LiveRows(version, parts, pl.concat([kept, *(f.select(kept.columns) for f in fresh)]))
+
+
+def _partitions(rows: pl.DataFrame) -> dict[int, pl.DataFrame]:
+    """Rows split by policy version."""
+    return {int(pv): part for (pv,), part in rows.group_by("policy_version")}
 
 
 def available_units(

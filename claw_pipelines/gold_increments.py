@@ -289,8 +289,7 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
     if versions[SILVER_STEPS] is None:
         return increment
     table = gold_dataset_table(spec.name)
-    scope, frame, brings = _scope(lake, spec, versions, at_hand)
-    at_hand.brought.pop(spec.name, None)  # set again once the increment lands
+    scope, frame, brings = _scope(lake, spec, versions, at_hand)  # kept once it lands
     increment.brings = brings
     increment.groups_curated = None if scope.groups is None else scope.groups.len()
     if scope.partitions == []:  # nothing changed

@@ -150,7 +150,7 @@ class Stack:
                 ready=lambda: daemons_healthy(webserver.url),
             ),
             "dagster daemon",
-            "(sensors: bronze -> silver -> gold; hourly maintenance)",
+            "(sensors: bronze -> silver -> gold; maintenance every 10 minutes)",
         )
         self.start(
             ServiceProcess(

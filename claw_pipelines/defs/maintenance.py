@@ -61,7 +61,9 @@ def maintenance_job() -> None:
 
 maintenance_schedule = dg.ScheduleDefinition(
     job=maintenance_job,
-    cron_schedule="17 * * * *",
+    cron_schedule="*/10 * * * *",
     default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Hourly table maintenance.",
+    description="Table maintenance every 10 minutes: a live materializer adds a small file per "
+    "round and table, and appends slow down as files pile up (31 ms at 270 files, 13 ms "
+    "compacted).",
 )
