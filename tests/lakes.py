@@ -9,10 +9,20 @@ from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 
+from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS
 from claw_pipelines.lake import Lake
 
 T0 = datetime(2026, 11, 30, tzinfo=UTC)
+# the spec a live trainer pulls GRPO groups from: complete groups, merged, GRPO advantages
+LIVE = CurationSpec(
+    name="live",
+    reward_status=["final", "missing"],
+    trajectory_status=["complete"],
+    complete_groups_only=True,
+    merge="prompt_group",
+    advantage="grpo",
+)
 _clock = iter(range(10**9))
 
 

@@ -31,17 +31,9 @@ from claw_pipelines.live import LiveMaterializer
 from claw_pipelines.silver import SilverOptions, build_silver, silver_state
 from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
 from claw_pipelines.spec_store import save_spec
-from tests.lakes import completion, feedback, group_of, land, step
+from tests.lakes import LIVE, completion, feedback, group_of, land, step
 
 OPTIONS = SilverOptions(idle_timeout_s=0.04)  # a round is ~20 ms of data time
-LIVE = CurationSpec(
-    name="live",
-    reward_status=["final", "missing"],
-    trajectory_status=["complete"],
-    complete_groups_only=True,
-    merge="prompt_group",
-    advantage="grpo",
-)
 SPECS = [
     LIVE,
     LIVE.model_copy(update={"name": "fresh", "max_policy_staleness": 1}),
@@ -211,9 +203,7 @@ def test_maintenance_compacts_what_increments_append_in_every_layer(tmp_path, mo
         land(lake, group_of(f"g{round_}", [round_, 5], [1.0, 0.0], version=1))
         follower.step()
     tables = maintained_tables(lake)
-    assert {gold_dataset_table("live"), gold_tree_table("live"), SILVER_STEP_REWARDS} <= set(
-        tables
-    )
+    assert {gold_dataset_table("live"), gold_tree_table("live"), SILVER_STEP_REWARDS} <= set(tables)
     files = {t: len(lake.open(t).file_uris()) for t in tables}
     rows = {t: lake.read(t).height for t in tables}
     monkeypatch.setenv("CLAW_LAKE_URI", lake.uri)

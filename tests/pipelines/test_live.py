@@ -19,7 +19,6 @@ import pytest
 
 from claw_pipelines.app.materialize import follow
 from claw_pipelines.consume import Dataset
-from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_LINEAGE,
     gold_dataset_table,
@@ -34,17 +33,8 @@ from claw_pipelines.policy import publish_policy_version
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.silver import build_silver
 from claw_pipelines.spec_store import save_spec
-from tests.lakes import completion, feedback, group_of, land, step
+from tests.lakes import LIVE, completion, feedback, group_of, land, step
 from tests.servers import REPO, wait_until
-
-LIVE = CurationSpec(
-    name="live",
-    reward_status=["final", "missing"],
-    trajectory_status=["complete"],
-    complete_groups_only=True,
-    merge="prompt_group",
-    advantage="grpo",
-)
 
 
 def gold_rows(lake: Lake, name: str) -> tuple[pl.DataFrame, pl.DataFrame]:
