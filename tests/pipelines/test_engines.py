@@ -24,10 +24,10 @@ PROTOCOL = {
     BRONZE_EVENTS: (["ingest_date"], 1, 4),  # writer 4: the change data feed
     SILVER_STEPS: (["policy_version"], 1, 4),  # its change feed: what re-scoring reads
     "silver/feedback": ([], 1, 2),
-    "silver/trajectories": ([], 1, 2),
+    "silver/trajectories": ([], 1, 4),  # its change feed: the trajectories a run touched
     "silver/step_rewards": ([], 1, 2),
     "gold/lineage": ([], 1, 2),
-    DATASET: (["policy_version"], 1, 2),
+    DATASET: (["policy_version"], 1, 4),  # its change feed: what live delivery applies
     "gold/trees/engines": (["policy_version"], 1, 2),
 }
 
