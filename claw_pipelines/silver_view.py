@@ -367,6 +367,8 @@ class SilverView:
     def facts_of(self, steps: pl.DataFrame) -> pl.DataFrame:
         """Every fact that may address one of `steps` (by key, trajectory, or the keys the
         gateway gave them before stitching)."""
+        if "origin_step_key" not in steps.columns:  # candidates: the view's rows of them
+            steps = self.steps_of(steps["trajectory_uid"].unique())
         step_aliases = pl.concat([steps["step_key"], steps["origin_step_key"].drop_nulls()])
         trajectory_aliases = pl.concat(
             [steps["trajectory_uid"], steps["origin_trajectory"].drop_nulls()]

@@ -6,6 +6,7 @@ a restart of the follower), at two lake sizes."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import polars as pl
@@ -13,7 +14,7 @@ import pytest
 
 from claw_pipelines import live
 from claw_pipelines.consume import Dataset
-from claw_pipelines.contracts.specs import CurationSpec, Readmission
+from claw_pipelines.contracts.specs import CurationSpec, JudgeRef, Readmission
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     SILVER_STEP_REWARDS,
@@ -40,6 +41,7 @@ SPECS = [
     LIVE.model_copy(update={"name": "late", "group_deadline_s": 0.03, "min_group_size": 3}),
     CurationSpec(name="all", merge="trajectory"),
     CurationSpec(name="again", readmit=Readmission(dataset="live"), merge="none"),
+    CurationSpec(name="judged", reward_judge=JudgeRef(name="exact", version="1")),
 ]
 
 
@@ -62,6 +64,9 @@ def script(round_: int) -> list[dict]:
         rows += [completion(f"{previous}-r0", 1.0), completion(f"{previous}-r1", 0.0)]
         rows += [feedback({"trajectory_uid": f"g{round_ - 1}-r1"}, "reward", 0.5)]
         rows += [feedback({"step_key": f"g{round_ - 1}-r0:1"}, "label", "good")]
+        judged = feedback({"step_key": f"g{round_ - 1}-r2:0"}, "reward", 1.0, source="judge")
+        payload = json.loads(judged["payload"]) | {"judge": "exact", "judge_version": "1"}
+        rows += [judged | {"payload": json.dumps(payload)}]  # a judge scores a step late
     history = [9, 9] + [t for turn in range(round_) for t in (100 + turn, 200 + turn)]
     rows += [unscoped("c", round_, history, [100 + round_])]
     rows += [step(f"idle-{round_}", 0, [4, round_], [4], group=f"i{round_}", version=version)]
