@@ -61,11 +61,6 @@ def _digests(units: list[str]) -> np.ndarray:
     return np.frombuffer(b"".join(digests), dtype=np.uint64) if digests else np.zeros(0, np.uint64)
 
 
-def shard_of(units: list[str], world_size: int) -> np.ndarray:
-    """The rank each unit goes to: a stable hash (BLAKE2b) modulo `world_size`."""
-    return (_digests(units) % np.uint64(world_size)).astype(np.int64)
-
-
 @dataclass(frozen=True)
 class Ledger:
     """What one consumer rank has been delivered, as of consumption version `version`."""
@@ -97,7 +92,7 @@ def ledger(lake: Lake, dataset: str, consumer: str, rank: int) -> Ledger:
 
 def unit_table(rows: pl.DataFrame) -> pl.DataFrame:
     """Per unit of `rows` (with `unit`): policy_version, steps, tokens, landed_at and the
-    64-bit digest its rank is drawn from (`shard_of`)."""
+    64-bit digest its rank is drawn from (the digest modulo the world size)."""
     units = rows.group_by("unit").agg(
         pl.col("policy_version").first(),
         steps=pl.len(),

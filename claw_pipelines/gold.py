@@ -140,16 +140,20 @@ def source_versions(lake: Lake) -> dict[str, int | None]:
     return versions | {"bronze/events": state.bronze_version, GOLD_POLICY_VERSIONS: published}
 
 
+def published_newest(lake: Lake, versions: dict[str, int | None]) -> int:
+    """The newest policy version published at `versions` (0 when none is)."""
+    if versions.get(GOLD_POLICY_VERSIONS) is None:
+        return 0
+    published = lake.read(
+        GOLD_POLICY_VERSIONS, versions[GOLD_POLICY_VERSIONS], columns=["policy_version"]
+    )["policy_version"].max()
+    return 0 if published is None else int(published)
+
+
 def newest_policy(lake: Lake, versions: dict[str, int | None], steps: pl.DataFrame) -> int:
     """The version staleness counts from: the newest published, or in silver if newer."""
     in_silver = steps["policy_version"].max()
-    newest = [0 if in_silver is None else int(in_silver)]
-    if versions.get(GOLD_POLICY_VERSIONS) is not None:
-        published = lake.read(
-            GOLD_POLICY_VERSIONS, versions[GOLD_POLICY_VERSIONS], columns=["policy_version"]
-        )["policy_version"].max()
-        newest += [] if published is None else [int(published)]
-    return max(newest)
+    return max(0 if in_silver is None else int(in_silver), published_newest(lake, versions))
 
 
 def candidate_steps(lake: Lake, versions: dict[str, int | None]) -> pl.DataFrame:

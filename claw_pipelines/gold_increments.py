@@ -24,7 +24,6 @@ import pyarrow as pa
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_DATASET_SCHEMA,
-    GOLD_POLICY_VERSIONS,
     SILVER_FEEDBACK,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
@@ -48,6 +47,7 @@ from claw_pipelines.gold import (
     merge_trees,
     partition_writer,
     pin_gold,
+    published_newest,
     record_lineage,
     recover_lineage,
     rejection_rows,
@@ -56,7 +56,7 @@ from claw_pipelines.gold import (
     tree_rows,
     with_tokens,
 )
-from claw_pipelines.lake import Guard, Lake, conform, until_landed
+from claw_pipelines.lake import Guard, Lake, conform, sql_strings, until_landed
 from claw_pipelines.silver_view import SilverView
 from claw_pipelines.transforms.curation import GROUP
 
@@ -210,10 +210,6 @@ def update_dataset(
     return increment
 
 
-def _quoted(values: list[str]) -> str:
-    return ", ".join("'" + v.replace("'", "''") + "'" for v in sorted(values))
-
-
 @dataclass(frozen=True)
 class Scope:
     """The part of a dataset an increment curates: some prompt groups (`groups`, in the
@@ -242,7 +238,7 @@ def _scope(
     if view is None:
         return Scope(), at_hand.candidates(lake, versions), None
     sources = spec_sources(lake, spec)
-    newest = max(view.newest_policy, _published_newest(lake, versions))
+    newest = max(view.newest_policy, published_newest(lake, versions))
     now = Brought(versions[SILVER_TRAJECTORIES], spec.spec_hash, sources, newest, view.last_seen)
     before = at_hand.brought.get(spec.name)
     touched = None
@@ -270,16 +266,6 @@ def _scope(
     versions_in = frame["policy_version"].unique().to_list()
     scope = Scope(frame[GROUP].unique(), sorted(int(v) for v in versions_in))
     return scope, Part(frame, newest, view.last_seen, facts), now
-
-
-def _published_newest(lake: Lake, versions: dict[str, int | None]) -> int:
-    """The newest published policy version (0 when none is)."""
-    if versions.get(GOLD_POLICY_VERSIONS) is None:
-        return 0
-    published = lake.read(
-        GOLD_POLICY_VERSIONS, versions[GOLD_POLICY_VERSIONS], columns=["policy_version"]
-    )["policy_version"].max()
-    return 0 if published is None else int(published)
 
 
 def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncrement:
@@ -334,7 +320,7 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
     for (version,), gone in doomed.group_by("policy_version"):
         version = int(version)
         trees = gone["trees"].explode().unique().drop_nulls().to_list()
-        clauses.append(f"(policy_version = {version} AND tree_id IN ({_quoted(trees)}))")
+        clauses.append(f"(policy_version = {version} AND tree_id IN ({sql_strings(trees)}))")
         part = GoldPartition(
             spec.name, version, spec, increment.source_versions, reason=_reason(increment, version)
         )
@@ -411,13 +397,16 @@ class RejectionsWrite:
     where: str
 
 
-def rejection_fingerprints(rows: pa.Table) -> pl.DataFrame:
-    """Per policy version: a fingerprint of its `gold/rejections` rows (`landed_at` aside)."""
-    frame = pl.from_arrow(rows.drop_columns(["landed_at"]))
+def rejection_fingerprints(
+    rows: pa.Table | pl.DataFrame, by: tuple[str, ...] = ("policy_version",)
+) -> pl.DataFrame:
+    """Per policy version (or per `by` key): a fingerprint of its `gold/rejections` rows
+    (`landed_at` aside)."""
+    frame = rows if isinstance(rows, pl.DataFrame) else pl.from_arrow(rows)
     assert isinstance(frame, pl.DataFrame)
-    return frame.group_by("policy_version").agg(
-        fingerprint=pl.struct(pl.exclude("policy_version")).hash().sum()
-    )
+    key = list(by)
+    frame = frame.drop("landed_at", strict=False)
+    return frame.group_by(key).agg(fingerprint=pl.struct(pl.exclude(key)).hash().sum())
 
 
 def _rejections_to_write(
@@ -467,11 +456,13 @@ def _group_rejections_to_write(
     now = pl.from_arrow(rows.drop_columns(["landed_at"]))
     assert isinstance(now, pl.DataFrame)
 
-    def fingerprints(frame: pl.DataFrame) -> pl.DataFrame:
-        return frame.group_by(key).agg(fingerprint=pl.struct(pl.exclude(key)).hash().sum())
-
-    both = fingerprints(now).join(
-        fingerprints(stored.select(now.columns)), on=key, how="full", coalesce=True, suffix="_s"
+    by = tuple(key)
+    both = rejection_fingerprints(now, by).join(
+        rejection_fingerprints(stored.select(now.columns), by),
+        on=key,
+        how="full",
+        coalesce=True,
+        suffix="_s",
     )
     differ = both.filter(pl.col("fingerprint").ne_missing(pl.col("fingerprint_s")))
     if differ.is_empty():
@@ -482,7 +473,7 @@ def _group_rejections_to_write(
         .join(differ.select(key).with_columns(hit=pl.lit(True)), on=key, how="left")["hit"]
         .fill_null(False)
     )
-    groups = _quoted(differ["group_key"].unique().to_list())
+    groups = sql_strings(differ["group_key"].unique().to_list())
     where_sql = f"policy_version IN ({', '.join(map(str, versions))}) AND group_key IN ({groups})"
     return RejectionsWrite(versions, rows.filter(chosen.to_arrow()), None, where_sql)
 

@@ -8,7 +8,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -94,6 +94,11 @@ def until_landed(work: Callable[[], T], what: str, attempts: int = 50) -> tuple[
         except WriteConflict:
             time.sleep(random.uniform(0, min(1.0, 0.02 * 2**attempt)))
     raise WriteConflict(f"{what}: lost {attempts} times in a row to concurrent writers")
+
+
+def sql_strings(values: Iterable[str]) -> str:
+    """Strings as a SQL list body for a Delta predicate (`col IN (...)`), sorted, quoted."""
+    return ", ".join("'" + v.replace("'", "''") + "'" for v in sorted(values))
 
 
 def conform(data: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -34,7 +34,7 @@ from claw_pipelines.contracts.tables import (
     STEP_KINDS,
     TABLES,
 )
-from claw_pipelines.lake import Guard, Lake, until_landed
+from claw_pipelines.lake import Guard, Lake, sql_strings, until_landed
 from claw_pipelines.quality import (
     Finding,
     feedback_targets_exist,
@@ -295,10 +295,6 @@ def _finish(
     return rewards, trajectories
 
 
-def _quoted(values: pl.Series) -> str:
-    return ", ".join("'" + v.replace("'", "''") + "'" for v in values.sort().to_list())
-
-
 def _write_derived(
     lake: Lake,
     guard: Guard,
@@ -315,7 +311,7 @@ def _write_derived(
     write: dict[str, dict[str, Any]] = {SILVER_STEP_REWARDS: {}, SILVER_TRAJECTORIES: {}}
     if stored is not None and stored.height:  # rows written must match the predicate
         both = pl.concat([stored["trajectory_uid"], trajectories["trajectory_uid"]]).unique()
-        uids = f"trajectory_uid IN ({_quoted(both)})"
+        uids = f"trajectory_uid IN ({sql_strings(both.to_list())})"
         write[SILVER_STEP_REWARDS] = {"where": uids}
         write[SILVER_TRAJECTORIES] = {"where": uids}
         since = pl.concat([stored["first_seen_at"], trajectories["first_seen_at"]])
@@ -374,7 +370,11 @@ def build_silver(
 
 
 def _build_once(
-    lake: Lake, options: SilverOptions, bronze_version: int | None, full: bool, view
+    lake: Lake,
+    options: SilverOptions,
+    bronze_version: int | None,
+    full: bool,
+    view: SilverView | None,
 ) -> SilverRun:
     """One attempt: pin every silver table, compute against the pins, commit guarded."""
     pins = {t: lake.version(t) for t in SILVER_TABLES}
