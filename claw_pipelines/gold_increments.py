@@ -21,6 +21,7 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 
+from claw_pipelines import lake as lake_module
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_DATASET_SCHEMA,
@@ -245,6 +246,8 @@ def _scope(
     if before is not None and (before.spec_hash, before.sources) == (now.spec_hash, sources):
         touched = view.touched_since(before.marker, lake)
     if before is None or touched is None:
+        return Scope(), Part(view.all_candidates(), newest, view.last_seen), now
+    if touched.len() > lake_module.MAX_PREDICATE_KEYS:  # most of silver: curate it all
         return Scope(), Part(view.all_candidates(), newest, view.last_seen), now
     groups = [view.groups_of(touched)]
     if spec.max_policy_staleness is not None and before.newest != newest:

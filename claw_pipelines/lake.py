@@ -96,6 +96,10 @@ def until_landed(work: Callable[[], T], what: str, attempts: int = 50) -> tuple[
     raise WriteConflict(f"{what}: lost {attempts} times in a row to concurrent writers")
 
 
+# keys one Delta predicate may list (`col IN (...)`): delta-rs crashed on 101,000 of them
+MAX_PREDICATE_KEYS = 10_000
+
+
 def sql_strings(values: Iterable[str]) -> str:
     """Strings as a SQL list body for a Delta predicate (`col IN (...)`), sorted, quoted."""
     return ", ".join("'" + v.replace("'", "''") + "'" for v in sorted(values))

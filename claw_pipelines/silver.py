@@ -22,6 +22,7 @@ from typing import Any
 
 import polars as pl
 
+from claw_pipelines import lake as lake_module
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     FACT_KINDS,
@@ -426,6 +427,8 @@ def _build_once(
         )
     view.add(new, facts)
     touched = None if full or leftovers else _touched(view, new, facts, options)
+    if touched is not None and touched.len() > lake_module.MAX_PREDICATE_KEYS:
+        touched = None  # most of silver: rewritten whole rather than listed in a predicate
     if touched is None:
         index, derived_from, stored = view.steps.current(), view.facts.current(), None
     else:

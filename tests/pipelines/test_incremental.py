@@ -12,6 +12,7 @@ import shutil
 import polars as pl
 import pytest
 
+from claw_pipelines import lake as lake_module
 from claw_pipelines import live
 from claw_pipelines.consume import Dataset
 from claw_pipelines.contracts.specs import CurationSpec, JudgeRef, Readmission
@@ -73,7 +74,7 @@ def script(round_: int) -> list[dict]:
     return rows
 
 
-def landed_rounds(lake: Lake, rounds: int, *, bulk: int = 0) -> None:
+def landed_rounds(lake: Lake, rounds: int, *, bulk: int = 0, whole: bool = False) -> None:
     """Run the script through a follower, restarting it and changing a spec midway; each
     round curates only the groups it touched (a changed spec: all)."""
     if bulk:
@@ -90,7 +91,9 @@ def landed_rounds(lake: Lake, rounds: int, *, bulk: int = 0) -> None:
         done = follower.step()
         assert done.silver is not None and not done.spec_errors
         curated = {g.dataset: g.groups_curated for g in done.gold}
-        if round_ == rounds // 2:  # restarted: the changed spec is rebuilt, the rest resume
+        if whole and round_ > 0:  # too many touched to list: all of silver
+            assert all(n is None for n in curated.values()), str(curated)
+        elif round_ == rounds // 2:  # restarted: the changed spec is rebuilt, the rest resume
             assert curated["all"] is None and curated["live"] is not None
         elif round_ > 0:  # the groups the round touched, not all of silver
             assert all(n is not None and n <= 12 for n in curated.values()), str(curated)
@@ -112,13 +115,18 @@ def same(mine: pl.DataFrame, theirs: pl.DataFrame, order: list[str]) -> None:
     assert mine.equals(theirs, null_equal=True)
 
 
-@pytest.mark.parametrize("bulk", [0, pytest.param(6_000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("bulk", "listed"),
+    [(0, None), (0, 3), pytest.param(6_000, None, marks=pytest.mark.slow)],
+)
 def test_increments_equal_full_rebuilds_through_late_facts_stitching_specs_and_restarts(
-    tmp_path, bulk
+    tmp_path, monkeypatch, bulk, listed
 ):
+    if listed is not None:  # rounds touching more keys than a predicate lists: rewritten whole
+        monkeypatch.setattr(lake_module, "MAX_PREDICATE_KEYS", listed)
     lake = Lake(str(tmp_path / "lake"))
     rounds = 6
-    landed_rounds(lake, rounds, bulk=bulk)
+    landed_rounds(lake, rounds, bulk=bulk, whole=listed is not None)
     full = full_rebuild(lake, tmp_path / "full")
 
     # silver: derived rows recomputed for touched trajectories only equal a whole rebuild
