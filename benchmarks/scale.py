@@ -226,6 +226,7 @@ def measure(steps: int, workdir: Path, args: argparse.Namespace) -> dict:
                 "statuses",
                 "client_errors",
                 "breakdown",
+                "materializer_rounds",
             )
             if k in live
         }

@@ -119,6 +119,8 @@ def require_lake(lake: Lake) -> None:
 
 # what a batch's steps are read with: their training columns and what the contract checks
 BATCH_READ_COLUMNS = list(dict.fromkeys([*BATCH_STEP_COLUMNS, *CONTRACT_COLUMNS]))
+# what a dataset keeps of its lineage rows: which spec wrote each partition, and the trees
+LINEAGE_COLUMNS = ["policy_version", "spec_hash", "dataset_version", "trees_version", "written_at"]
 
 
 @dataclass
@@ -455,13 +457,13 @@ class Dataset:
         if not (self.lake.exists(GOLD_LINEAGE) and self.lake.exists(self.trees_table)):
             return None
         at = self.version if version is None else version
-        written = self.lake.read(
-            GOLD_LINEAGE,
-            columns=["dataset_version", "trees_version"],
-            where=(pl.col("dataset") == self.name)
-            & (pl.col("policy_version") == policy_version)
-            & (pl.col("dataset_version") <= at),
-        ).sort("dataset_version")
+        written = (
+            self._lineage_rows(self.lake.version(GOLD_LINEAGE))
+            .filter(
+                (pl.col("policy_version") == policy_version) & (pl.col("dataset_version") <= at)
+            )
+            .sort("dataset_version", maintain_order=True)
+        )
         if written.is_empty() or written["trees_version"][-1] is None:
             return None
         trees = steps["tree_id"].unique().implode()
@@ -676,23 +678,22 @@ class Dataset:
         return found
 
     def _lineage_rows(self, lineage: int) -> pl.DataFrame:
-        """This dataset's lineage rows (policy_version, spec_hash, dataset_version,
-        written_at) in written order, as of lineage version `lineage`: rows written since
-        the last call are read, not the whole table."""
+        """This dataset's lineage rows (LINEAGE_COLUMNS) in written order, as of lineage
+        version `lineage`: the rows written since the last call are read (the change feed),
+        not the whole table."""
         kept = self._lineage
         if kept is not None and kept[0] == lineage:
             return kept[1]
         mine = pl.col("dataset") == self.name
-        if kept is not None and kept[1].height:
-            mine = mine & (pl.col("written_at") > kept[1]["written_at"].max())
-        new = (
-            self.lake.scan(GOLD_LINEAGE, lineage)
-            .filter(mine)
-            .select("policy_version", "spec_hash", "dataset_version", "written_at")
-            .collect()
-        )
-        rows = new if kept is None else pl.concat([kept[1], new])
-        rows = rows.sort("written_at", maintain_order=True)
+        new = None
+        if kept is not None and kept[0] < lineage:
+            added = self.lake.changes(GOLD_LINEAGE, kept[0], lineage, [*LINEAGE_COLUMNS, "dataset"])
+            if added is not None:
+                new = pl.from_arrow(added).filter(mine).select(LINEAGE_COLUMNS)
+                new = pl.concat([kept[1], new], how="vertical_relaxed")
+        if new is None:
+            new = self.lake.read(GOLD_LINEAGE, lineage, columns=LINEAGE_COLUMNS, where=mine)
+        rows = new.sort("written_at", maintain_order=True)
         self._lineage = lineage, rows
         return rows
 
@@ -717,11 +718,11 @@ class Dataset:
         key = (self.lake.version(table), versions)
         if self._rejections is None or self._rejections[0] != key:
             counts = (
-                self.lake.scan(table)
-                .filter(pl.col("policy_version").is_in(list(versions)))
+                self.lake.read(
+                    table, columns=["reason"], where=pl.col("policy_version").is_in(list(versions))
+                )
                 .group_by("reason")
                 .agg(pl.len())
-                .collect()
             )
             self._rejections = key, {r: int(n) for r, n in counts.iter_rows()}
         return self._rejections[1]

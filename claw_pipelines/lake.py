@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import threading
@@ -251,6 +252,8 @@ class Lake:
     # -- metadata ---------------------------------------------------------------------------
     def exists(self, name: str) -> bool:
         """Whether table `name` has been created."""
+        if name in self._latest_tables:  # a table this lake has opened stays
+            return True
         return DeltaTable.is_deltatable(self.table_uri(name), storage_options=self._options())
 
     def open(self, name: str, version: int | None = None) -> DeltaTable:
@@ -269,11 +272,21 @@ class Lake:
             if table is None:
                 table = self._latest_tables[name] = self.open(name)
             elif now - self._refreshed_at.get(name, -1.0) >= REFRESH_S:
-                table.update_incremental()
+                if self._may_have_moved(name, table.version()):
+                    table.update_incremental()
             else:
                 return table
             self._refreshed_at[name] = now
             return table
+
+    def _may_have_moved(self, name: str, version: int) -> bool:
+        """Whether table `name` may have a commit after `version`. On a local lake one look
+        for the next log file answers (delta-rs would list the whole log, one stat per
+        entry: a refresh would cost what the log holds); an object store lists from an
+        offset, so delta-rs asks it."""
+        if self.is_remote:
+            return True
+        return os.path.exists(f"{self.table_uri(name)}/_delta_log/{version + 1:020d}.json")
 
     def _wrote(self, name: str) -> None:
         """This lake committed to `name`: its next read refreshes the kept handle."""

@@ -260,6 +260,7 @@ GOLD_LINEAGE_SPEC = TableSpec(
             ("reason", pa.string()),
         ]
     ),
+    change_feed=True,  # trainers read the rows written since they last looked, not the table
     description="One gold dataset write (one policy-version partition) and what it was built "
     "from: spec and hash, source table versions, code version, counts and token savings, and "
     "why it was written (`build`, or what a repair fixed).",

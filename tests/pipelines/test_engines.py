@@ -26,7 +26,7 @@ PROTOCOL = {
     "silver/feedback": ([], 1, 2),
     "silver/trajectories": ([], 1, 4),  # its change feed: the trajectories a run touched
     "silver/step_rewards": ([], 1, 2),
-    "gold/lineage": ([], 1, 2),
+    "gold/lineage": ([], 1, 4),  # its change feed: what a trainer reads since it looked
     DATASET: (["policy_version"], 1, 4),  # its change feed: what live delivery applies
     "gold/trees/engines": (["policy_version"], 1, 2),
 }
