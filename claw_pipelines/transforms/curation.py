@@ -76,28 +76,24 @@ def superseded_by(steps: pl.DataFrame) -> pl.Series:
     retried before anything continued it: each of its steps is superseded by that next
     call's first step. (Unscoped calls never share a trajectory with their retry.)"""
     steps = with_call_columns(steps)
-    frame = steps.select("step_key", "trajectory_uid", "step_index", "prompt_id").with_columns(
-        row=pl.int_range(pl.len()), starts=steps["choice_index"].fill_null(0) == 0
-    )
-    frame = frame.sort("trajectory_uid", "step_index").with_columns(
-        call=pl.col("starts").cum_sum().over("trajectory_uid")
-    )
-    calls = (
-        frame.group_by("trajectory_uid", "call")
-        .agg(pl.col("prompt_id").first(), first_key=pl.col("step_key").first())
-        .sort("trajectory_uid", "call")
+    trajectory, prompt, key = pl.col("trajectory_uid"), pl.col("prompt_id"), pl.col("step_key")
+    frame = (
+        steps.select("step_key", "trajectory_uid", "step_index", "prompt_id")
         .with_columns(
-            next_prompt=pl.col("prompt_id").shift(-1).over("trajectory_uid"),
-            next_key=pl.col("first_key").shift(-1).over("trajectory_uid"),
+            row=pl.int_range(pl.len(), dtype=pl.UInt32),
+            starts=steps["choice_index"].fill_null(0) == 0,
         )
-        .select(
-            "trajectory_uid",
-            "call",
-            superseded_by=pl.when(pl.col("next_prompt") == pl.col("prompt_id")).then("next_key"),
-        )
+        .sort("trajectory_uid", "step_index")
     )
-    marked = frame.join(calls, on=["trajectory_uid", "call"], how="left").sort("row")
-    return marked["superseded_by"].alias("superseded_by")
+    # in that order a call is a run of rows from its first step (a trajectory's first row
+    # opens one too), so calls are numbered by one running count, and each call's next one
+    # is the next first step when it is in the same trajectory
+    frame = frame.with_columns(starts=pl.col("starts") | trajectory.ne_missing(trajectory.shift(1)))
+    frame = frame.with_columns(call=pl.col("starts").cum_sum() - 1)
+    retried = trajectory.shift(-1).eq_missing(trajectory) & prompt.shift(-1).eq(prompt)
+    by_call = frame.filter("starts").select(pl.when(retried).then(key.shift(-1)))
+    marked = frame.select("row", superseded_by=by_call.to_series().gather(frame["call"]))
+    return marked.sort("row")["superseded_by"].alias("superseded_by")
 
 
 def generation_ms(steps: pl.DataFrame) -> pl.Series:
