@@ -11,6 +11,8 @@ import httpx
 import polars as pl
 import streamlit as st
 
+from claw_pipelines.consume import Batch, Dataset
+from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     EXACT_TOKEN_SOURCES,
@@ -27,12 +29,18 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.decoding import resolver
 from claw_pipelines.delivery import UNIT_COLUMNS, consumer_positions, unit_keys
+from claw_pipelines.gold import classified, source_versions
 from claw_pipelines.lake import Lake
 from claw_pipelines.ledger import gold_datasets, waste_ledger
 from claw_pipelines.live import materializer_running
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.tokenization import ChatTokenizer
-from claw_pipelines.transforms.curation import CANDIDATE_STEP_COLUMNS, candidates
+from claw_pipelines.transforms.curation import (
+    CANDIDATE_STEP_COLUMNS,
+    GROUP,
+    candidates,
+    kept_steps,
+)
 
 TABLES = (
     BRONZE_EVENTS,
@@ -52,6 +60,17 @@ SOURCE_OF_KIND = {
     "trajectory_complete": "services",
 }
 TTL = 30
+STEP_TABLE_COLUMNS = (
+    "step_key",
+    "trajectory_uid",
+    "prompt_uid",
+    "step_index",
+    "policy_version",
+    "tenant",
+    "prompt_len",
+    "response_len",
+    "created_at",
+)
 
 
 def frame_cache(ttl: int = TTL, max_entries: int = 16):
@@ -72,8 +91,14 @@ class Where:
     gateway_key: str | None = field(default=None, repr=False)  # a secret: never shown
 
     def lake(self) -> Lake:
-        """The lake."""
-        return Lake(self.lake_uri, json.loads(self.storage_options))
+        """The lake: one object per process, so its table handles are kept between reruns
+        (a handle reads only the commits it has not seen; opening replays the log)."""
+        return _lake(self.lake_uri, self.storage_options)
+
+
+@st.cache_resource(show_spinner=False)
+def _lake(uri: str, storage_options: str) -> Lake:
+    return Lake(uri, json.loads(storage_options))
 
 
 def where() -> Where:
@@ -300,6 +325,22 @@ def dataset_steps(at: Where, name: str, version: int, columns: tuple[str, ...]) 
 
 
 @frame_cache()
+def dataset_partitions(at: Where, name: str, version: int) -> list[int]:
+    """The policy versions a dataset version holds (cached per version)."""
+    return Dataset(at.lake(), name, version).policy_versions()
+
+
+@frame_cache()
+def first_batch(
+    at: Where, name: str, version: int, policy_version: int, size: int, layout: str
+) -> Batch | None:
+    """The first batch `Dataset.batches` yields for these arguments (cached: a dataset
+    version never changes)."""
+    batches = Dataset(at.lake(), name, version).batches(policy_version, size, layout=layout)
+    return next(batches, None)
+
+
+@frame_cache()
 def tree_segments(at: Where, name: str, policy_version: int) -> pl.DataFrame:
     """A dataset partition's stored tree segments (without their tokens)."""
     return (
@@ -343,6 +384,73 @@ def _candidates(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFra
     return candidates(steps, rewards, trajectories)
 
 
+def curation_preview(at: Where, spec: CurationSpec) -> pl.DataFrame:
+    """Every candidate classified by `spec` (`gold.classified`), cached per spec and the
+    versions it reads (a spec that re-admits from another dataset is classified afresh)."""
+    lake = at.lake()
+    sources = source_versions(lake)
+    if spec.readmit is not None:
+        return classified(lake, spec, sources, curation_candidates(at))
+    return _preview(at, spec.model_dump_json(), json.dumps(sources, sort_keys=True))
+
+
+@frame_cache(max_entries=4)
+def _preview(at: Where, spec_json: str, sources_json: str) -> pl.DataFrame:
+    """The preview of that spec at those versions (they are the cache key)."""
+    spec = CurationSpec.model_validate_json(spec_json)
+    return classified(at.lake(), spec, json.loads(sources_json), curation_candidates(at))
+
+
+@dataclass(frozen=True)
+class PreviewSummary:
+    """What the Curation page shows of a spec's preview: counts and chart frames only."""
+
+    steps: int
+    kept: int
+    trajectories: int
+    groups: int
+    in_complete_groups: int
+    left_out: pl.DataFrame  # per reason: steps, tokens
+    bins: dict[str, pl.DataFrame]  # per column: histogram_bins of the kept steps
+    staleness: pl.DataFrame  # kept steps per policy versions behind the newest
+
+    HISTOGRAMS = (("reward", "reward"), ("response_len", "response tokens"))
+
+
+def preview_summary(at: Where, spec: CurationSpec) -> PreviewSummary:
+    """The summary of `curation_preview` (cached with it)."""
+    if spec.readmit is not None:
+        return _summary(curation_preview(at, spec), spec)
+    sources = json.dumps(source_versions(at.lake()), sort_keys=True)
+    return _cached_summary(at, spec.model_dump_json(), sources)
+
+
+@frame_cache(max_entries=4)
+def _cached_summary(at: Where, spec_json: str, sources_json: str) -> PreviewSummary:
+    spec = CurationSpec.model_validate_json(spec_json)
+    return _summary(_preview(at, spec_json, sources_json), spec)
+
+
+def _summary(rows: pl.DataFrame, spec: CurationSpec) -> PreviewSummary:
+    kept = kept_steps(rows, spec)
+    newest = rows["policy_version"].max() if rows.height else 0
+    left_out = (
+        rows.filter(pl.col("reason").is_not_null())
+        .group_by("reason")
+        .agg(steps=pl.len(), tokens=(pl.col("prompt_len") + pl.col("response_len")).sum())
+    )
+    return PreviewSummary(
+        steps=rows.height,
+        kept=kept.height,
+        trajectories=kept["trajectory_uid"].n_unique(),
+        groups=kept[GROUP].n_unique(),
+        in_complete_groups=kept.filter(pl.col("group_complete")).height if kept.height else 0,
+        left_out=left_out,
+        bins={c: histogram_bins(kept, c) for c, _ in PreviewSummary.HISTOGRAMS},
+        staleness=kept.group_by(staleness=newest - pl.col("policy_version")).agg(steps=pl.len()),
+    )
+
+
 def step_table(at: Where) -> pl.DataFrame:
     """One row per silver step for browsing (ids, group, reward, statuses, version, time)."""
     found = versions(at)
@@ -352,11 +460,19 @@ def step_table(at: Where) -> pl.DataFrame:
 
 @frame_cache(ttl=TTL, max_entries=2)
 def _step_table(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFrame:
-    """The step table at those table versions (they are only the cache key)."""
-    times = table(at, SILVER_STEPS, ("step_key", "created_at"))
+    """The step table at those table versions (they are only the cache key): silver's
+    columns joined, none of curation's derived ones (no retry detection over all steps)."""
+    steps = table(at, SILVER_STEPS, STEP_TABLE_COLUMNS)
+    rewards = table(at, SILVER_STEP_REWARDS, ("step_key", "reward", "reward_status"))
+    trajectories = table(at, SILVER_TRAJECTORIES, ("trajectory_uid", "status"))
     return (
-        curation_candidates(at)
-        .join(times, on="step_key", how="left")
+        steps.join(rewards, on="step_key", how="left")
+        .join(trajectories.rename({"status": "trajectory_status"}), on="trajectory_uid", how="left")
+        .with_columns(
+            pl.col("policy_version").fill_null(0),
+            pl.col("reward_status").fill_null("pending"),
+            pl.coalesce("prompt_uid", "trajectory_uid").alias(GROUP),
+        )
         .select(
             "step_key",
             "trajectory_uid",
@@ -397,19 +513,24 @@ def records_chart(per_second: pl.DataFrame, bars: bool = False) -> alt.Chart:
     )
 
 
-def histogram_chart(frame: pl.DataFrame, column: str, title: str, unit: str) -> alt.Chart:
-    """A histogram of `column`, binned in polars (the browser gets the bins, not the rows)."""
+def histogram_bins(frame: pl.DataFrame, column: str) -> pl.DataFrame:
+    """30 bins of `column` (start, end, count), binned in polars: the browser gets the bins,
+    not the rows."""
     values = frame[column].drop_nulls()
     if values.is_empty():
         values = pl.Series(column, [0.0])
     low, high = float(values.min()), float(values.max())
     width = (high - low) / 30 or 1.0
-    bins = (
+    return (
         values.to_frame()
         .group_by(start=((pl.col(column) - low) / width).floor().clip(upper_bound=29) * width + low)
         .agg(count=pl.len())
         .with_columns(end=pl.col("start") + width)
     )
+
+
+def histogram_chart(bins: pl.DataFrame, title: str, unit: str) -> alt.Chart:
+    """A histogram of `histogram_bins`."""
     return (
         alt.Chart(bins.to_pandas())
         .mark_bar()

@@ -10,12 +10,8 @@ import streamlit as st
 from dashboards import data
 
 
-def reasons_chart(left_out: pl.DataFrame) -> alt.Chart:
-    """Steps and tokens left out, per reason (rows with `reason`, `prompt_len`,
-    `response_len`)."""
-    per_reason = left_out.group_by("reason").agg(
-        steps=pl.len(), tokens=(pl.col("prompt_len") + pl.col("response_len")).sum()
-    )
+def reasons_chart(per_reason: pl.DataFrame) -> alt.Chart:
+    """Steps and tokens left out, per reason (`reason`, `steps`, `tokens`)."""
     return (
         alt.Chart(per_reason.to_pandas())
         .mark_bar()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from claw_pipelines.consume import Dataset
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_LINEAGE, gold_dataset_table
 from dashboards import data, tree_view
 
@@ -14,8 +13,7 @@ lake = at.lake()
 name = st.selectbox("dataset", names)
 newest = lake.version(gold_dataset_table(name))
 version = st.number_input("dataset version", min_value=0, max_value=newest, value=newest)
-dataset = Dataset(lake, name, int(version))
-partitions = dataset.policy_versions()
+partitions = data.dataset_partitions(at, name, int(version))
 if not partitions:
     st.caption("this version holds no steps")
     st.stop()
@@ -26,7 +24,7 @@ size = c.number_input("batch size (steps)", min_value=1, value=32)
 
 
 st.subheader("First batch, as `consume.batches` yields it")
-batch = next(dataset.batches(int(policy), int(size), layout=layout), None)
+batch = data.first_batch(at, name, int(version), int(policy), int(size), layout)
 if batch is not None:
     left, middle, right = st.columns(3)
     left.metric("steps", len(batch.step_keys))

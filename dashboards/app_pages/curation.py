@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import altair as alt
-import polars as pl
 import streamlit as st
 
 from claw_pipelines.contracts.specs import BUILTIN_SPECS, REJECTION_REASONS
 from claw_pipelines.contracts.tables import TOKEN_SOURCES
-from claw_pipelines.gold import classified, source_versions
 from claw_pipelines.spec_store import SpecError, read_specs, save_spec, to_yaml, validate_spec
-from claw_pipelines.transforms.curation import kept_steps
 from dashboards import dagster_graphql, data, ledger_view
 
 st.title("Curation")
@@ -42,7 +39,7 @@ with st.form("spec"):
     )
     reward_min = b.number_input("reward min", value=base.reward_min, step=0.1)
     reward_max = c.number_input("reward max", value=base.reward_max, step=0.1)
-    labels = sorted({x for xs in frame["labels"].to_list() for x in xs})
+    labels = frame["labels"].explode().drop_nulls().unique().sort().to_list()
     require_labels = a.multiselect(
         "require labels", labels, [x for x in base.require_labels if x in labels]
     )
@@ -158,36 +155,28 @@ except SpecError as exc:
     st.stop()
 
 try:
-    rows = classified(lake, spec, source_versions(lake), frame)
+    preview = data.preview_summary(at, spec)
 except SpecError as exc:
     st.error(f"invalid spec: {exc}")
     st.stop()
-kept = kept_steps(rows, spec)
 a, b, c, d = st.columns(4)
-a.metric("steps kept", f"{kept.height:,} / {rows.height:,}")
-b.metric("trajectories", f"{kept['trajectory_uid'].n_unique():,}")
-c.metric("prompt groups", f"{kept['group_key'].n_unique():,}")
-complete = kept.filter(pl.col("group_complete")).height if kept.height else 0
-d.metric("in complete groups", f"{complete:,}")
-left_out = rows.filter(pl.col("reason").is_not_null())
-if left_out.height:
+a.metric("steps kept", f"{preview.kept:,} / {preview.steps:,}")
+b.metric("trajectories", f"{preview.trajectories:,}")
+c.metric("prompt groups", f"{preview.groups:,}")
+d.metric("in complete groups", f"{preview.in_complete_groups:,}")
+if preview.left_out.height:
     st.caption(
         "Left out, by the first rule each step fails (kept in gold/rejections/<name> once "
         "built; another spec can re-admit them)"
     )
-    st.altair_chart(ledger_view.reasons_chart(left_out), width="stretch")
-if kept.height:
-    newest = frame["policy_version"].max()
+    st.altair_chart(ledger_view.reasons_chart(preview.left_out), width="stretch")
+if preview.kept:
     charts = st.columns(3)
-    histograms = (
-        ("reward", "reward"),
-        ("response_len", "response tokens"),
-    )
-    for slot, (column, title) in zip(charts, histograms, strict=False):
-        slot.altair_chart(data.histogram_chart(kept, column, title, "steps"), width="stretch")
-    staleness = kept.group_by(staleness=newest - pl.col("policy_version")).agg(steps=pl.len())
+    for slot, (column, title) in zip(charts, preview.HISTOGRAMS, strict=False):
+        chart = data.histogram_chart(preview.bins[column], title, "steps")
+        slot.altair_chart(chart, width="stretch")
     charts[2].altair_chart(
-        alt.Chart(staleness.to_pandas())
+        alt.Chart(preview.staleness.to_pandas())
         .mark_bar()
         .encode(
             alt.X("staleness:O", title="policy versions behind the newest"),
