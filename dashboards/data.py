@@ -324,6 +324,37 @@ def dataset_steps(at: Where, name: str, version: int, columns: tuple[str, ...]) 
     return at.lake().read(gold_dataset_table(name), version=version, columns=list(columns))
 
 
+DIFF_COLUMNS = ("step_key", "policy_version", "reward", "advantage")
+
+
+@frame_cache()
+def version_diff(at: Where, name: str, old: int, new: int) -> pl.DataFrame:
+    """The steps whose rows differ between two versions of a dataset (step_key,
+    policy_version, reward and advantage `_before` and now; null: absent), cached. From the
+    dataset's change feed when it covers old..new (each step's first change tells its row
+    before, its last its row after), else by comparing the two versions whole."""
+    lake, table = at.lake(), gold_dataset_table(name)
+    feed = lake.change_feed(table, old, new, list(DIFF_COLUMNS)) if old < new else None
+    if feed is not None:
+        events = pl.from_arrow(feed).with_columns(
+            gone=pl.col("_change_type").is_in(["delete", "update_preimage"])
+        )
+        events = events.sort("_commit_version", pl.col("gone").not_(), maintain_order=True)
+        first = events.group_by("step_key", maintain_order=True).first().filter("gone")
+        last = events.group_by("step_key", maintain_order=True).last().filter(~pl.col("gone"))
+        before, after = first.select(DIFF_COLUMNS), last.select(DIFF_COLUMNS)
+    else:
+        before = dataset_steps(at, name, old, DIFF_COLUMNS)
+        after = dataset_steps(at, name, new, DIFF_COLUMNS)
+    both = after.join(before, on="step_key", how="full", coalesce=True, suffix="_before")
+    same = (
+        pl.col("policy_version").eq_missing(pl.col("policy_version_before"))
+        & pl.col("reward").eq_missing(pl.col("reward_before"))
+        & pl.col("advantage").eq_missing(pl.col("advantage_before"))
+    )
+    return both.filter(~same)
+
+
 @frame_cache()
 def dataset_partitions(at: Where, name: str, version: int) -> list[int]:
     """The policy versions a dataset version holds (cached per version)."""

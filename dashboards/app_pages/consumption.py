@@ -112,15 +112,11 @@ st.subheader("Diff between two versions")
 a, b = st.columns(2)
 old = a.number_input("from version", min_value=0, max_value=newest, value=max(0, newest - 1))
 new = b.number_input("to version", min_value=0, max_value=newest, value=newest)
-columns = ("step_key", "policy_version", "reward", "advantage")
-before = data.dataset_steps(at, name, int(old), columns)
-after = data.dataset_steps(at, name, int(new), columns)
-added = after.join(before, on="step_key", how="anti")
-removed = before.join(after, on="step_key", how="anti")
-changed = after.join(before, on="step_key", suffix="_before").filter(
-    (pl.col("reward") != pl.col("reward_before"))
-    | (pl.col("advantage") != pl.col("advantage_before"))
-)
+diff = data.version_diff(at, name, int(old), int(new))
+in_before = pl.col("policy_version_before").is_not_null()
+in_after = pl.col("policy_version").is_not_null()
+added, removed = diff.filter(~in_before), diff.filter(~in_after)
+changed = diff.filter(in_before & in_after)
 a, b, c = st.columns(3)
 a.metric("steps added", f"{added.height:,}")
 b.metric("steps removed", f"{removed.height:,}")
@@ -129,7 +125,10 @@ what_changed = pl.concat(
     [
         added.select("step_key", "policy_version", change=pl.lit("added"), now=pl.col("reward")),
         removed.select(
-            "step_key", "policy_version", change=pl.lit("removed"), before=pl.col("reward")
+            "step_key",
+            policy_version="policy_version_before",
+            change=pl.lit("removed"),
+            before=pl.col("reward_before"),
         ),
         changed.select(
             "step_key",

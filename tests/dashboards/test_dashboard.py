@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -165,3 +166,43 @@ def test_collection_shows_each_gateways_token_sources_and_exact_share(tmp_path, 
     assert shares == {"gw-proxy": 0.5, "gw-test": 1.0}
     by_source = table.set_index("gateway").loc["gw-proxy"]
     assert (by_source["upstream"], by_source["local_unverified"]) == (1, 1)
+
+
+def test_a_diff_between_dataset_versions_reads_the_change_feed_and_equals_a_full_comparison(
+    tmp_path,
+):
+    from claw_pipelines.contracts.tables import gold_dataset_table
+    from dashboards import data
+
+    lake = Lake(str(tmp_path / "lake"))
+    land(lake, group_of("g0", [5, 6], [1.0, 0.0], version=1, turns=2))
+    build_silver(lake)
+    build_partition(lake, DEFAULT_SPEC, 1)
+    land(
+        lake,
+        [
+            *group_of("g1", [7, 8], [0.5, 1.0], version=1),
+            feedback({"step_key": "g0-r0:0"}, "reward", 0.25),
+        ],
+    )
+    build_silver(lake)
+    build_partition(lake, DEFAULT_SPEC, 1)  # adds g1, re-scores g0
+    table = gold_dataset_table("default")
+    at = data.Where(lake.uri, "{}", None, None)
+    columns = list(data.DIFF_COLUMNS)
+    newest = lake.version(table)
+    for old in range(newest):
+        before = lake.read(table, old, columns=columns)
+        after = lake.read(table, newest, columns=columns)
+        both = after.join(before, on="step_key", how="full", coalesce=True, suffix="_before")
+        expected = both.filter(
+            ~(
+                pl.col("policy_version").eq_missing(pl.col("policy_version_before"))
+                & pl.col("reward").eq_missing(pl.col("reward_before"))
+                & pl.col("advantage").eq_missing(pl.col("advantage_before"))
+            )
+        )
+        diff = data.version_diff(at, "default", old, newest)
+        assert diff.sort("step_key").equals(expected.sort("step_key").select(diff.columns)), old
+    changed = data.version_diff(at, "default", newest - 1, newest)
+    assert set(changed["step_key"]) >= {"g1-r0:0", "g0-r0:0"}  # added; re-scored
