@@ -64,26 +64,23 @@ def waste_ledger(lake: Lake, datasets: list[str] | None = None) -> pl.DataFrame:
         kept = admitted.get(name)
         if kept is None:
             kept = _rows(lake, gold_dataset_table(name), [])
-        elsewhere = [
-            rows.select("step_key", by=pl.lit(other))
-            for other, rows in admitted.items()
-            if other != name
-        ]
-        taken = (
-            pl.concat(elsewhere).group_by("step_key").agg(readmitted_by=pl.col("by").sort())
-            if elsewhere
-            else pl.DataFrame(schema={"step_key": pl.String, "readmitted_by": pl.List(pl.String)})
+        # per other dataset: which of the steps this one left out it admitted
+        others = sorted(other for other in admitted if other != name)
+        flags = [f"admitted by {other}" for other in others]
+        left_out = _rows(lake, gold_rejection_table(name), ["reason"]).with_columns(
+            pl.col("step_key").is_in(admitted[other]["step_key"].implode()).alias(flag)
+            for other, flag in zip(others, flags, strict=True)
         )
-        left_out = _rows(lake, gold_rejection_table(name), ["reason"])
         steps = pl.concat(
             [
                 kept.with_columns(outcome=pl.lit("admitted"), reason=pl.lit(None, pl.String)),
                 left_out.with_columns(outcome=pl.lit("rejected")),
             ],
             how="diagonal_relaxed",
-        ).join(taken, on="step_key", how="left")
+        ).with_columns(pl.col(flags).fill_null(False))
         tokens = pl.col("prompt_len").fill_null(0) + pl.col("response_len").fill_null(0)
-        again = pl.col("readmitted_by").is_not_null() & (pl.col("outcome") == "rejected")
+        again = pl.any_horizontal(pl.lit(False), *flags)
+        by = [pl.when(pl.col(f).any()).then(pl.lit(o)) for o, f in zip(others, flags, strict=True)]
         parts.append(
             steps.group_by("policy_version", "outcome", "reason")
             .agg(
@@ -92,12 +89,9 @@ def waste_ledger(lake: Lake, datasets: list[str] | None = None) -> pl.DataFrame:
                 generation_s=pl.col("generation_ms").sum() / 1000,
                 readmitted_steps=again.sum().cast(pl.Int64),
                 readmitted_tokens=tokens.filter(again).sum().cast(pl.Int64),
-                readmitted_by=pl.col("readmitted_by")
-                .filter(again)
-                .explode()
-                .drop_nulls()
-                .unique()
-                .sort(),
+                readmitted_by=pl.concat_list(by).list.drop_nulls()
+                if by
+                else pl.lit([], pl.List(pl.String)),
             )
             .with_columns(dataset=pl.lit(name))
         )
