@@ -31,7 +31,7 @@ from claw_pipelines.decoding import resolver
 from claw_pipelines.delivery import UNIT_COLUMNS, consumer_positions, unit_keys
 from claw_pipelines.gold import classified, source_versions
 from claw_pipelines.lake import Lake
-from claw_pipelines.ledger import gold_datasets, waste_ledger
+from claw_pipelines.ledger import LEDGER_SCHEMA, gold_datasets, waste_ledger
 from claw_pipelines.live import materializer_running
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.tokenization import ChatTokenizer
@@ -126,18 +126,20 @@ def datasets(at: Where) -> list[str]:
     return gold_datasets(at.lake())
 
 
-def ledger(at: Where) -> pl.DataFrame:
-    """The waste ledger of every dataset (cached per version of the gold tables it reads)."""
+def ledger(at: Where, dataset: str | None = None) -> pl.DataFrame:
+    """The waste ledger of one dataset, or of every one (cached per version of the gold
+    tables it reads: every dataset's rows, for re-admissions)."""
     lake = at.lake()
-    names = tuple(datasets(at))
-    tables = [f(name) for name in names for f in (gold_dataset_table, gold_rejection_table)]
+    every = tuple(datasets(at))
+    tables = [f(name) for name in every for f in (gold_dataset_table, gold_rejection_table)]
+    names = every if dataset is None else tuple(n for n in every if n == dataset)
     return _ledger(at, names, tuple(lake.version(t) for t in tables))
 
 
 @frame_cache()
 def _ledger(at: Where, names: tuple[str, ...], table_versions: tuple[int | None, ...]):
     """The ledger at those table versions (they are only the cache key)."""
-    return waste_ledger(at.lake(), list(names))
+    return waste_ledger(at.lake(), list(names)) if names else pl.DataFrame(schema=LEDGER_SCHEMA)
 
 
 @frame_cache()

@@ -26,9 +26,7 @@ def reasons_chart(per_reason: pl.DataFrame) -> alt.Chart:
 def show_ledger(at: data.Where, dataset: str | None = None) -> None:
     """The ledger's table and a tokens-by-outcome chart (one dataset, or all of them)."""
     st.subheader("Waste ledger")
-    ledger = data.ledger(at)
-    if dataset is not None:
-        ledger = ledger.filter(pl.col("dataset") == dataset)
+    ledger = data.ledger(at, dataset)
     if ledger.is_empty():
         st.caption("No dataset built yet: the ledger fills as gold partitions are written.")
         return

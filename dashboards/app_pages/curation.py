@@ -220,4 +220,4 @@ if st.button("build this dataset now"):
             )
 
 st.divider()
-ledger_view.show_ledger(at)
+ledger_view.show_ledger(at, base.name)  # the dataset the spec started from
