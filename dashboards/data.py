@@ -60,17 +60,18 @@ SOURCE_OF_KIND = {
     "trajectory_complete": "services",
 }
 TTL = 30
-STEP_TABLE_COLUMNS = (
-    "step_key",
-    "trajectory_uid",
-    "prompt_uid",
-    "step_index",
-    "policy_version",
-    "tenant",
-    "prompt_len",
-    "response_len",
-    "created_at",
-)
+# silver's columns the step browser and the curation preview read: one cached read each
+SILVER_COLUMNS = {
+    SILVER_STEPS: (*CANDIDATE_STEP_COLUMNS, "created_at"),
+    SILVER_STEP_REWARDS: ("step_key", "reward", "reward_status", "rating", "labels"),
+    SILVER_TRAJECTORIES: (
+        "trajectory_uid",
+        "status",
+        "resolved_return",
+        "first_seen_at",
+        "last_seen_at",
+    ),
+}
 
 
 def frame_cache(ttl: int = TTL, max_entries: int = 16):
@@ -405,16 +406,24 @@ def curation_candidates(at: Where) -> pl.DataFrame | None:
 @frame_cache(ttl=TTL, max_entries=2)
 def _candidates(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFrame:
     """The candidates at those table versions (they are only the cache key)."""
-    steps = table(at, SILVER_STEPS, tuple(CANDIDATE_STEP_COLUMNS))
-    rewards = table(
-        at, SILVER_STEP_REWARDS, ("step_key", "reward", "reward_status", "rating", "labels")
-    )
-    trajectories = table(
-        at,
-        SILVER_TRAJECTORIES,
-        ("trajectory_uid", "status", "resolved_return", "first_seen_at", "last_seen_at"),
-    )
+    steps, rewards, trajectories = (table(at, t, c) for t, c in SILVER_COLUMNS.items())
     return candidates(steps, rewards, trajectories)
+
+
+def candidate_choices(at: Where) -> dict[str, list]:
+    """The values the Curation form offers (finish reasons, tenants, policy versions,
+    labels), sorted, cached with the candidates."""
+    found = versions(at)
+    keys = tuple(found[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES))
+    return _choices(at, keys)
+
+
+@frame_cache(ttl=TTL, max_entries=2)
+def _choices(at: Where, table_versions: tuple[int | None, ...]) -> dict[str, list]:
+    frame = curation_candidates(at)
+    columns = ("finish_reason", "tenant", "policy_version")
+    found = {c: frame[c].drop_nulls().unique().sort().to_list() for c in columns}
+    return found | {"labels": frame["labels"].explode().drop_nulls().unique().sort().to_list()}
 
 
 def curation_preview(at: Where, spec: CurationSpec) -> pl.DataFrame:
@@ -495,9 +504,9 @@ def step_table(at: Where) -> pl.DataFrame:
 def _step_table(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFrame:
     """The step table at those table versions (they are only the cache key): silver's
     columns joined, none of curation's derived ones (no retry detection over all steps)."""
-    steps = table(at, SILVER_STEPS, STEP_TABLE_COLUMNS)
-    rewards = table(at, SILVER_STEP_REWARDS, ("step_key", "reward", "reward_status"))
-    trajectories = table(at, SILVER_TRAJECTORIES, ("trajectory_uid", "status"))
+    steps, rewards, trajectories = (table(at, t, c) for t, c in SILVER_COLUMNS.items())
+    rewards = rewards.select("step_key", "reward", "reward_status")
+    trajectories = trajectories.select("trajectory_uid", "status")
     return (
         steps.join(rewards, on="step_key", how="left")
         .join(trajectories.rename({"status": "trajectory_status"}), on="trajectory_uid", how="left")

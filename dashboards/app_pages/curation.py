@@ -20,8 +20,11 @@ if frame is None or frame.is_empty():
     st.stop()
 
 
+choices = data.candidate_choices(at)
+
+
 def options(column: str) -> list:
-    return sorted(v for v in frame[column].unique().to_list() if v is not None)
+    return choices[column]
 
 
 shelf = read_specs(lake)
@@ -39,7 +42,7 @@ with st.form("spec"):
     )
     reward_min = b.number_input("reward min", value=base.reward_min, step=0.1)
     reward_max = c.number_input("reward max", value=base.reward_max, step=0.1)
-    labels = frame["labels"].explode().drop_nulls().unique().sort().to_list()
+    labels = options("labels")
     require_labels = a.multiselect(
         "require labels", labels, [x for x in base.require_labels if x in labels]
     )
