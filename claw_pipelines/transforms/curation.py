@@ -59,12 +59,23 @@ def with_call_columns(steps: pl.DataFrame) -> pl.DataFrame:
     if "metadata" not in steps.columns:
         return steps
     meta = pl.col("metadata").str.json_path_match
-    return steps.with_columns(
-        choice_index=meta("$.choice_index").cast(pl.Int64, strict=False),
-        generation_given=meta("$.generation_ms").cast(pl.Float64, strict=False),
-        upstream_ms=meta("$.upstream_ms").cast(pl.Float64, strict=False),
-        call=meta("$.response_id"),
-    ).drop("metadata")
+    drawn = [
+        meta("$.choice_index").cast(pl.Int64, strict=False).alias("choice_index"),
+        meta("$.generation_ms").cast(pl.Float64, strict=False).alias("generation_given"),
+        meta("$.upstream_ms").cast(pl.Float64, strict=False).alias("upstream_ms"),
+        meta("$.response_id").alias("call"),
+    ]
+    # only metadata with something in it is parsed ("{}" and null draw nulls)
+    filled = steps["metadata"].str.len_bytes().fill_null(0) > 2
+    if filled.all():
+        return steps.with_columns(drawn).drop("metadata")
+    values = steps.filter(filled).select(drawn)
+    nulls = pl.DataFrame(
+        {c: pl.repeat(None, steps.height, dtype=t, eager=True) for c, t in values.schema.items()}
+    )
+    where = filled.arg_true()
+    columns = [nulls[c].scatter(where, values[c]) for c in values.columns]
+    return steps.with_columns(columns).drop("metadata")
 
 
 def superseded_by(steps: pl.DataFrame) -> pl.Series:
@@ -76,6 +87,18 @@ def superseded_by(steps: pl.DataFrame) -> pl.Series:
     retried before anything continued it: each of its steps is superseded by that next
     call's first step. (Unscoped calls never share a trajectory with their retry.)"""
     steps = with_call_columns(steps)
+    # a retry repeats a prompt within its trajectory: only such trajectories are ordered
+    pair = pl.struct("trajectory_uid", "prompt_id")
+    repeats = steps.filter(pl.col("prompt_id").is_not_null() & pair.is_duplicated())
+    inside = steps["trajectory_uid"].is_in(repeats["trajectory_uid"].unique().implode())
+    marked = pl.repeat(None, steps.height, dtype=pl.String, eager=True)
+    if repeats.height:
+        marked = marked.scatter(inside.arg_true(), _superseded_within(steps.filter(inside)))
+    return marked.alias("superseded_by")
+
+
+def _superseded_within(steps: pl.DataFrame) -> pl.Series:
+    """`superseded_by` over steps with their call columns, whole trajectories only."""
     trajectory, prompt, key = pl.col("trajectory_uid"), pl.col("prompt_id"), pl.col("step_key")
     frame = (
         steps.select("step_key", "trajectory_uid", "step_index", "prompt_id")
