@@ -58,17 +58,24 @@ def waste_ledger(lake: Lake, datasets: list[str] | None = None) -> pl.DataFrame:
     dataset admitted (`readmitted_*`, `readmitted_by`). Per dataset and policy version,
     admitted plus rejected is every step its spec looked at."""
     names = gold_datasets(lake) if datasets is None else datasets
-    admitted = {name: _rows(lake, gold_dataset_table(name), []) for name in gold_datasets(lake)}
+    read: dict[str, pl.DataFrame] = {}
+
+    def admitted(name: str) -> pl.DataFrame:
+        if name not in read:
+            read[name] = _rows(lake, gold_dataset_table(name), [])
+        return read[name]
+
+    every = gold_datasets(lake)
     parts = []
     for name in names:
-        kept = admitted.get(name)
-        if kept is None:
-            kept = _rows(lake, gold_dataset_table(name), [])
-        # per other dataset: which of the steps this one left out it admitted
-        others = sorted(other for other in admitted if other != name)
+        kept = admitted(name)
+        left_out = _rows(lake, gold_rejection_table(name), ["reason"])
+        # per other dataset: which of the steps this one left out it admitted (other
+        # datasets are read only when this one left something out)
+        others = sorted(other for other in every if other != name) if left_out.height else []
         flags = [f"admitted by {other}" for other in others]
-        left_out = _rows(lake, gold_rejection_table(name), ["reason"]).with_columns(
-            pl.col("step_key").is_in(admitted[other]["step_key"].implode()).alias(flag)
+        left_out = left_out.with_columns(
+            pl.col("step_key").is_in(admitted(other)["step_key"].implode()).alias(flag)
             for other, flag in zip(others, flags, strict=True)
         )
         steps = pl.concat(
