@@ -228,7 +228,11 @@ class Scope:
 
 
 def _scope(
-    lake: Lake, spec: CurationSpec, versions: dict[str, int | None], at_hand: AtHand
+    lake: Lake,
+    spec: CurationSpec,
+    versions: dict[str, int | None],
+    at_hand: AtHand,
+    everything: bool = False,
 ) -> tuple[Scope, Part | pl.DataFrame, Brought | None]:
     """What the increment curates: the groups that changed since the follower last brought
     the dataset up to date (their steps' trajectories touched by silver runs since, groups
@@ -245,7 +249,7 @@ def _scope(
     touched = None
     if before is not None and (before.spec_hash, before.sources) == (now.spec_hash, sources):
         touched = view.touched_since(before.marker, lake)
-    if before is None or touched is None:
+    if everything or before is None or touched is None:
         return Scope(), Part(view.all_candidates(), newest, view.last_seen), now
     if touched.len() > lake_module.MAX_PREDICATE_KEYS:  # most of silver: curate it all
         return Scope(), Part(view.all_candidates(), newest, view.last_seen), now
@@ -271,14 +275,16 @@ def _scope(
     return scope, Part(frame, newest, view.last_seen, facts), now
 
 
-def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncrement:
+def _increment_once(
+    lake: Lake, spec: CurationSpec, at_hand: AtHand, everything: bool = False
+) -> GoldIncrement:
     pins = pin_gold(lake, spec)
     versions = source_versions(lake)
     increment = GoldIncrement(spec.name, versions)
     if versions[SILVER_STEPS] is None:
         return increment
     table = gold_dataset_table(spec.name)
-    scope, frame, brings = _scope(lake, spec, versions, at_hand)  # kept once it lands
+    scope, frame, brings = _scope(lake, spec, versions, at_hand, everything)  # kept once it lands
     increment.brings = brings
     increment.groups_curated = None if scope.groups is None else scope.groups.len()
     if scope.partitions == []:  # nothing changed
@@ -310,20 +316,31 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
     both = pl.col("fingerprint").is_not_null() & pl.col("fingerprint_stored").is_not_null()
     increment.rewritten = changed.filter(both)["key"].to_list()
 
-    writing = with_tokens(
-        lake, now.join(changed.select(UNIT), on=UNIT), versions[SILVER_STEPS], at_hand.tokens
-    )
     doomed = changed.select(
         "policy_version",
         trees=pl.concat_list(pl.col("trees").fill_null([]), pl.col("trees_stored").fill_null([])),
     )
+    # a predicate listing more trees than delta-rs takes (it crashes between 20,000 and
+    # 30,000) replaces the touched partitions whole: every unit of theirs is written again
+    whole = doomed["trees"].list.len().sum() > lake_module.MAX_PREDICATE_KEYS
+    if whole and scope.groups is not None:  # some groups at hand only: curate everything
+        return _increment_once(lake, spec, at_hand, everything=True)
+    units = changed.select(UNIT)
+    if whole:
+        units = now.filter(pl.col("policy_version").is_in(units["policy_version"].unique()))
+        units = units.select(UNIT).unique()
+    writing = with_tokens(lake, now.join(units, on=UNIT), versions[SILVER_STEPS], at_hand.tokens)
     stats = _partition_stats(lake, table, pins, scope, segments, stored, changed)
     landed_at = datetime.now(UTC)
     clauses, dataset_parts, tree_parts, lineages = [], [], [], []
     for (version,), gone in doomed.group_by("policy_version"):
         version = int(version)
         trees = gone["trees"].explode().unique().drop_nulls().to_list()
-        clauses.append(f"(policy_version = {version} AND tree_id IN ({sql_strings(trees)}))")
+        if whole:
+            trees = stats.filter(pl.col("policy_version") == version)["tree_id"].to_list()
+            clauses.append(f"(policy_version = {version})")
+        else:
+            clauses.append(f"(policy_version = {version} AND tree_id IN ({sql_strings(trees)}))")
         part = GoldPartition(
             spec.name, version, spec, increment.source_versions, reason=_reason(increment, version)
         )
@@ -368,7 +385,7 @@ def _increment_once(lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncr
     meta |= {"spec_hash": spec.spec_hash, "source_versions": increment.source_versions}
     # only new units: their trees are disjoint from every stored one, so a plain (guarded)
     # append does what the predicate overwrite would, without scanning the stored files
-    only_added = not increment.rewritten and not increment.removed
+    only_added = not increment.rewritten and not increment.removed and not whole
 
     def write(table: TableSpec, parts: list[pa.Table], metadata: dict[str, Any]) -> int:
         rows = _stack(parts, table.schema)

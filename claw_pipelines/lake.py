@@ -97,7 +97,8 @@ def until_landed(work: Callable[[], T], what: str, attempts: int = 50) -> tuple[
     raise WriteConflict(f"{what}: lost {attempts} times in a row to concurrent writers")
 
 
-# keys one Delta predicate may list (`col IN (...)`): delta-rs crashed on 101,000 of them
+# keys one Delta predicate may list (`col IN (...)`): delta-rs 1.6 segfaults on an overwrite
+# whose predicate lists 30,000 (20,000 pass); a write that would list more goes whole
 MAX_PREDICATE_KEYS = 10_000
 
 

@@ -122,7 +122,8 @@ def same(mine: pl.DataFrame, theirs: pl.DataFrame, order: list[str]) -> None:
 def test_increments_equal_full_rebuilds_through_late_facts_stitching_specs_and_restarts(
     tmp_path, monkeypatch, bulk, listed
 ):
-    if listed is not None:  # rounds touching more keys than a predicate lists: rewritten whole
+    if listed is not None:  # more keys than a predicate lists: silver rewritten whole, gold
+        # curated whole and its partitions replaced whole
         monkeypatch.setattr(lake_module, "MAX_PREDICATE_KEYS", listed)
     lake = Lake(str(tmp_path / "lake"))
     rounds = 6
