@@ -534,14 +534,7 @@ class Lake:
         """Compact small files, write a checkpoint, vacuum files unreferenced for longer than
         `retention_hours` and expired log entries. Safe beside appends: compaction only
         rewrites files (`dataChange = false`) and vacuum never drops a retained version's."""
-        self.verify_store()
-        table = self.open(name)
-        try:
-            compacted = table.optimize.compact(
-                commit_properties=_commit({"maintenance": "compact"}, retries=20)
-            )
-        except CommitFailedError:  # a writer replaced those files first: compact next time
-            compacted = {"skipped": "a concurrent write replaced the files"}
+        table, compacted = self._compact(name)
         table.update_incremental()
         table.create_checkpoint()
         removed = table.vacuum(retention_hours=retention_hours, dry_run=False)
@@ -553,6 +546,23 @@ class Lake:
             "files_removed": compacted.get("numFilesRemoved", 0),
             "files_vacuumed": len(removed),
         }
+
+    def compact(self, name: str) -> int:
+        """Compact table `name`'s small files (what `maintain` does first, alone); the number
+        of files it replaced."""
+        return int(self._compact(name)[1].get("numFilesRemoved", 0))
+
+    def _compact(self, name: str) -> tuple[DeltaTable, dict[str, Any]]:
+        self.verify_store()
+        table = self.open(name)
+        try:
+            compacted = table.optimize.compact(
+                commit_properties=_commit({"maintenance": "compact"}, retries=20)
+            )
+        except CommitFailedError:  # a writer replaced those files first: compact next time
+            compacted = {"skipped": "a concurrent write replaced the files"}
+        self._wrote(name)
+        return table, compacted
 
     # -- reads ------------------------------------------------------------------------------
     def changes(

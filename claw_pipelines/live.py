@@ -9,9 +9,12 @@ resumes there): a round costs what changed, not what the lake holds. Datasets a 
 pulls from live (`next_batch`) go first and every round; while there are such, the others
 follow at most every BACKGROUND_S. It uses the same guarded transforms as the Dagster
 assets, so it may run beside them and beside itself; a killed materializer converges on
-restart. It leaves a heartbeat in the lake (`_live/materializer.json`), and while that is
-fresh the Dagster sensors leave routine runs to it (Dagster's jobs stay for backfills, spec
-changes made from the UI and full rebuilds).
+restart. Every COMPACT_EVERY_S it compacts the tables its rounds append to (a small file per
+round, table and partition touched), so a round's commits and reads stay as cheap as after
+the maintenance schedule's last run, with or without one. It leaves a heartbeat in the
+lake (`_live/materializer.json`), and while that is fresh the Dagster sensors leave routine
+runs to it (Dagster's jobs stay for backfills, spec changes made from the UI and full
+rebuilds).
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ from datetime import UTC, datetime, timedelta
 import polars as pl
 
 from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.contracts.tables import BRONZE_EVENTS, GOLD_CONSUMPTION, GOLD_POLICY_VERSIONS
+from claw_pipelines.contracts.tables import (
+    BRONZE_EVENTS,
+    GOLD_CONSUMPTION,
+    GOLD_LINEAGE,
+    GOLD_POLICY_VERSIONS,
+    SILVER_TABLES,
+    gold_dataset_table,
+    gold_rejection_table,
+    gold_tree_table,
+)
 from claw_pipelines.delivery import NEXT
 from claw_pipelines.gold import TOKEN_COLUMNS
 from claw_pipelines.gold_increments import AtHand, Brought, GoldIncrement, update_dataset
@@ -42,6 +54,7 @@ PULLING_S = 600.0  # a dataset pulled from live within this long has a trainer w
 BACKGROUND_S = 5.0  # while trainers wait on some datasets, the others follow this often
 RECENT_S = 300.0  # how much data time of new steps' tokens a follower keeps at hand
 CATCH_UP_VERSIONS = 64  # bronze versions (gateway flushes) one round takes at most
+COMPACT_EVERY_S = 60.0  # the tables rounds append to are compacted this often
 
 
 @dataclass
@@ -53,6 +66,7 @@ class Round:
     spec_errors: dict[str, SpecError] = field(default_factory=dict)
     seconds: float = 0.0
     silver_seconds: float = 0.0  # of which the silver run
+    compacted: dict[str, int] = field(default_factory=dict)  # per table: files replaced
 
     @property
     def changed(self) -> bool:
@@ -74,6 +88,7 @@ class LiveMaterializer:
         self._pulled: set[str] = set()  # datasets trainers pull from live lately
         self._brought_at: dict[str, float] = {}  # per dataset: its last increment (monotonic)
         self.rounds = 0
+        self._compacted_at = time.monotonic()
         self.reported_errors: set[str] = set()  # spec errors already shown
         self.at_hand.brought = brought_before(lake)  # a restart resumes where it was
 
@@ -103,9 +118,22 @@ class LiveMaterializer:
                 self._recovered.add(name)
                 self._gold_inputs[name] = inputs
                 self._brought_at[name] = time.monotonic()
+        if done.changed and time.monotonic() - self._compacted_at >= COMPACT_EVERY_S:
+            done.compacted = self.compact(list(specs))
         done.seconds = time.perf_counter() - started
         self.rounds += 1
         self.beat(done)
+        return done
+
+    def compact(self, datasets: list[str]) -> dict[str, int]:
+        """Compact the tables rounds append to (a small file per round, table and partition
+        touched; each commit and read costs what a table's file count is), between the
+        maintenance schedule's runs or without one; per table, the files replaced."""
+        per_dataset = (gold_dataset_table, gold_tree_table, gold_rejection_table)
+        tables = [BRONZE_EVENTS, *SILVER_TABLES, GOLD_LINEAGE, GOLD_CONSUMPTION]
+        tables += [table(name) for name in datasets for table in per_dataset]
+        done = {name: self.lake.compact(name) for name in tables if self.lake.exists(name)}
+        self._compacted_at = time.monotonic()
         return done
 
     def _remember(self, run: SilverRun) -> None:

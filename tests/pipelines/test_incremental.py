@@ -18,7 +18,9 @@ from claw_pipelines.consume import Dataset
 from claw_pipelines.contracts.specs import CurationSpec, JudgeRef, Readmission
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
+    GOLD_LINEAGE,
     SILVER_STEP_REWARDS,
+    SILVER_STEPS,
     SILVER_TRAJECTORIES,
     gold_dataset_table,
     gold_rejection_table,
@@ -125,6 +127,8 @@ def test_increments_equal_full_rebuilds_through_late_facts_stitching_specs_and_r
     if listed is not None:  # more keys than a predicate lists: silver rewritten whole, gold
         # curated whole and its partitions replaced whole
         monkeypatch.setattr(lake_module, "MAX_PREDICATE_KEYS", listed)
+    else:  # the follower compacts what it appends to after every round: nothing changes
+        monkeypatch.setattr(live, "COMPACT_EVERY_S", 0.0)
     lake = Lake(str(tmp_path / "lake"))
     rounds = 6
     landed_rounds(lake, rounds, bulk=bulk, whole=listed is not None)
@@ -259,3 +263,18 @@ def test_live_delivery_follows_the_dataset_by_its_change_feed(tmp_path):
         same(kept.rows, read.rows, ["step_key"])  # what the feed applied = a full read
         same(kept.units, read.units, ["unit"])
     assert delivered == ["1:g0", "1:g1", "1:g2", "2:g3", "2:g4"]
+
+
+def test_the_follower_compacts_the_small_files_its_rounds_append(tmp_path, monkeypatch):
+    monkeypatch.setattr(live, "COMPACT_EVERY_S", 0.0)
+    lake = Lake(str(tmp_path / "lake"))
+    save_spec(lake, LIVE)
+    follower = LiveMaterializer(lake, OPTIONS)
+    for n in range(6):
+        land(lake, group_of(f"c{n}", [5, n], [1.0, 0.0], version=1, turns=2))
+        done = follower.step()
+        assert done.gold and all(len(g.added) == 1 for g in done.gold), done.gold
+    assert done.compacted[SILVER_STEPS] >= 2  # this round's file and the last compaction's
+    for table in (SILVER_STEPS, SILVER_TRAJECTORIES, GOLD_LINEAGE, gold_dataset_table("live")):
+        assert len(lake.open(table).file_uris()) == 1, table  # one partition, one file
+    assert Dataset(lake, "live").steps()["step_key"].n_unique() == 6 * 2 * 2  # rows kept
