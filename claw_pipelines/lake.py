@@ -547,17 +547,21 @@ class Lake:
             "files_vacuumed": len(removed),
         }
 
-    def compact(self, name: str) -> int:
-        """Compact table `name`'s small files (what `maintain` does first, alone); the number
-        of files it replaced."""
-        return int(self._compact(name)[1].get("numFilesRemoved", 0))
+    def compact(self, name: str, target_bytes: int | None = None) -> int:
+        """Compact table `name`'s small files (what `maintain` does first, alone) into files
+        of about `target_bytes` (delta-rs's default when None: files below it are rewritten,
+        so a small target leaves big files alone); the number of files it replaced."""
+        return int(self._compact(name, target_bytes)[1].get("numFilesRemoved", 0))
 
-    def _compact(self, name: str) -> tuple[DeltaTable, dict[str, Any]]:
+    def _compact(
+        self, name: str, target_bytes: int | None = None
+    ) -> tuple[DeltaTable, dict[str, Any]]:
         self.verify_store()
         table = self.open(name)
         try:
             compacted = table.optimize.compact(
-                commit_properties=_commit({"maintenance": "compact"}, retries=20)
+                target_size=target_bytes,
+                commit_properties=_commit({"maintenance": "compact"}, retries=20),
             )
         except CommitFailedError:  # a writer replaced those files first: compact next time
             compacted = {"skipped": "a concurrent write replaced the files"}

@@ -55,6 +55,9 @@ BACKGROUND_S = 5.0  # while trainers wait on some datasets, the others follow th
 RECENT_S = 300.0  # how much data time of new steps' tokens a follower keeps at hand
 CATCH_UP_VERSIONS = 64  # bronze versions (gateway flushes) one round takes at most
 COMPACT_EVERY_S = 60.0  # the tables rounds append to are compacted this often
+# into files of this size: the rounds' small files merge, big ones (the maintenance
+# schedule's, a take-in's) are left alone (rewriting a 2 M-step table stalled a round 8 s)
+COMPACT_BYTES = 8 << 20
 
 
 @dataclass
@@ -132,7 +135,11 @@ class LiveMaterializer:
         per_dataset = (gold_dataset_table, gold_tree_table, gold_rejection_table)
         tables = [BRONZE_EVENTS, *SILVER_TABLES, GOLD_LINEAGE, GOLD_CONSUMPTION]
         tables += [table(name) for name in datasets for table in per_dataset]
-        done = {name: self.lake.compact(name) for name in tables if self.lake.exists(name)}
+        done = {
+            name: self.lake.compact(name, COMPACT_BYTES)
+            for name in tables
+            if self.lake.exists(name)
+        }
         self._compacted_at = time.monotonic()
         return done
 
