@@ -10,11 +10,11 @@ pulls from live (`next_batch`) go first and every round; while there are such, t
 follow at most every BACKGROUND_S. It uses the same guarded transforms as the Dagster
 assets, so it may run beside them and beside itself; a killed materializer converges on
 restart. Every COMPACT_EVERY_S it compacts the tables its rounds append to (a small file per
-round, table and partition touched), so a round's commits and reads stay as cheap as after
-the maintenance schedule's last run, with or without one. It leaves a heartbeat in the
-lake (`_live/materializer.json`), and while that is fresh the Dagster sensors leave routine
-runs to it (Dagster's jobs stay for backfills, spec changes made from the UI and full
-rebuilds).
+round, table and partition touched), one per round, so a round's commits and reads stay as
+cheap as after the maintenance schedule's last run, with or without one. It leaves a
+heartbeat in the lake (`_live/materializer.json`), and while that is fresh the Dagster
+sensors leave routine runs to it (Dagster's jobs stay for backfills, spec changes made from
+the UI and full rebuilds).
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ class LiveMaterializer:
         self._brought_at: dict[str, float] = {}  # per dataset: its last increment (monotonic)
         self.rounds = 0
         self._compacted_at = time.monotonic()
+        self._compacting: list[str] = []  # tables still to compact, one per round
         self.reported_errors: set[str] = set()  # spec errors already shown
         self.at_hand.brought = brought_before(lake)  # a restart resumes where it was
 
@@ -121,27 +122,29 @@ class LiveMaterializer:
                 self._recovered.add(name)
                 self._gold_inputs[name] = inputs
                 self._brought_at[name] = time.monotonic()
-        if done.changed and time.monotonic() - self._compacted_at >= COMPACT_EVERY_S:
-            done.compacted = self.compact(list(specs))
+        if done.changed:
+            done.compacted = self._compact_some(list(specs))
         done.seconds = time.perf_counter() - started
         self.rounds += 1
         self.beat(done)
         return done
 
-    def compact(self, datasets: list[str]) -> dict[str, int]:
-        """Compact the tables rounds append to (a small file per round, table and partition
-        touched; each commit and read costs what a table's file count is), between the
-        maintenance schedule's runs or without one; per table, the files replaced."""
-        per_dataset = (gold_dataset_table, gold_tree_table, gold_rejection_table)
-        tables = [BRONZE_EVENTS, *SILVER_TABLES, GOLD_LINEAGE, GOLD_CONSUMPTION]
-        tables += [table(name) for name in datasets for table in per_dataset]
-        done = {
-            name: self.lake.compact(name, COMPACT_BYTES)
-            for name in tables
-            if self.lake.exists(name)
-        }
-        self._compacted_at = time.monotonic()
-        return done
+    def _compact_some(self, datasets: list[str]) -> dict[str, int]:
+        """Every COMPACT_EVERY_S, compact the tables rounds append to (a small file per
+        round, table and partition touched; each commit and read costs what a table's file
+        count is), between the maintenance schedule's runs or without one: one table per
+        round, so no round stalls. Per table compacted, the files it replaced."""
+        if not self._compacting and time.monotonic() - self._compacted_at >= COMPACT_EVERY_S:
+            per_dataset = (gold_dataset_table, gold_tree_table, gold_rejection_table)
+            tables = [BRONZE_EVENTS, *SILVER_TABLES, GOLD_LINEAGE, GOLD_CONSUMPTION]
+            tables += [table(name) for name in datasets for table in per_dataset]
+            self._compacting = tables
+            self._compacted_at = time.monotonic()
+        while self._compacting:
+            name = self._compacting.pop(0)
+            if self.lake.exists(name):
+                return {name: self.lake.compact(name, COMPACT_BYTES)}
+        return {}
 
     def _remember(self, run: SilverRun) -> None:
         """Keep the token columns of the steps silver just took (for RECENT_S of data time):

@@ -270,11 +270,14 @@ def test_the_follower_compacts_the_small_files_its_rounds_append(tmp_path, monke
     lake = Lake(str(tmp_path / "lake"))
     save_spec(lake, LIVE)
     follower = LiveMaterializer(lake, OPTIONS)
-    for n in range(6):
+    compacted: dict[str, int] = {}
+    for n in range(24):  # one table per round: each is compacted every ~10 rounds
         land(lake, group_of(f"c{n}", [5, n], [1.0, 0.0], version=1, turns=2))
         done = follower.step()
         assert done.gold and all(len(g.added) == 1 for g in done.gold), done.gold
-    assert done.compacted[SILVER_STEPS] >= 2  # this round's file and the last compaction's
+        assert len(done.compacted) <= 1
+        compacted |= done.compacted
+    assert compacted[SILVER_STEPS] >= 2  # its small files merged
     for table in (SILVER_STEPS, SILVER_TRAJECTORIES, GOLD_LINEAGE, gold_dataset_table("live")):
-        assert len(lake.open(table).file_uris()) == 1, table  # one partition, one file
-    assert Dataset(lake, "live").steps()["step_key"].n_unique() == 6 * 2 * 2  # rows kept
+        assert len(lake.open(table).file_uris()) <= 12, table  # not one per round (24)
+    assert Dataset(lake, "live").steps()["step_key"].n_unique() == 24 * 2 * 2  # rows kept
