@@ -464,7 +464,8 @@ def gold_first_seen(lake: Lake) -> tuple[dict[str, float], int]:
     """Per group: the commit time of the first gold dataset version holding it; versions."""
     table = gold_dataset_table(SPEC.name)
     seen: dict[str, float] = {}
-    history = sorted(lake.open(table).history(), key=lambda e: e["version"])
+    commits = [e for e in lake.open(table).history() if int(e.get("version", -1)) >= 0]
+    history = sorted(commits, key=lambda e: e["version"])
     for entry in history:
         frame = lake.read(table, int(entry["version"]), columns=["prompt_uid"]).unique()
         for (group,) in frame.iter_rows():
