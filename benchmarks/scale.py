@@ -118,8 +118,10 @@ def increments(uri: str, count: int, groups: int, out) -> None:
     import numpy as np
     import polars as pl
 
+    from claw_pipelines import live
     from claw_pipelines.live import LiveMaterializer
 
+    live.PULLING_S = 0.0  # every dataset each round (a kept lake's old pulls aside)
     lake = Lake(uri)
     started = time.perf_counter()
     follower = LiveMaterializer(lake)
