@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import queue
 import resource
 import statistics
 import sys
@@ -77,7 +78,13 @@ def _in_child(target, *args):
     out = context.Queue()
     proc = context.Process(target=target, args=(*args, out))
     proc.start()
-    result = out.get()
+    while True:  # a child that dies (an assertion, the OOM killer) must not hang the run
+        try:
+            result = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{target.__name__} exited with {proc.exitcode}") from None
     proc.join()
     return result
 
