@@ -396,11 +396,15 @@ def tree_segments(at: Where, name: str, policy_version: int) -> pl.DataFrame:
 
 def curation_candidates(at: Where) -> pl.DataFrame | None:
     """Every silver step with its reward and trajectory facts (no tokens), or None."""
+    keys = silver_versions(at)
+    return None if keys[0] is None else _candidates(at, keys)
+
+
+def silver_versions(at: Where) -> tuple[int | None, ...]:
+    """The versions of the silver tables the step browser and the preview read (their
+    caches' key), in SILVER_COLUMNS order."""
     found = versions(at)
-    if found[SILVER_STEPS] is None:
-        return None
-    keys = tuple(found[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES))
-    return _candidates(at, keys)
+    return tuple(found[t] for t in SILVER_COLUMNS)
 
 
 @frame_cache(ttl=TTL, max_entries=2)
@@ -413,8 +417,7 @@ def _candidates(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFra
 def candidate_choices(at: Where) -> dict[str, list]:
     """The values the Curation form offers (finish reasons, tenants, policy versions,
     labels), sorted, cached with the candidates."""
-    found = versions(at)
-    keys = tuple(found[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES))
+    keys = silver_versions(at)
     return _choices(at, keys)
 
 
@@ -495,8 +498,7 @@ def _summary(rows: pl.DataFrame, spec: CurationSpec) -> PreviewSummary:
 
 def step_table(at: Where) -> pl.DataFrame:
     """One row per silver step for browsing (ids, group, reward, statuses, version, time)."""
-    found = versions(at)
-    keys = tuple(found[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES))
+    keys = silver_versions(at)
     return _step_table(at, keys)
 
 
