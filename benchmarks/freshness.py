@@ -509,13 +509,19 @@ def breakdown(lake: Lake, plan: Plan, groups: list[str], acks: Acks, got: Delive
 
 def materializer_rounds(path: Path) -> dict:
     """The live materializer's rounds that wrote something (its log line per round)."""
-    seconds = [
-        float(m.group(1))
+    rounds = [
+        (float(m.group(1)), line)
         for line in path.read_text(errors="replace").splitlines()
         if (m := ROUND_LINE.match(line))
     ]
-    figures = percentiles(seconds)
-    return {"count": len(seconds), "p50_s": figures["p50_s"], "max_s": figures["max_s"]}
+    figures = percentiles([seconds for seconds, _ in rounds])
+    slowest = [line for _, line in sorted(rounds, reverse=True)[:3]]
+    return {
+        "count": len(rounds),
+        "p50_s": figures["p50_s"],
+        "max_s": figures["max_s"],
+        "slowest": slowest,  # the round lines, with where each round's time went
+    }
 
 
 def steady_rate(acks: Acks, seconds: float, ramp_s: float) -> float:

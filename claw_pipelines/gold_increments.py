@@ -85,6 +85,7 @@ class GoldIncrement:
     write_conflicts: int = 0
     brings: Brought | None = None  # what the dataset stands at once this increment landed
     groups_curated: int | None = None  # prompt groups curated (None: all of silver)
+    seconds: float = 0.0  # wall time of the increment
 
     @property
     def changed(self) -> bool:

@@ -70,6 +70,7 @@ class Round:
     seconds: float = 0.0
     silver_seconds: float = 0.0  # of which the silver run
     compacted: dict[str, int] = field(default_factory=dict)  # per table: files replaced
+    compact_seconds: float = 0.0  # of which the compaction
 
     @property
     def changed(self) -> bool:
@@ -118,12 +119,17 @@ class LiveMaterializer:
             inputs = (state.versions, spec.spec_hash, published)
             if self._gold_inputs.get(name) != inputs and self._due(name):
                 recover = name not in self._recovered
-                done.gold.append(update_dataset(self.lake, spec, self.at_hand, recover))
+                began = time.perf_counter()
+                increment = update_dataset(self.lake, spec, self.at_hand, recover)
+                increment.seconds = time.perf_counter() - began
+                done.gold.append(increment)
                 self._recovered.add(name)
                 self._gold_inputs[name] = inputs
                 self._brought_at[name] = time.monotonic()
         if done.changed:
+            began = time.perf_counter()
             done.compacted = self._compact_some(list(specs))
+            done.compact_seconds = time.perf_counter() - began
         done.seconds = time.perf_counter() - started
         self.rounds += 1
         self.beat(done)

@@ -221,12 +221,16 @@ def _round_line(done) -> str:
     parts = []
     if done.silver is not None and done.silver.bronze_rows:
         run = done.silver
-        parts.append(f"silver to bronze v{run.bronze_version}: +{run.steps_added} steps")
+        parts.append(
+            f"silver to bronze v{run.bronze_version}: +{run.steps_added} steps"
+            f" ({done.silver_seconds:.2f} s)"
+        )
     for inc in done.gold:
         if inc.changed:
-            parts.append(
-                f"{inc.dataset}: +{len(inc.added)} ~{len(inc.rewritten)} -{len(inc.removed)} groups"
-            )
+            counts = f"+{len(inc.added)} ~{len(inc.rewritten)} -{len(inc.removed)}"
+            parts.append(f"{inc.dataset}: {counts} groups ({inc.seconds:.2f} s)")
+    for table, files in done.compacted.items():
+        parts.append(f"compacted {table}: {files} files ({done.compact_seconds:.2f} s)")
     return f"{done.seconds:.2f} s  " + "; ".join(parts)
 
 
