@@ -130,10 +130,11 @@ def code_version() -> str:
     return f"{version}+g{commit}" if commit else version
 
 
-def source_versions(lake: Lake) -> dict[str, int | None]:
+def source_versions(lake: Lake, at: int | None = None) -> dict[str, int | None]:
     """The silver table versions a gold build reads (as the last completed silver run left
-    them), the bronze version behind them, and the published policy versions' table."""
-    state = silver_state(lake)
+    them, or the last at or before marker version `at`), the bronze version behind them, and
+    the published policy versions' table."""
+    state = silver_state(lake, at)
     tables = (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES, SILVER_FEEDBACK)
     versions = {t: state.versions[t] for t in tables}
     published = lake.version(GOLD_POLICY_VERSIONS)

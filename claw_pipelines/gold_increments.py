@@ -170,6 +170,22 @@ class AtHand:
     _candidates: tuple[tuple, pl.DataFrame] | None = None
     # per dataset: (its rejections table's version, the fingerprints of that version)
     rejections: dict[str, tuple[int, pl.DataFrame]] = field(default_factory=dict)
+    # the silver marker version increments read at (None: silver's last completed run)
+    pinned: int | None = None
+
+    def aside(self) -> AtHand:
+        """What an increment running beside this follower's rounds reads: the silver view
+        as it stands now (a snapshot later rounds leave alone), pinned to its marker
+        version; what datasets were brought to and their rejections are shared."""
+        if self.silver is None:
+            return AtHand(tokens=self.tokens, brought=self.brought, rejections=self.rejections)
+        return AtHand(
+            tokens=self.tokens,
+            silver=self.silver.snapshot(),
+            brought=self.brought,
+            rejections=self.rejections,
+            pinned=self.silver.versions.get(SILVER_TRAJECTORIES),
+        )
 
     def view_at(self, versions: dict[str, int | None]) -> SilverView | None:
         """The silver view when it stands at `versions` (what a gold build reads)."""
@@ -280,7 +296,7 @@ def _increment_once(
     lake: Lake, spec: CurationSpec, at_hand: AtHand, everything: bool = False
 ) -> GoldIncrement:
     pins = pin_gold(lake, spec)
-    versions = source_versions(lake)
+    versions = source_versions(lake, at_hand.pinned)
     increment = GoldIncrement(spec.name, versions)
     if versions[SILVER_STEPS] is None:
         return increment

@@ -7,7 +7,9 @@ policy version moved. Between rounds it keeps a view of silver's small columns
 (`silver_view`) and what each dataset was brought up to (also in its heartbeat, so a restart
 resumes there): a round costs what changed, not what the lake holds. Datasets a trainer
 pulls from live (`next_batch`) go first and every round; while there are such, the others
-follow at most every BACKGROUND_S. It uses the same guarded transforms as the Dagster
+follow at most every BACKGROUND_S, beside the rounds: in a worker thread (with its own
+handles and a snapshot of the view), so a trainer's dataset is never held up by the others
+(or by compaction, which then goes there too). It uses the same guarded transforms as the Dagster
 assets, so it may run beside them and beside itself; a killed materializer converges on
 restart. Every COMPACT_EVERY_S it compacts the tables its rounds append to (a small file per
 round, table and partition touched), one per round, so a round's commits and reads stay as
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -71,12 +74,22 @@ class Round:
     silver_seconds: float = 0.0  # of which the silver run
     compacted: dict[str, int] = field(default_factory=dict)  # per table: files replaced
     compact_seconds: float = 0.0  # of which the compaction
+    aside: list[str] = field(default_factory=list)  # datasets still being brought up beside
+    beside: list[str] = field(default_factory=list)  # of `gold`, those the worker brought up
 
     @property
     def changed(self) -> bool:
-        """Whether anything was written."""
+        """Whether anything was written (by the round, or beside it since the last)."""
         wrote_silver = self.silver is not None and self.silver.bronze_rows > 0
         return wrote_silver or any(g.changed for g in self.gold)
+
+
+@dataclass
+class _Aside:
+    """Work running beside the rounds: some datasets' increments, then maybe a compaction."""
+
+    future: Future
+    inputs: dict[str, tuple]  # per dataset: the inputs it is being brought to
 
 
 class LiveMaterializer:
@@ -96,6 +109,8 @@ class LiveMaterializer:
         self._compacting: list[str] = []  # tables still to compact, one per round
         self.reported_errors: set[str] = set()  # spec errors already shown
         self.at_hand.brought = brought_before(lake)  # a restart resumes where it was
+        self._aside: _Aside | None = None  # work running beside the rounds
+        self._worker: tuple[ThreadPoolExecutor, Lake] | None = None  # its thread, its handles
 
     def step(self) -> Round:
         """One round: silver if bronze moved, then the datasets whose inputs moved."""
@@ -113,44 +128,128 @@ class LiveMaterializer:
             self.at_hand.silver = done.silver.view
             state = silver_state(self.lake)
             self._remember(done.silver)
+        self._collect_aside(done)
         specs, done.spec_errors = self._current_specs()
         published = self.lake.version(GOLD_POLICY_VERSIONS)
+        aside: dict[str, tuple] = {}  # datasets for the worker: no trainer waits on them
         for name, spec in specs.items():
             inputs = (state.versions, spec.spec_hash, published)
-            if self._gold_inputs.get(name) != inputs and self._due(name):
-                recover = name not in self._recovered
-                began = time.perf_counter()
-                increment = update_dataset(self.lake, spec, self.at_hand, recover)
-                increment.seconds = time.perf_counter() - began
-                done.gold.append(increment)
-                self._recovered.add(name)
-                self._gold_inputs[name] = inputs
-                self._brought_at[name] = time.monotonic()
-        if done.changed:
+            if self._gold_inputs.get(name) == inputs or not self._due(name):
+                continue
+            if self._aside is not None and name in self._aside.inputs:
+                continue  # the worker is bringing it up
+            if self._pulled and name not in self._pulled:
+                aside[name] = inputs
+                continue
+            done.gold.append(self._increment(self.lake, spec, self.at_hand))
+            self._gold_inputs[name] = inputs
+        if done.changed or aside:
+            self._queue_compaction(list(specs))
+        if self._compacting:
             began = time.perf_counter()
-            done.compacted = self._compact_some(list(specs))
-            done.compact_seconds = time.perf_counter() - began
+            done.compacted |= self._compact(self.lake, self._next_to_compact(aside=False))
+            done.compact_seconds += time.perf_counter() - began
+        if self._pulled and self._aside is None:
+            compact = self._next_to_compact(aside=True)
+            if aside or compact:
+                self._send_aside({n: (specs[n], i) for n, i in aside.items()}, compact)
+        if self._aside is not None:
+            done.aside = sorted(self._aside.inputs)
         done.seconds = time.perf_counter() - started
         self.rounds += 1
         self.beat(done)
         return done
 
-    def _compact_some(self, datasets: list[str]) -> dict[str, int]:
-        """Every COMPACT_EVERY_S, compact the tables rounds append to (a small file per
-        round, table and partition touched; each commit and read costs what a table's file
-        count is), between the maintenance schedule's runs or without one: one table per
-        round, so no round stalls. Per table compacted, the files it replaced."""
+    def _increment(self, lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncrement:
+        """One increment of `spec`'s dataset, timed (the first of each dataset recovers
+        lineage a killed writer left out)."""
+        began = time.perf_counter()
+        increment = update_dataset(lake, spec, at_hand, recover=spec.name not in self._recovered)
+        self._recovered.add(spec.name)
+        self._brought_at[spec.name] = time.monotonic()
+        increment.seconds = time.perf_counter() - began
+        return increment
+
+    def _queue_compaction(self, datasets: list[str]) -> None:
+        """Every COMPACT_EVERY_S, queue the tables rounds append to for compaction (a small
+        file per round, table and partition touched; each commit and read costs what a
+        table's file count is), between the maintenance schedule's runs or without one."""
         if not self._compacting and time.monotonic() - self._compacted_at >= COMPACT_EVERY_S:
             per_dataset = (gold_dataset_table, gold_tree_table, gold_rejection_table)
             tables = [BRONZE_EVENTS, *SILVER_TABLES, GOLD_LINEAGE, GOLD_CONSUMPTION]
             tables += [table(name) for name in datasets for table in per_dataset]
             self._compacting = tables
             self._compacted_at = time.monotonic()
-        while self._compacting:
-            name = self._compacting.pop(0)
+
+    def _next_to_compact(self, aside: bool) -> str | None:
+        """Take the next queued table the rounds compact (`aside` False) or the worker does:
+        the worker, only tables no round writes with a guarded overwrite (a compaction
+        committed between such a write's read and its commit would make it start again),
+        that is bronze, lineage, consumption and the tables of datasets no trainer pulls."""
+        mine = [
+            n
+            for n in self._compacting
+            if aside == (bool(self._pulled) and not self._rounds_write(n))
+        ]
+        for name in mine:
+            self._compacting.remove(name)
             if self.lake.exists(name):
-                return {name: self.lake.compact(name, COMPACT_BYTES)}
-        return {}
+                return name
+        return None
+
+    def _rounds_write(self, table: str) -> bool:
+        """Whether the rounds (not the worker) write `table`: silver's and the tables of the
+        datasets trainers pull from."""
+        pulled = (gold_dataset_table, gold_tree_table, gold_rejection_table)
+        return table in SILVER_TABLES or any(
+            table == of(name) for name in self._pulled for of in pulled
+        )
+
+    @staticmethod
+    def _compact(lake: Lake, name: str | None) -> dict[str, int]:
+        """Compact table `name` (if any); the files it replaced, per table."""
+        return {} if name is None else {name: lake.compact(name, COMPACT_BYTES)}
+
+    # -- beside the rounds --------------------------------------------------------------------
+    def _send_aside(
+        self, datasets: dict[str, tuple[CurationSpec, tuple]], compact: str | None
+    ) -> None:
+        """Start the worker on `datasets` (no trainer waits on them), then on compacting
+        table `compact`. It reads a snapshot of the view pinned to the silver run it stands
+        at, through its own handles, and shares only what each dataset was brought to."""
+        if self._worker is None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="claw-aside")
+            self._worker = pool, Lake(self.lake.uri, self.lake.storage_options)
+        pool, lake = self._worker
+        at_hand = self.at_hand.aside()
+
+        def work() -> tuple[list[GoldIncrement], dict[str, int], float]:
+            increments = [self._increment(lake, spec, at_hand) for spec, _ in datasets.values()]
+            began = time.perf_counter()
+            compacted = self._compact(lake, compact)
+            return increments, compacted, time.perf_counter() - began
+
+        inputs = {name: given for name, (_, given) in datasets.items()}
+        self._aside = _Aside(pool.submit(work), inputs)
+
+    def _collect_aside(self, done: Round) -> None:
+        """Take what the worker finished into this round (its failure fails the round; the
+        datasets it did not bring up are due again)."""
+        aside = self._aside
+        if aside is None or not aside.future.done():
+            return
+        self._aside = None
+        increments, done.compacted, done.compact_seconds = aside.future.result()
+        done.gold.extend(increments)
+        done.beside = [increment.dataset for increment in increments]
+        for name, inputs in aside.inputs.items():
+            self._gold_inputs[name] = inputs
+
+    def close(self) -> None:
+        """Wait for the work beside the rounds to finish and stop its thread."""
+        if self._worker is not None:
+            self._worker[0].shutdown(wait=True)
+            self._worker = None
 
     def _remember(self, run: SilverRun) -> None:
         """Keep the token columns of the steps silver just took (for RECENT_S of data time):
@@ -192,7 +291,8 @@ class LiveMaterializer:
         self._beat_at = now
         beat = {"pid": os.getpid(), "updated_at": datetime.now(UTC).isoformat()}
         beat |= {"rounds": self.rounds, "last_round_s": done.seconds if done else None}
-        beat["brought"] = {name: b.to_json() for name, b in self.at_hand.brought.items()}
+        brought = dict(self.at_hand.brought)  # the worker may add to it meanwhile
+        beat["brought"] = {name: b.to_json() for name, b in brought.items()}
         self.lake.write_text(HEARTBEAT, json.dumps(beat))
 
 

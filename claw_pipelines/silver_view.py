@@ -15,6 +15,7 @@ Derived rows are kept in generations (`Keyed`): a key's newest row is its curren
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -99,6 +100,12 @@ class HashIndex:
         self.levels = [empty, empty]  # (sorted hashes, positions): large, small
         self.upto = 0
 
+    def snapshot(self) -> HashIndex:
+        """A copy later merges leave as it is (the arrays are replaced, never written)."""
+        twin = HashIndex()
+        twin.levels, twin.upto = list(self.levels), self.upto
+        return twin
+
     def positions(self, column: pl.Series, values: pl.Series) -> np.ndarray:
         """Sorted positions of the rows of `column` (the frame's, whole) holding one of
         `values`."""
@@ -157,6 +164,12 @@ class Keyed:
         self.key, self.frame, self._appended, self._rows_put = key, frame.rechunk(), 0, 0
         self.append_only = append_only  # no key is ever put twice: rows never move
         self._indexes: dict[str, HashIndex] = {}
+
+    def snapshot(self) -> Keyed:
+        """A copy later `put`s leave as it is (frames are shared: none is changed in place)."""
+        twin = copy.copy(self)
+        twin._indexes = {column: index.snapshot() for column, index in self._indexes.items()}
+        return twin
 
     def current(self) -> pl.DataFrame:
         """Every key's current row (reads everything: for a full build)."""
@@ -243,6 +256,16 @@ class SilverView:
         if marker is not None:  # what changed after this marker, the view will know
             view.log = [(marker, pl.Series("trajectory_uid", [], pl.String))]
         return view
+
+    def snapshot(self) -> SilverView:
+        """The view as it stands now, for a reader in another thread: later `add`s and
+        `derived`s of this view leave the copy alone (it shares the frames, which they
+        replace rather than change)."""
+        twin = copy.copy(self)
+        twin.versions, twin.log = dict(self.versions), list(self.log)
+        for name in ("steps", "facts", "rewards", "trajectories"):
+            setattr(twin, name, getattr(self, name).snapshot())
+        return twin
 
     def stands_at(self, versions: dict[str, int | None], lake: Lake | None = None) -> bool:
         """Whether the view holds silver as of `versions`: the versions it was taken at, or

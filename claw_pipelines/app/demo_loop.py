@@ -104,9 +104,12 @@ def _materialize_in_background(lake: Lake, stop: threading.Event) -> threading.T
     live = LiveMaterializer(lake, SilverOptions())
 
     def follow() -> None:
-        while not stop.is_set():
-            if not live.step().changed:
-                stop.wait(0.1)
+        try:
+            while not stop.is_set():
+                if not live.step().changed:
+                    stop.wait(0.1)
+        finally:
+            live.close()
 
     thread = threading.Thread(target=follow, name="live-materializer", daemon=True)
     thread.start()

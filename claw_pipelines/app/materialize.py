@@ -195,25 +195,28 @@ def follow(
     report = _dagster_reporter() if os.environ.get("DAGSTER_HOME") else None
     say(f"claw materialize --follow: {lake.uri} (every {poll_s:g} s; Ctrl-C stops)")
     failures = 0
-    while not stop.is_set():
-        try:
-            done = live.step()
-        except Exception as exc:  # keep following: the next round starts from the lake
-            failures += 1
-            say(f"round failed ({type(exc).__name__}: {exc}); retrying")
-            stop.wait(min(5.0, 0.5 * failures))
-            continue
-        failures = 0
-        for name, error in done.spec_errors.items():
-            if name not in live.reported_errors:
-                say(f"not building {error}")
-        live.reported_errors = set(done.spec_errors)
-        if done.changed:
-            say(_round_line(done))
-            if report is not None:
-                report(done)
-        else:
-            stop.wait(poll_s)
+    try:
+        while not stop.is_set():
+            try:
+                done = live.step()
+            except Exception as exc:  # keep following: the next round starts from the lake
+                failures += 1
+                say(f"round failed ({type(exc).__name__}: {exc}); retrying")
+                stop.wait(min(5.0, 0.5 * failures))
+                continue
+            failures = 0
+            for name, error in done.spec_errors.items():
+                if name not in live.reported_errors:
+                    say(f"not building {error}")
+            live.reported_errors = set(done.spec_errors)
+            if done.changed:
+                say(_round_line(done))
+                if report is not None:
+                    report(done)
+            else:
+                stop.wait(poll_s)
+    finally:
+        live.close()
 
 
 def _round_line(done) -> str:
@@ -228,7 +231,8 @@ def _round_line(done) -> str:
     for inc in done.gold:
         if inc.changed:
             counts = f"+{len(inc.added)} ~{len(inc.rewritten)} -{len(inc.removed)}"
-            parts.append(f"{inc.dataset}: {counts} groups ({inc.seconds:.2f} s)")
+            beside = ", beside" if inc.dataset in done.beside else ""
+            parts.append(f"{inc.dataset}: {counts} groups ({inc.seconds:.2f} s{beside})")
     for table, files in done.compacted.items():
         parts.append(f"compacted {table}: {files} files ({done.compact_seconds:.2f} s)")
     return f"{done.seconds:.2f} s  " + "; ".join(parts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import polars as pl
 import pytest
@@ -76,9 +77,13 @@ def script(round_: int) -> list[dict]:
     return rows
 
 
-def landed_rounds(lake: Lake, rounds: int, *, bulk: int = 0, whole: bool = False) -> None:
+def landed_rounds(
+    lake: Lake, rounds: int, *, bulk: int = 0, whole: bool = False, pulled: bool = False
+) -> None:
     """Run the script through a follower, restarting it and changing a spec midway; each
-    round curates only the groups it touched (a changed spec: all)."""
+    round curates only the groups it touched (a changed spec: all). `pulled`: a trainer
+    pulls `live` from the first round on, so every other dataset is brought up beside the
+    rounds, by the follower's worker, from its snapshot of the view."""
     if bulk:
         write_bulk_bronze(lake, bulk, BulkShape(groups_per_policy_version=200), batch=2_000)
     for spec in SPECS:
@@ -88,17 +93,27 @@ def landed_rounds(lake: Lake, rounds: int, *, bulk: int = 0, whole: bool = False
     for round_ in range(rounds):
         land(lake, script(round_))
         if round_ == rounds // 2:
+            follower.close()
             follower = LiveMaterializer(lake, OPTIONS)  # a restart: nothing kept
             save_spec(lake, LIVE.model_copy(update={"name": "all", "min_group_size": 2}))
         done = follower.step()
         assert done.silver is not None and not done.spec_errors
-        curated = {g.dataset: g.groups_curated for g in done.gold}
+        if pulled and round_ == 0:  # a trainer pulls: the other datasets go aside
+            assert Dataset(lake, "live").next_batch(1, consumer="t", timeout=0) is not None
+        elif pulled:
+            assert [g.dataset for g in done.gold if g.dataset not in done.beside] == ["live"]
+            assert done.aside or done.beside  # the others, beside the rounds
+        curated = {g.dataset: g.groups_curated for g in done.gold if g.dataset not in done.beside}
         if whole and round_ > 0:  # too many touched to list: all of silver
             assert all(n is None for n in curated.values()), str(curated)
         elif round_ == rounds // 2:  # restarted: the changed spec is rebuilt, the rest resume
-            assert curated["all"] is None and curated["live"] is not None
+            assert curated.get("all", None if pulled else 0) is None
+            assert curated["live"] is not None
         elif round_ > 0:  # the groups the round touched, not all of silver
             assert all(n is not None and n <= 12 for n in curated.values()), str(curated)
+    while pulled and (done := follower.step()).aside:  # the worker catches up
+        time.sleep(0.05)
+    follower.close()
 
 
 def full_rebuild(lake: Lake, path) -> Lake:
@@ -118,12 +133,20 @@ def same(mine: pl.DataFrame, theirs: pl.DataFrame, order: list[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("bulk", "listed"),
-    [(0, None), (0, 3), pytest.param(6_000, None, marks=pytest.mark.slow)],
+    ("bulk", "listed", "pulled"),
+    [
+        (0, None, False),
+        (0, 3, False),
+        (0, None, True),
+        pytest.param(6_000, None, False, marks=pytest.mark.slow),
+    ],
 )
 def test_increments_equal_full_rebuilds_through_late_facts_stitching_specs_and_restarts(
-    tmp_path, monkeypatch, bulk, listed
+    tmp_path, monkeypatch, bulk, listed, pulled
 ):
+    if pulled:  # the datasets no trainer pulls from follow every round, beside it
+        monkeypatch.setattr(live, "SPECS_EVERY_S", 0.0)
+        monkeypatch.setattr(live, "BACKGROUND_S", 0.0)
     if listed is not None:  # more keys than a predicate lists: silver rewritten whole, gold
         # curated whole and its partitions replaced whole
         monkeypatch.setattr(lake_module, "MAX_PREDICATE_KEYS", listed)
@@ -131,7 +154,7 @@ def test_increments_equal_full_rebuilds_through_late_facts_stitching_specs_and_r
         monkeypatch.setattr(live, "COMPACT_EVERY_S", 0.0)
     lake = Lake(str(tmp_path / "lake"))
     rounds = 6
-    landed_rounds(lake, rounds, bulk=bulk, whole=listed is not None)
+    landed_rounds(lake, rounds, bulk=bulk, whole=listed is not None, pulled=pulled)
     full = full_rebuild(lake, tmp_path / "full")
 
     # silver: derived rows recomputed for touched trajectories only equal a whole rebuild

@@ -227,8 +227,17 @@ def test_a_dataset_trainers_pull_from_goes_first_and_the_others_follow(tmp_path,
     assert next(g.dataset for g in done.gold) == "live"  # the pulled dataset first
     assert "other" not in {g.dataset for g in done.gold}  # the others wait their turn
     monkeypatch.setattr("claw_pipelines.live.BACKGROUND_S", 0.0)
-    assert "other" in {g.dataset for g in live.step().gold}  # and then catch up
-    assert Dataset(lake, "other").steps()["prompt_uid"].n_unique() == 2
+    land(lake, group_of("g2", [3, 5], [1.0, 0.0]))
+    done = live.step()  # the others catch up beside the rounds, in the worker
+    assert [g.dataset for g in done.gold] == ["live"] and "other" in done.aside
+    caught, deadline = [], time.monotonic() + 60
+    while "other" not in caught and time.monotonic() < deadline:
+        caught += live.step().beside
+        time.sleep(0.05)
+    live.close()
+    assert "live" not in caught
+    assert Dataset(lake, "live").steps()["prompt_uid"].n_unique() == 3
+    assert Dataset(lake, "other").steps()["prompt_uid"].n_unique() == 3
 
 
 class Killed(BaseException):
