@@ -58,9 +58,11 @@ BACKGROUND_S = 5.0  # while trainers wait on some datasets, the others follow th
 RECENT_S = 300.0  # how much data time of new steps' tokens a follower keeps at hand
 CATCH_UP_VERSIONS = 64  # bronze versions (gateway flushes) one round takes at most
 COMPACT_EVERY_S = 60.0  # the tables rounds append to are compacted this often
-# into files of this size: the rounds' small files merge, big ones (the maintenance
-# schedule's, a take-in's) are left alone (rewriting a 2 M-step table stalled a round 8 s)
-COMPACT_BYTES = 8 << 20
+# into files of this size: the rounds' small files merge; files already this big (the
+# maintenance schedule's, a take-in's, an earlier minute's) are left alone, so each pass
+# rewrites about the minute's data (at 8 MB a partition's growing file was rewritten
+# every minute; rewriting a 2 M-step table's files stalled a round 8 s)
+COMPACT_BYTES = 1 << 20
 
 
 @dataclass
