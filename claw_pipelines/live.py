@@ -36,7 +36,9 @@ from claw_pipelines.contracts.tables import (
     GOLD_CONSUMPTION,
     GOLD_LINEAGE,
     GOLD_POLICY_VERSIONS,
+    SILVER_STEP_REWARDS,
     SILVER_TABLES,
+    SILVER_TRAJECTORIES,
     gold_dataset_table,
     gold_rejection_table,
     gold_tree_table,
@@ -63,6 +65,9 @@ COMPACT_EVERY_S = 60.0  # the tables rounds append to are compacted this often
 # rewrites about the minute's data (at 8 MB a partition's growing file was rewritten
 # every minute; rewriting a 2 M-step table's files stalled a round 8 s)
 COMPACT_BYTES = 1 << 20
+# the tables the rounds compact themselves, also while the worker runs: those a silver run
+# overwrites with a predicate (small: a row per step or trajectory, no tokens)
+ROUNDS_COMPACT = (SILVER_STEP_REWARDS, SILVER_TRAJECTORIES)
 
 
 @dataclass
@@ -184,28 +189,20 @@ class LiveMaterializer:
             self._compacted_at = time.monotonic()
 
     def _next_to_compact(self, aside: bool) -> str | None:
-        """Take the next queued table the rounds compact (`aside` False) or the worker does:
-        the worker, only tables no round writes with a guarded overwrite (a compaction
-        committed between such a write's read and its commit would make it start again),
-        that is bronze, lineage, consumption and the tables of datasets no trainer pulls."""
+        """Take the next queued table the rounds compact (`aside` False) or the worker does.
+        While trainers pull, the worker compacts every table but silver's derived ones
+        (`ROUNDS_COMPACT`): a compaction committed between a predicate overwrite's read and
+        its commit makes that write start again, and a silver run that starts again loads
+        its view anew (seconds at millions of steps); appends are not disturbed, and a
+        gold increment that starts again costs little."""
         mine = [
-            n
-            for n in self._compacting
-            if aside == (bool(self._pulled) and not self._rounds_write(n))
+            n for n in self._compacting if aside == (bool(self._pulled) and n not in ROUNDS_COMPACT)
         ]
         for name in mine:
             self._compacting.remove(name)
             if self.lake.exists(name):
                 return name
         return None
-
-    def _rounds_write(self, table: str) -> bool:
-        """Whether the rounds (not the worker) write `table`: silver's and the tables of the
-        datasets trainers pull from."""
-        pulled = (gold_dataset_table, gold_tree_table, gold_rejection_table)
-        return table in SILVER_TABLES or any(
-            table == of(name) for name in self._pulled for of in pulled
-        )
 
     @staticmethod
     def _compact(lake: Lake, name: str | None) -> dict[str, int]:
