@@ -43,6 +43,16 @@ def gold_datasets(lake: Lake) -> list[str]:
     return sorted(name for name in names if lake.exists(gold_dataset_table(name)))
 
 
+def _admitted_of(left_out: pl.DataFrame, admitted: pl.DataFrame) -> pl.Series:
+    """The step keys of `admitted` worth testing `left_out`'s keys against: when it holds
+    many more rows, only those among the left-out keys (a set of the few is built, the many
+    probe it), else all of them."""
+    if admitted.height > 4 * left_out.height:
+        keys = left_out["step_key"].implode()
+        return admitted.filter(pl.col("step_key").is_in(keys))["step_key"].implode()
+    return admitted["step_key"].implode()
+
+
 def _rows(lake: Lake, table: str, extra: list[str]) -> pl.DataFrame:
     """The ledger's columns of a gold table (empty when it does not exist yet)."""
     if not lake.exists(table):
@@ -66,41 +76,51 @@ def waste_ledger(lake: Lake, datasets: list[str] | None = None) -> pl.DataFrame:
         return read[name]
 
     every = gold_datasets(lake)
+    tokens = pl.col("prompt_len").fill_null(0) + pl.col("response_len").fill_null(0)
+    figures = {
+        "steps": pl.len().cast(pl.Int64),
+        "tokens": tokens.sum().cast(pl.Int64),
+        "generation_s": pl.col("generation_ms").sum() / 1000,
+    }
     parts = []
     for name in names:
-        kept = admitted(name)
+        # admitted steps are summed as they are (nothing re-admits them): no per-step work
+        parts.append(
+            admitted(name)
+            .group_by("policy_version")
+            .agg(**figures)
+            .with_columns(
+                outcome=pl.lit("admitted"),
+                reason=pl.lit(None, pl.String),
+                readmitted_steps=pl.lit(0, pl.Int64),
+                readmitted_tokens=pl.lit(0, pl.Int64),
+                readmitted_by=pl.lit([], pl.List(pl.String)),
+                dataset=pl.lit(name),
+            )
+        )
         left_out = _rows(lake, gold_rejection_table(name), ["reason"])
-        # per other dataset: which of the steps this one left out it admitted (other
-        # datasets are read only when this one left something out)
-        others = sorted(other for other in every if other != name) if left_out.height else []
+        if left_out.is_empty():
+            continue
+        # per other dataset: which of the steps this one left out it admitted
+        others = sorted(other for other in every if other != name)
         flags = [f"admitted by {other}" for other in others]
         left_out = left_out.with_columns(
-            pl.col("step_key").is_in(admitted(other)["step_key"].implode()).alias(flag)
+            pl.col("step_key").is_in(_admitted_of(left_out, admitted(other))).alias(flag)
             for other, flag in zip(others, flags, strict=True)
         )
-        steps = pl.concat(
-            [
-                kept.with_columns(outcome=pl.lit("admitted"), reason=pl.lit(None, pl.String)),
-                left_out.with_columns(outcome=pl.lit("rejected")),
-            ],
-            how="diagonal_relaxed",
-        ).with_columns(pl.col(flags).fill_null(False))
-        tokens = pl.col("prompt_len").fill_null(0) + pl.col("response_len").fill_null(0)
         again = pl.any_horizontal(pl.lit(False), *flags)
         by = [pl.when(pl.col(f).any()).then(pl.lit(o)) for o, f in zip(others, flags, strict=True)]
         parts.append(
-            steps.group_by("policy_version", "outcome", "reason")
+            left_out.group_by("policy_version", "reason")
             .agg(
-                steps=pl.len().cast(pl.Int64),
-                tokens=tokens.sum().cast(pl.Int64),
-                generation_s=pl.col("generation_ms").sum() / 1000,
+                **figures,
                 readmitted_steps=again.sum().cast(pl.Int64),
                 readmitted_tokens=tokens.filter(again).sum().cast(pl.Int64),
                 readmitted_by=pl.concat_list(by).list.drop_nulls()
                 if by
                 else pl.lit([], pl.List(pl.String)),
             )
-            .with_columns(dataset=pl.lit(name))
+            .with_columns(outcome=pl.lit("rejected"), dataset=pl.lit(name))
         )
     if not parts:
         return pl.DataFrame(schema=LEDGER_SCHEMA)

@@ -160,12 +160,16 @@ def candidates(
     the retry that supersedes it (`superseded_by`)."""
     steps = with_call_columns(steps)
     steps = steps.with_columns(superseded_by(steps), generation_ms(steps)).drop(CALL_COLUMNS)
+    # labels are rare: joined apart from their (few) rows, the list column is not gathered
+    # for every step (at 2 M steps that gather cost as much as the join itself)
+    labelled = rewards.filter(pl.col("labels").list.len() > 0).select("step_key", "labels")
     return (
         steps.join(
-            rewards.select("step_key", "reward", "reward_status", "rating", "labels"),
+            rewards.select("step_key", "reward", "reward_status", "rating"),
             on="step_key",
             how="left",
         )
+        .join(labelled, on="step_key", how="left")
         .join(
             trajectories.select(
                 "trajectory_uid",
