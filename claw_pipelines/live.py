@@ -16,7 +16,10 @@ round, table and partition touched), one per round, so a round's commits and rea
 cheap as after the maintenance schedule's last run, with or without one. It leaves a
 heartbeat in the lake (`_live/materializer.json`), and while that is fresh the Dagster
 sensors leave routine runs to it (Dagster's jobs stay for backfills, spec changes made from
-the UI and full rebuilds).
+the UI and full rebuilds). A dataset whose increment fails (a re-admission source that does
+not exist, a cycle, a build that raises) fails alone: the round reports it in one line
+naming its spec file, the others go on, and it is tried again after RETRY_FIRST_S, doubling
+up to RETRY_MAX_S while it keeps failing (the heartbeat lists it under `failing`).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from claw_pipelines.gold_increments import AtHand, Brought, GoldIncrement, updat
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import SilverOptions, SilverRun, build_silver, silver_state
 from claw_pipelines.silver_view import SilverView
-from claw_pipelines.spec_store import SpecError, read_specs
+from claw_pipelines.spec_store import SpecError, read_specs, spec_path
 
 HEARTBEAT = "_live/materializer.json"
 HEARTBEAT_S = 5.0  # the heartbeat is rewritten at least this often
@@ -59,6 +62,8 @@ PULLING_S = 600.0  # a dataset pulled from live within this long has a trainer w
 BACKGROUND_S = 15.0  # while trainers wait on some datasets, the others follow this often
 RECENT_S = 300.0  # how much data time of new steps' tokens a follower keeps at hand
 CATCH_UP_VERSIONS = 64  # bronze versions (gateway flushes) one round takes at most
+RETRY_FIRST_S = 1.0  # a dataset whose increment failed is tried again after this long,
+RETRY_MAX_S = 60.0  # doubling with each failure in a row up to this
 COMPACT_EVERY_S = 60.0  # the tables rounds append to are compacted this often
 # into files of this size: the rounds' small files merge; files already this big (the
 # maintenance schedule's, a take-in's, an earlier minute's) are left alone, so each pass
@@ -82,6 +87,7 @@ class Round:
     compacted: dict[str, int] = field(default_factory=dict)  # per table: files replaced
     compact_seconds: float = 0.0  # of which the compaction
     aside: list[str] = field(default_factory=list)  # datasets still being brought up beside
+    failed: dict[str, Failing] = field(default_factory=dict)  # datasets whose increment failed
     beside: list[str] = field(default_factory=list)  # of `gold`, those the worker brought up
 
     @property
@@ -89,6 +95,21 @@ class Round:
         """Whether anything was written (by the round, or beside it since the last)."""
         wrote_silver = self.silver is not None and self.silver.bronze_rows > 0
         return wrote_silver or any(g.changed for g in self.gold)
+
+
+@dataclass
+class Failing:
+    """A dataset whose increments fail: the last error (one line naming its spec file), the
+    failures in a row, and when it is tried again (monotonic)."""
+
+    error: str
+    attempts: int
+    retry_at: float
+    since: str  # ISO time of the first failure in the row
+
+    def to_json(self) -> dict[str, object]:
+        """As the heartbeat shows it."""
+        return {"error": self.error, "attempts": self.attempts, "since": self.since}
 
 
 @dataclass
@@ -115,6 +136,7 @@ class LiveMaterializer:
         self._compacted_at = time.monotonic()
         self._compacting: list[str] = []  # tables still to compact, one per round
         self.reported_errors: set[str] = set()  # spec errors already shown
+        self.failing: dict[str, Failing] = {}  # datasets whose increments fail, retried later
         self.at_hand.brought = brought_before(lake)  # a restart resumes where it was
         self._aside: _Aside | None = None  # work running beside the rounds
         self._worker: tuple[ThreadPoolExecutor, Lake] | None = None  # its thread, its handles
@@ -143,13 +165,15 @@ class LiveMaterializer:
             inputs = (state.versions, spec.spec_hash, published)
             if self._gold_inputs.get(name) == inputs or not self._due(name):
                 continue
+            if name in self.failing and time.monotonic() < self.failing[name].retry_at:
+                continue  # failed lately: tried again after its backoff
             if self._aside is not None and name in self._aside.inputs:
                 continue  # the worker is bringing it up
             if self._pulled and name not in self._pulled:
                 aside[name] = inputs
                 continue
-            done.gold.append(self._increment(self.lake, spec, self.at_hand))
-            self._gold_inputs[name] = inputs
+            increment = self._increment(self.lake, spec, self.at_hand)
+            self._settle(name, increment, inputs, done)
         if done.changed or aside:
             self._queue_compaction(list(specs))
         if self._compacting:
@@ -167,15 +191,44 @@ class LiveMaterializer:
         self.beat(done)
         return done
 
-    def _increment(self, lake: Lake, spec: CurationSpec, at_hand: AtHand) -> GoldIncrement:
+    def _increment(
+        self, lake: Lake, spec: CurationSpec, at_hand: AtHand
+    ) -> GoldIncrement | Exception:
         """One increment of `spec`'s dataset, timed (the first of each dataset recovers
-        lineage a killed writer left out)."""
+        lineage a killed writer left out), or the error it failed with: one dataset's
+        failure (a missing re-admission source, a cycle, a build that raises) stops only
+        that dataset."""
         began = time.perf_counter()
-        increment = update_dataset(lake, spec, at_hand, recover=spec.name not in self._recovered)
+        try:
+            increment = update_dataset(
+                lake, spec, at_hand, recover=spec.name not in self._recovered
+            )
+        except Exception as exc:  # this dataset's alone: reported, tried again with backoff
+            return exc
+        finally:
+            self._brought_at[spec.name] = time.monotonic()
         self._recovered.add(spec.name)
-        self._brought_at[spec.name] = time.monotonic()
         increment.seconds = time.perf_counter() - began
         return increment
+
+    def _settle(
+        self, name: str, increment: GoldIncrement | Exception, inputs: tuple, done: Round
+    ) -> None:
+        """Take an increment's outcome into the round: its writes, or its failure (tried
+        again after RETRY_FIRST_S, doubling up to RETRY_MAX_S while it keeps failing)."""
+        if isinstance(increment, Exception):
+            before = self.failing.get(name)
+            attempts = 1 if before is None else before.attempts + 1
+            delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (attempts - 1))
+            first_line = (str(increment).splitlines() or [""])[0]
+            error = f"{spec_path(name)}: {type(increment).__name__}: {first_line}"
+            since = before.since if before else datetime.now(UTC).isoformat()
+            done.failed[name] = Failing(error, attempts, time.monotonic() + delay, since)
+            self.failing[name] = done.failed[name]
+            return
+        self.failing.pop(name, None)
+        done.gold.append(increment)
+        self._gold_inputs[name] = inputs
 
     def _queue_compaction(self, datasets: list[str]) -> None:
         """Every COMPACT_EVERY_S, queue the tables rounds append to for compaction (a small
@@ -222,8 +275,10 @@ class LiveMaterializer:
         pool, lake = self._worker
         at_hand = self.at_hand.aside()
 
-        def work() -> tuple[list[GoldIncrement], dict[str, int], float]:
-            increments = [self._increment(lake, spec, at_hand) for spec, _ in datasets.values()]
+        def work() -> tuple[dict[str, GoldIncrement | Exception], dict[str, int], float]:
+            increments = {
+                n: self._increment(lake, spec, at_hand) for n, (spec, _) in datasets.items()
+            }
             began = time.perf_counter()
             compacted = self._compact(lake, compact)
             return increments, compacted, time.perf_counter() - began
@@ -239,10 +294,9 @@ class LiveMaterializer:
             return
         self._aside = None
         increments, done.compacted, done.compact_seconds = aside.future.result()
-        done.gold.extend(increments)
-        done.beside = [increment.dataset for increment in increments]
-        for name, inputs in aside.inputs.items():
-            self._gold_inputs[name] = inputs
+        for name, increment in increments.items():
+            self._settle(name, increment, aside.inputs[name], done)
+        done.beside = [name for name in increments if name not in done.failed]
 
     def close(self) -> None:
         """Wait for the work beside the rounds to finish and stop its thread."""
@@ -292,6 +346,7 @@ class LiveMaterializer:
         beat |= {"rounds": self.rounds, "last_round_s": done.seconds if done else None}
         brought = dict(self.at_hand.brought)  # the worker may add to it meanwhile
         beat["brought"] = {name: b.to_json() for name, b in brought.items()}
+        beat["failing"] = {name: f.to_json() for name, f in self.failing.items()}
         self.lake.write_text(HEARTBEAT, json.dumps(beat))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -209,6 +210,10 @@ def follow(
                 if name not in live.reported_errors:
                     say(f"not building {error}")
             live.reported_errors = set(done.spec_errors)
+            for failing in done.failed.values():
+                again = failing.retry_at - time.monotonic()
+                tries = f"failure {failing.attempts}; next try in {again:.0f} s"
+                say(f"not building {failing.error} ({tries})")
             if done.changed:
                 say(_round_line(done))
                 if report is not None:

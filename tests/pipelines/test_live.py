@@ -5,6 +5,7 @@ survive SIGKILL without a group lost or delivered twice."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ import pytest
 
 from claw_pipelines.app.materialize import follow
 from claw_pipelines.consume import Dataset
+from claw_pipelines.contracts.specs import CurationSpec, Readmission
 from claw_pipelines.contracts.tables import (
     GOLD_LINEAGE,
     gold_dataset_table,
@@ -29,7 +31,7 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.gold import build_partition
 from claw_pipelines.gold_increments import update_dataset
 from claw_pipelines.lake import Lake
-from claw_pipelines.live import LiveMaterializer, materializer_running
+from claw_pipelines.live import HEARTBEAT, LiveMaterializer, materializer_running
 from claw_pipelines.policy import publish_policy_version
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.silver import build_silver
@@ -336,3 +338,39 @@ def test_follow_reports_increments_to_dagster_and_silences_the_sensors(tmp_path,
     partition = instance.get_latest_materialization_event(dg.AssetKey(["gold", "datasets"]))
     assert partition.asset_materialization.partition == "live|2"
     assert any(re.search(r"live: \+1 ~0 -0 groups \(\d+\.\d\d s\)", line) for line in said)
+
+
+def test_a_failing_dataset_stops_alone_and_is_tried_again_with_backoff(tmp_path, monkeypatch):
+    monkeypatch.setattr("claw_pipelines.live.RETRY_FIRST_S", 1.5)
+    lake = Lake(str(tmp_path / "lake"))
+    save_spec(lake, LIVE)
+    save_spec(lake, CurationSpec(name="orphan", readmit=Readmission(dataset="nowhere")))
+    save_spec(lake, CurationSpec(name="loop-a", readmit=Readmission(dataset="loop-b")))
+    save_spec(lake, CurationSpec(name="loop-b", readmit=Readmission(dataset="loop-a")))
+    land(lake, group_of("g0", [1, 5], [1.0, 0.0]))
+    live = LiveMaterializer(lake)
+    done = live.step()
+    assert {"live", "default"} <= {g.dataset for g in done.gold}  # the others keep building
+    assert set(done.failed) == {"orphan", "loop-a", "loop-b"}
+    assert done.failed["orphan"].error.startswith("specs/orphan.yaml: SpecError: readmit:")
+    assert "nowhere" in done.failed["orphan"].error
+    assert "cycle" in done.failed["loop-a"].error
+    beat = json.loads(lake.read_text(HEARTBEAT))
+    assert beat["failing"]["orphan"]["attempts"] == 1  # shown to operators
+    land(lake, group_of("g1", [2, 5], [1.0, 0.0]))
+    again = live.step()  # within the backoff: not tried, the rest goes on
+    assert not again.failed and "live" in {g.dataset for g in again.gold}
+    time.sleep(1.6)
+    land(lake, group_of("g2", [3, 5], [1.0, 0.0]))
+    third = live.step()  # tried again, failing again: the wait doubles
+    assert third.failed["orphan"].attempts == 2
+    assert third.failed["orphan"].retry_at - time.monotonic() > 2.0
+    save_spec(lake, CurationSpec(name="orphan"))  # fixed: built once its wait is over
+    monkeypatch.setattr("claw_pipelines.live.SPECS_EVERY_S", 0.0)
+    deadline = time.monotonic() + 30
+    while "orphan" in live.failing or not lake.exists("gold/datasets/orphan"):
+        assert time.monotonic() < deadline, live.failing
+        live.step()
+        time.sleep(0.05)
+    assert Dataset(lake, "orphan").steps()["prompt_uid"].n_unique() == 3
+    assert "orphan" not in json.loads(lake.read_text(HEARTBEAT))["failing"]
