@@ -1,12 +1,14 @@
 """The gateway's outer layer: limits, metrics, and routing through the one route table.
 
-Every request passes here first. Bodies are refused early (a declared Content-Length over the
-limit: 413; a body that is not JSON: 415); with API keys configured, every request but health
-(and /metrics when `CLAW_METRICS_PUBLIC`) must present one (401), on the table's routes and on
-FastAPI's (/docs, /openapi.json, 404, 405) alike; a request whose method and path are in the route
-table (gateway.routes) is answered straight from ASGI by its handler; anything else (the
-OpenAPI docs, a 404 or 405) goes on to FastAPI. FastAPI's per-request machinery costs more
-than a durable write itself (benchmarks/gateway_ingest.py), so no table route runs through it,
+Every request passes here first. With API keys configured, every request but health (and
+/metrics when `CLAW_METRICS_PUBLIC`) must present one (401) before anything else is answered,
+on the table's routes and on FastAPI's (/docs, /openapi.json, 404, 405) alike, and a
+websocket handshake too (closed with 1008: the gateway serves none); then bodies are refused
+early (a declared Content-Length over the limit: 413; a body that is not JSON: 415). A
+request whose method and path are in the route table (gateway.routes) is answered straight
+from ASGI by its handler; anything else (the OpenAPI docs, a 404 or 405) goes on to FastAPI.
+FastAPI's per-request machinery costs more than a durable write itself
+(benchmarks/gateway_ingest.py), so no table route runs through it,
 and the app refuses middlewares and dependencies (gateway.main.GatewayApp), which would not
 run on the table's routes: cross-cutting work belongs in this layer.
 """
@@ -42,6 +44,16 @@ async def _answer_error(send: Send, error: ApiError) -> None:
     await send_body(send, error.status, body, headers=error.headers)
 
 
+def _headers(scope: Scope) -> dict[str, str]:
+    """A request's headers by lower-case name (the first of repeated ones)."""
+    headers: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        key = name.decode("latin-1")
+        if key not in headers:
+            headers[key] = value.decode("latin-1")
+    return headers
+
+
 class Dispatcher:
     """Serves the route table's requests; passes everything else to `fallback` (FastAPI)."""
 
@@ -63,7 +75,9 @@ class Dispatcher:
         self.services: GatewayServices | None = None  # set by the app's lifespan
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "websocket":
+            return await self._websocket(scope, receive, send)
+        if scope["type"] != "http":  # lifespan
             return await self.fallback(scope, receive, send)
         started = time.perf_counter()
         status = 500
@@ -76,13 +90,14 @@ class Dispatcher:
             await send(message)
 
         try:
-            headers, refusal = self._inspect(scope)
-            if refusal is not None:
-                return await self._refuse(send_with_status, refusal)
+            headers = _headers(scope)
             try:
-                tenant = self._authenticate(scope["path"], headers)
+                tenant = self._authenticate(scope["path"], headers)  # before anything else
+                refusal = self._refusal(headers) if scope["method"] in BODY_METHODS else None
+                if refusal is not None:
+                    raise refusal
                 matched = self.routes.match(scope["method"], scope["path"])
-            except ApiError as refused:  # no or a wrong key; a path parameter that is no uid
+            except ApiError as refused:  # no or a wrong key; a body refused; a bad uid
                 return await self._refuse(send_with_status, refused)
             if matched is None or self.services is None:
                 return await self.fallback(scope, receive, send_with_status)
@@ -117,17 +132,16 @@ class Dispatcher:
             return None
         return tenant_of(self.keys, headers)
 
-    def _inspect(self, scope: Scope) -> tuple[dict[str, str], ApiError | None]:
-        """One pass over the headers: all of them by lower-case name (the first of repeated
-        ones), and a refusal of the body if any."""
-        headers: dict[str, str] = {}
-        for name, value in scope["headers"]:
-            key = name.decode("latin-1")
-            if key not in headers:
-                headers[key] = value.decode("latin-1")
-        if scope["method"] not in BODY_METHODS:
-            return headers, None
-        return headers, self._refusal(headers)
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A websocket handshake: refused (closed, 1008) without a valid key when keys are
+        set; FastAPI answers the rest (no route of the gateway is a websocket)."""
+        try:
+            self._authenticate(scope["path"], _headers(scope))
+        except ApiError as refused:
+            labelled(self.metrics.rejected, refused.code or "http_401").inc()
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await self.fallback(scope, receive, send)
 
     def _refusal(self, headers: dict[str, str]) -> ApiError | None:
         limit = self.max_body_bytes
