@@ -1,8 +1,8 @@
 """Soak on object storage: three gateway replicas (distinct CLAW_GATEWAY_IDs) append to one
 bronze table on a local S3 server that enforces conditional writes (SeaweedFS), while
 `claw materialize --follow` keeps silver and gold current and a maintenance process compacts,
-checkpoints and vacuums every table, for two minutes of SIGKILLs of random replicas and of
-the materializer. Clients retry each write (same event ids) until acknowledged: on another
+checkpoints and vacuums every table, for 90 s (`CLAW_SOAK_S`) of SIGKILLs of random replicas
+and of the materializer. Clients retry each write (same event ids) until acknowledged: on another
 replica when theirs could not be reached or is not ready (nothing was sent, or it refused);
 on the same one when the request went out and no answer came (it may have made the write
 durable before dying: its WAL and dedup index know the ids when it is back).
