@@ -26,7 +26,7 @@ generation's tokens.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import polars as pl
@@ -114,12 +114,20 @@ def _distributed_rank() -> tuple[int, int]:
     return 0, 1
 
 
+Uneven = Literal["repeat", "drop"]
+
+
 class BatchDataset(_IterableDataset):
     """A torch IterableDataset of `to_torch()` dicts of one partition's batches (each with its
-    `batch_index`). Rank r of world size w (default: torch.distributed's, else 0 of 1) takes
-    batches r, r+w, r+2w..., and each DataLoader worker of a rank a disjoint share of those:
-    every batch once across all of them. Use `DataLoader(ds, batch_size=None)`, and with
-    workers `multiprocessing_context="spawn"`: polars is not fork-safe."""
+    `batch_index` and `repeated`). Rank r of world size w (default: torch.distributed's, else
+    0 of 1) takes batches r, r+w, r+2w..., and each DataLoader worker of a rank a disjoint
+    share of those. Every rank gets the same number of batches (a collective such as DDP's
+    all-reduce would otherwise wait forever on the rank that ran out): with `uneven="repeat"`
+    (the default, as torch's DistributedSampler pads) ceil(n / w), the last ranks' extra
+    batches being the partition's first ones again (`repeated` true: every batch once, a few
+    twice); with `uneven="drop"` floor(n / w), the last n mod w batches left out (every batch
+    at most once). Use `DataLoader(ds, batch_size=None)`, and with workers
+    `multiprocessing_context="spawn"`: polars is not fork-safe."""
 
     def __init__(
         self,
@@ -131,7 +139,10 @@ class BatchDataset(_IterableDataset):
         seed: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        uneven: Uneven = "repeat",
     ) -> None:
+        if uneven not in ("repeat", "drop"):
+            raise ValueError(f"uneven must be 'repeat' or 'drop', not {uneven!r}")
         if _IterableDataset is object:
             raise ImportError("BatchDataset needs torch: pip install 'claw-lakehouse[train]'")
         self.dataset, self.policy_version, self.layout, self.seed = (
@@ -141,7 +152,7 @@ class BatchDataset(_IterableDataset):
             seed,
         )
         self.batch_size, self.max_tokens = batch_size, max_tokens
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.uneven = rank, world_size, uneven
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         from torch.utils.data import get_worker_info
@@ -152,15 +163,19 @@ class BatchDataset(_IterableDataset):
             rank, world = self.rank, self.world_size or 1
         worker = get_worker_info()
         workers, me = (1, 0) if worker is None else (worker.num_workers, worker.id)
-        batches = self.dataset.batches(
-            self.policy_version,
-            self.batch_size,
-            layout=self.layout,
-            seed=self.seed,
-            max_tokens=self.max_tokens,
+        batches = list(
+            self.dataset.batches(
+                self.policy_version,
+                self.batch_size,
+                layout=self.layout,
+                seed=self.seed,
+                max_tokens=self.max_tokens,
+            )
         )
-        for index, batch in enumerate(batches):
-            if index % world == rank and (index // world) % workers == me:
-                tensors = batch.to_torch()
-                tensors["batch_index"] = index
-                yield tensors
+        total = len(batches)
+        per_rank = -(-total // world) if self.uneven == "repeat" else total // world
+        for turn in range(me, per_rank, workers):
+            index = rank + turn * world
+            tensors = batches[index % total].to_torch()
+            tensors["batch_index"], tensors["repeated"] = index % total, index >= total
+            yield tensors

@@ -64,7 +64,7 @@ def test_the_iterable_dataset_gives_every_batch_once_across_ranks_and_workers(la
             num_workers=workers,
             multiprocessing_context="spawn" if workers else None,
         )
-        return {t["batch_index"]: t["step_keys"] for t in loader}
+        return {t["batch_index"]: t["step_keys"] for t in loader if not t["repeated"]}
 
     ranks = [taken(0, 2), taken(1, 2)]
     assert not ranks[0].keys() & ranks[1].keys()
@@ -94,3 +94,28 @@ def test_verl_takes_the_batch_as_its_own_dataproto_and_agrees_on_grpo_advantages
     )
     first_token = advantages[:, 0].numpy()
     assert np.allclose(first_token, steps["advantage"].to_numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("uneven", ["repeat", "drop"])
+def test_every_rank_gets_as_many_batches_and_every_group_goes_once(lake, world, uneven):  # noqa: F811
+    """Equal counts per rank (a DDP all-reduce never waits on a rank that ran out): the
+    last ranks repeat the first batches (marked), or the last n mod w batches are dropped."""
+    ds = open_dataset("train", lake.uri)
+    everything = [b.step_keys for b in ds.batches(1, batch_size=1)]
+    n = len(everything)
+    assert n % 2 or n % 3  # at least one of the two worlds leaves batches over
+    got = [
+        list(BatchDataset(ds, 1, batch_size=1, rank=r, world_size=world, uneven=uneven))
+        for r in range(world)
+    ]
+    expected = -(-n // world) if uneven == "repeat" else n // world
+    assert [len(share) for share in got] == [expected] * world
+    first = [t for share in got for t in share if not t["repeated"]]
+    kept = n if uneven == "repeat" else n - n % world
+    assert sorted(t["batch_index"] for t in first) == list(range(kept))  # each once
+    assert sorted(k for t in first for k in t["step_keys"]) == sorted(
+        k for keys in everything[:kept] for k in keys
+    )
+    again = [t["batch_index"] for share in got for t in share if t["repeated"]]
+    assert again == list(range(expected * world - n)) if uneven == "repeat" else not again
