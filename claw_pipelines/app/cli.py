@@ -101,7 +101,7 @@ def _cmd_materialize(args: argparse.Namespace) -> None:
         note = f" ({report.notes[check]})" if check in report.notes else ""
         print(f"check {check}: {'passed' if passed else 'FAILED'}{note}")
     if not report.success:
-        raise CliError(f"materialization failed: {report.error}")
+        raise CliError("materialization failed: " + "\n  ".join(report.errors))
 
 
 def _say_now(line: str) -> None:

@@ -29,7 +29,12 @@ class MaterializeReport:
     assets: dict[str, dict[str, object]] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # why a check failed
-    error: str | None = None
+    errors: list[str] = field(default_factory=list)  # one line per failure, in order
+
+    @property
+    def error(self) -> str | None:
+        """Every failure, a line each (None: none)."""
+        return "\n".join(self.errors) if self.errors else None
 
     def add(self, result, partition: str | None = None) -> None:
         """Fold one Dagster run's outcome into the report."""
@@ -48,12 +53,19 @@ class MaterializeReport:
             if not evaluation.passed and evaluation.blocking:
                 blocked.append(f"blocking check {name} failed: {evaluation.description}")
         if not result.success:
-            self.fail(blocked[0] if blocked else _failure_line(result))
+            line = blocked[0] if blocked else _failure_line(result)
+            if partition and "|" in partition:  # a gold partition: say whose spec it is
+                from claw_pipelines.spec_store import spec_path
+
+                path = spec_path(partition.split("|", 1)[0])
+                line = line if line.startswith(path) else f"{path} ({partition}): {line}"
+            self.fail(line)
 
     def fail(self, error: str) -> None:
-        """Mark the materialization failed; the first error is the one reported."""
-        if self.success:
-            self.success, self.error = False, error
+        """Mark the materialization failed, with one more line of why (each once)."""
+        self.success = False
+        if error not in self.errors:
+            self.errors.append(error)
 
 
 def _failure_line(result) -> str:

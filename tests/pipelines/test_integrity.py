@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 
 from claw_pipelines.consume import open_dataset
-from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec
+from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec, Readmission
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     GOLD_LINEAGE,
@@ -164,3 +164,30 @@ def test_a_bad_spec_fails_only_its_own_dataset_naming_the_file_and_field(tmp_pat
     (failure,) = [e for e in run.all_events if e.is_step_failure]
     shown = failure.step_failure_data.user_failure_data.description  # the UI's headline
     assert shown == f"{expected}, unable to parse string as an integer"
+
+
+def test_a_spec_that_cannot_build_fails_only_its_own_partitions_each_named(tmp_path):
+    """Specs that parse but cannot build (a re-admission source that does not exist, a
+    cycle) fail their own partitions under `claw materialize`, one line each naming the
+    file; the good specs are built."""
+    lake = Lake(str(tmp_path / "lake"))
+    fill_bronze(lake, 1)
+    build_silver(lake)
+    save_spec(lake, CurationSpec(name="good", merge="trajectory"))
+    save_spec(lake, CurationSpec(name="orphan", readmit=Readmission(dataset="nowhere")))
+    save_spec(lake, CurationSpec(name="loop-a", readmit=Readmission(dataset="loop-b")))
+    save_spec(lake, CurationSpec(name="loop-b", readmit=Readmission(dataset="loop-a")))
+
+    done = claw("materialize", "--lake", lake.uri)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("claw: error: materialization failed: specs/")
+    failed = sorted(line.split("materialization failed: ")[-1].strip() for line in lines)
+    assert [line.split(" ", 1)[0] for line in failed] == [
+        "specs/loop-a.yaml",
+        "specs/loop-b.yaml",
+        "specs/orphan.yaml",
+    ]
+    assert "cycle" in failed[0] and "cycle" in failed[1] and "nowhere" in failed[2]
+    assert "materialized gold/datasets[good|1]" in done.stdout
+    assert "materialized gold/datasets[default|1]" in done.stdout
