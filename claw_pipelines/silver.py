@@ -407,7 +407,11 @@ def _build_once(
     meta = {"bronze_version": until, "bronze_after": after, "read_mode": run.read_mode}
     versions = dict(pins)
     # a run killed after its appends left rows past the last marker: derive everything again
-    leftovers = not all(
+    # (before any marker: rows already in silver are a killed first run's)
+    first_killed = state.bronze_version is None and bool(
+        view.steps.frame.height + view.facts.frame.height
+    )
+    leftovers = first_killed or not all(
         pins[t] == state.versions.get(t) or lake.only_maintenance(t, state.versions.get(t), pins[t])
         for t in (SILVER_STEPS, SILVER_FEEDBACK)
     )

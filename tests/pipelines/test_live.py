@@ -295,6 +295,7 @@ def test_the_live_materializer_survives_sigkill_and_lands_each_group_once(tmp_pa
     live = LiveMaterializer(lake)
     while live.step().changed:
         pass
+    assert not live.failing, live.failing
     keys = lake.read(gold_dataset_table("live"))["step_key"]
     assert keys.n_unique() == keys.len() == landed * 2
     full = fresh_copy(lake, tmp_path / "full")
@@ -374,3 +375,33 @@ def test_a_failing_dataset_stops_alone_and_is_tried_again_with_backoff(tmp_path,
         time.sleep(0.05)
     assert Dataset(lake, "orphan").steps()["prompt_uid"].n_unique() == 3
     assert "orphan" not in json.loads(lake.read_text(HEARTBEAT))["failing"]
+
+
+def test_a_first_silver_run_killed_after_its_appends_is_derived_whole_by_the_next(
+    tmp_path, monkeypatch
+):
+    """No run marker yet, steps already appended (the first run died before its derived
+    rows): the next run derives them too, so gold keeps those groups."""
+    lake = Lake(str(tmp_path / "lake"))
+    save_spec(lake, LIVE)
+    land(lake, group_of("first", [1, 5], [1.0, 0.0]))
+    real_append = Lake.append
+
+    def append_then_die(self, table, rows, **kwargs):
+        version = real_append(self, table, rows, **kwargs)
+        if (table if isinstance(table, str) else table.name) == "silver/steps":
+            raise Killed
+        return version
+
+    monkeypatch.setattr(Lake, "append", append_then_die)
+    with pytest.raises(Killed):
+        build_silver(lake)
+    monkeypatch.setattr(Lake, "append", real_append)
+    land(lake, group_of("second", [2, 5], [1.0, 0.0]))
+    again = Lake(lake.uri)
+    build_silver(again)
+    trajectories = again.read("silver/trajectories")["trajectory_uid"].to_list()
+    assert sorted(trajectories) == ["first-r0", "first-r1", "second-r0", "second-r1"]
+    update_dataset(again, LIVE)
+    groups = again.read(gold_dataset_table("live"))["prompt_uid"].unique().sort().to_list()
+    assert groups == ["first", "second"]
