@@ -10,7 +10,15 @@ import dagster as dg
 
 from claw_pipelines.defs.gold import DATASETS, POLICY_VERSIONS, all_partition_keys
 from claw_pipelines.defs.resources import ClawLake
+from claw_pipelines.defs.runs import failure_line
 
-__all__ = ["DATASETS", "POLICY_VERSIONS", "ClawLake", "all_partition_keys", "defs"]
+__all__ = [
+    "DATASETS",
+    "POLICY_VERSIONS",
+    "ClawLake",
+    "all_partition_keys",
+    "defs",
+    "failure_line",
+]
 
 defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent)

@@ -109,7 +109,13 @@ class Failing:
 
     def to_json(self) -> dict[str, object]:
         """As the heartbeat shows it."""
-        return {"error": self.error, "attempts": self.attempts, "since": self.since}
+        next_try = datetime.now(UTC) + timedelta(seconds=max(0.0, self.retry_at - time.monotonic()))
+        return {
+            "error": self.error,
+            "attempts": self.attempts,
+            "since": self.since,
+            "next_try": next_try.isoformat(timespec="seconds"),
+        }
 
 
 @dataclass
@@ -159,6 +165,8 @@ class LiveMaterializer:
             self._remember(done.silver)
         self._collect_aside(done)
         specs, done.spec_errors = self._current_specs()
+        for gone in set(self.failing) - set(specs):  # its spec was removed or broke
+            del self.failing[gone]
         published = self.lake.version(GOLD_POLICY_VERSIONS)
         aside: dict[str, tuple] = {}  # datasets for the worker: no trainer waits on them
         for name, spec in specs.items():

@@ -116,6 +116,18 @@ class ClawSettings(BaseSettings):
     dagster_url: str | None = Field(
         None, description="Dagster webserver the dashboard asks for runs (GraphQL)"
     )
+    run_retries: int = Field(
+        4,
+        ge=0,
+        description="a failed Dagster sensor run is asked for again this many times "
+        "for the same inputs, then reported as failing until they change",
+    )
+    run_retry_first_s: float = Field(
+        30.0,
+        gt=0,
+        description="the wait before a failed sensor run's first retry (doubling "
+        "with each failure in a row, up to 10 minutes)",
+    )
     retention_hours: int = Field(
         168, ge=168, description="maintenance keeps files of versions younger than this"
     )

@@ -11,6 +11,7 @@ import httpx
 import polars as pl
 import streamlit as st
 
+from claw_pipelines import failing
 from claw_pipelines.consume import Batch, Dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
@@ -29,6 +30,7 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.decoding import resolver
 from claw_pipelines.delivery import UNIT_COLUMNS, consumer_positions, unit_keys
+from claw_pipelines.failing import FailingBuild
 from claw_pipelines.gold import classified, source_versions
 from claw_pipelines.lake import Lake
 from claw_pipelines.ledger import LEDGER_SCHEMA, gold_datasets, waste_ledger
@@ -714,6 +716,11 @@ def consumers(at: Where, name: str, version: int) -> pl.DataFrame:
         )
         .sort("consumer", "rank")
     )
+
+
+def failing_builds(at: Where) -> list[FailingBuild]:
+    """The builds that keep failing, as the live materializer and the Dagster sensors say."""
+    return failing.failing_builds(at.lake())
 
 
 def materializer_status(at: Where) -> bool:

@@ -58,7 +58,8 @@ class MaterializeReport:
                 from claw_pipelines.spec_store import spec_path
 
                 path = spec_path(partition.split("|", 1)[0])
-                line = line if line.startswith(path) else f"{path} ({partition}): {line}"
+                said = line.removeprefix(f"{path}: ")  # the build may have named it
+                line = f"{path} ({partition}): {said}"
             self.fail(line)
 
     def fail(self, error: str) -> None:
@@ -69,16 +70,10 @@ class MaterializeReport:
 
 
 def _failure_line(result) -> str:
-    """A failed run's error as one line: a `dg.Failure`'s description, else the message's
-    first line."""
-    failures = [e.step_failure_data for e in result.all_events if e.is_step_failure]
-    if not failures:
-        return "the run failed"
-    described = failures[0].user_failure_data
-    if described is not None and described.description:
-        return described.description.strip().splitlines()[0]
-    error = failures[0].error
-    return error.message.strip().splitlines()[0] if error else "the run failed"
+    """A failed run's error as one line (see `defs.runs.failure_line`)."""
+    from claw_pipelines.definitions import failure_line
+
+    return failure_line(result.all_events)
 
 
 def _selection(select: Sequence[str] | None):

@@ -19,7 +19,19 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.defs.checks import check_result, check_spec
 from claw_pipelines.defs.keys import STEP_REWARDS, STEPS, TRAJECTORIES, table_key
 from claw_pipelines.defs.resources import ClawLake
-from claw_pipelines.defs.runs import PRIORITY_TAG, partitions_in_flight
+from claw_pipelines.defs.runs import (
+    INPUTS_TAG,
+    OP_RETRY_POLICY,
+    PARTITION_TAG,
+    PRIORITY_TAG,
+    SINCE_TAG,
+    Retries,
+    failed_runs,
+    partitions_in_flight,
+    plan_retries,
+    spec_failure,
+)
+from claw_pipelines.failing import report_sensor_failures
 from claw_pipelines.gold import (
     build_partition,
     partition_findings,
@@ -29,7 +41,10 @@ from claw_pipelines.gold import (
 from claw_pipelines.lake import Lake
 from claw_pipelines.live import materializer_running
 from claw_pipelines.silver import silver_state
-from claw_pipelines.spec_store import SpecError, load_spec, load_specs, read_specs
+from claw_pipelines.spec_store import SpecError, load_spec, load_specs, read_specs, spec_path
+
+# the sensor's name: its failing builds are reported under it (`failing.SENSORS`)
+SENSOR = "gold_partitions_sensor"
 
 DATASETS = dg.DynamicPartitionsDefinition(name="gold_datasets")
 POLICY_VERSIONS = dg.DynamicPartitionsDefinition(name="policy_versions")
@@ -126,7 +141,9 @@ def gold(context: dg.AssetExecutionContext, claw: ClawLake):
         spec = load_spec(lake, keys["dataset"])
         part = build_partition(lake, spec, int(keys["policy_version"]))
     except SpecError as exc:  # this dataset only: one line naming the file and the field
-        raise dg.Failure(description=str(exc), allow_retries=False) from None
+        path = spec_path(keys["dataset"])
+        line = str(exc) if str(exc).startswith(path) else f"{path}: {exc}"
+        raise spec_failure(line) from None
     summary = {
         "dataset": spec.name,
         "spec_hash": spec.spec_hash,
@@ -201,6 +218,7 @@ gold_job = dg.define_asset_job(
     "gold_job",
     selection=dg.AssetSelection.assets(*(s.key for s in GOLD_SPECS)),
     description="Build gold partitions (one run per dataset and policy version).",
+    op_retry_policy=OP_RETRY_POLICY,
 )
 
 
@@ -210,6 +228,7 @@ def _build_order(key: dg.MultiPartitionKey, seen: dict[str, str]) -> tuple[bool,
 
 
 @dg.sensor(
+    name=SENSOR,
     job=gold_job,
     default_status=dg.DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=15,  # a new spec is built within a minute
@@ -217,12 +236,13 @@ def _build_order(key: dg.MultiPartitionKey, seen: dict[str, str]) -> tuple[bool,
     "partition for each version in silver, and requests a gold run for every partition "
     "whose inputs (spec, steps, rewards, trajectory states) changed, unless a run of that "
     "partition is already queued or running (at most 6 gold runs in flight; new specs "
-    "first). An invalid spec file stops only its own dataset. Idle while a live materializer "
-    "(claw materialize --follow) keeps gold up to date.",
+    "first). An invalid spec file stops only its own dataset. A failed run is asked for "
+    "again with backoff (tag claw/retry), then reported as failing until its inputs change. "
+    "Idle while a live materializer (claw materialize --follow) keeps gold up to date.",
 )
 def gold_partitions_sensor(context: dg.SensorEvaluationContext, claw: ClawLake):
     """Keep the gold partitions in step with the specs and silver, one run per partition."""
-    lake = claw.lake()
+    lake, retries = claw.lake(), Retries.from_settings(claw.settings())
     if materializer_running(lake):
         return dg.SkipReason("the live materializer (claw materialize --follow) keeps gold up")
     shelf = read_specs(lake)
@@ -235,20 +255,40 @@ def gold_partitions_sensor(context: dg.SensorEvaluationContext, claw: ClawLake):
     known_datasets = set(context.instance.get_dynamic_partitions(DATASETS.name))
     known_versions = set(context.instance.get_dynamic_partitions(POLICY_VERSIONS.name))
     busy = partitions_in_flight(context.instance)
+    inputs = {str(key): fingerprint for key, fingerprint in fingerprints.items()}
+    failed = failed_runs(context.instance, gold_job.name, lambda run: run.tags.get(PARTITION_TAG))
+    plan = plan_retries(failed, inputs, retries, SENSOR)
+    report_sensor_failures(lake, SENSOR, plan.failing)
+    for build in plan.failing:
+        context.log.warning(f"failing: {build.line()}")
     changed = [
         key
         for key, fingerprint in fingerprints.items()
         if seen.get(str(key)) != fingerprint and str(key) not in busy
     ]
     chosen = sorted(changed, key=lambda k: _build_order(k, seen))
-    chosen = chosen[: max(0, MAX_GOLD_RUNS_IN_FLIGHT - len(busy))]
+    room = max(0, MAX_GOLD_RUNS_IN_FLIGHT - len(busy))
+    retried = [run for run in plan.due if run.key not in busy][:room]
+    chosen = chosen[: room - len(retried)]
     requests = [
         dg.RunRequest(
             run_key=f"{key}|{fingerprints[key]}",
             partition_key=key,
-            tags={PRIORITY_TAG: "1"} if str(key) not in seen else {},
+            tags={INPUTS_TAG: fingerprints[key]}
+            | ({PRIORITY_TAG: "1"} if str(key) not in seen else {})
+            | ({SINCE_TAG: str(failed[str(key)].since)} if str(key) in failed else {}),
         )
         for key in chosen
+    ]
+    requests += [
+        dg.RunRequest(
+            run_key=f"{run.key}|{run.inputs}|retry{run.tries}",
+            partition_key=dg.MultiPartitionKey(
+                dict(zip(("dataset", "policy_version"), run.key.split("|"), strict=True))
+            ),
+            tags=run.retry_tags(),
+        )
+        for run in retried
     ]
     # a partition left for later keeps its old fingerprint, so a later tick asks again
     context.update_cursor(json.dumps(seen | {str(k): fingerprints[k] for k in chosen}))

@@ -31,6 +31,8 @@ shelf = read_specs(lake)
 existing = BUILTIN_SPECS | shelf.specs
 for error in shelf.errors.values():  # one bad file stops only its own dataset
     st.warning(f"not built until fixed: {error}")
+for build in data.failing_builds(at):  # the others keep building
+    st.error(f"failing: {build.line()}")
 start_from = st.selectbox("start from", sorted(existing))
 base = existing[start_from]
 with st.form("spec"):

@@ -10,12 +10,14 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from claw_pipelines.consume import open_dataset
-from claw_pipelines.contracts.specs import DEFAULT_SPEC
+from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec, Readmission
+from claw_pipelines.failing import FailingBuild, report_sensor_failures
 from claw_pipelines.gold import build_partition
 from claw_pipelines.lake import Lake
+from claw_pipelines.live import LiveMaterializer
 from claw_pipelines.rescore import load_judge, rescore
 from claw_pipelines.silver import build_silver
-from claw_pipelines.spec_store import load_specs
+from claw_pipelines.spec_store import load_specs, save_spec
 from tests.lakes import feedback, group_of, land
 from tests.pipelines.test_rescore import arithmetic_steps
 from tests.servers import REPO
@@ -99,6 +101,33 @@ def test_curation_names_a_bad_spec_file_in_one_line_and_keeps_the_others(filled,
     )
     assert "\n" not in warning
     assert "default" in next(s for s in app.selectbox if s.label == "start from").options
+
+
+def test_curation_lists_failing_builds_one_line_each_naming_the_spec(tmp_path, monkeypatch):
+    """What the live materializer and the Dagster sensors report failing is on the page."""
+    lake = Lake(str(tmp_path / "lake"))
+    land(lake, group_of("g0", [5, 1, 6], [1.0, 0.0], turns=2))
+    save_spec(lake, CurationSpec(name="orphan", readmit=Readmission(dataset="nowhere")))
+    live = LiveMaterializer(lake)
+    assert "orphan" in live.step().failed
+    given_up = FailingBuild(
+        "other|3",
+        "specs/other.yaml: readmit: a -> b -> a is a cycle",
+        5,
+        "2026-12-05T10:00:00",
+        "gold_partitions_sensor",
+        retrying=False,
+    )
+    report_sensor_failures(lake, "gold_partitions_sensor", [given_up])
+    app = page("curation", lake.uri, monkeypatch)
+    assert not app.exception, app.exception
+    shown = [e.value for e in app.error]
+    assert len(shown) == 2 and all("\n" not in line for line in shown)
+    (orphan,) = [line for line in shown if line.startswith("failing: orphan: ")]
+    assert "specs/orphan.yaml: SpecError: readmit:" in orphan and "live materializer" in orphan
+    assert "next try" in orphan
+    (other,) = [line for line in shown if line.startswith("failing: other|3: ")]
+    assert "given up until its inputs change" in other
 
 
 def test_collection_shows_the_live_lag_and_consumption_the_consumers(filled, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import dagster as dg
 import numpy as np
@@ -24,6 +25,8 @@ from claw_pipelines.defs.gold import (
     gold_partitions_sensor,
 )
 from claw_pipelines.defs.resources import ClawLake
+from claw_pipelines.defs.runs import RETRY_TAG
+from claw_pipelines.failing import SENSORS, FailingBuild, failing_builds
 from claw_pipelines.gold import build_partition, partition_findings, source_versions
 from claw_pipelines.lake import Lake
 from claw_pipelines.quality import trees_are_minimal
@@ -364,3 +367,55 @@ def test_sensor_asks_nothing_for_partitions_in_flight_and_new_specs_go_first(lak
         again = [str(r.partition_key) for r in gold_partitions_sensor(context).run_requests]
     assert len(again) == MAX_GOLD_RUNS_IN_FLIGHT
     assert again == [f"fresh|{11 - i}" for i in range(MAX_GOLD_RUNS_IN_FLIGHT)]  # new first
+
+
+def test_a_failed_partition_run_is_asked_for_again_with_backoff_then_given_up(lake, monkeypatch):
+    """A run key starts one run ever: the sensor retries a failed partition under a new key
+    after its backoff, CLAW_RUN_RETRIES times for the same inputs, reporting it failing
+    meanwhile; then gives up until the inputs change (a first try again)."""
+    monkeypatch.setenv("CLAW_RUN_RETRY_FIRST_S", "0.3")
+    monkeypatch.setenv("CLAW_RUN_RETRIES", "2")
+    land(lake, group_of("g", [1, 2], [1.0, 0.0]))
+    build_silver(lake)
+    instance = dg.DagsterInstance.ephemeral()
+    resources = {"claw": ClawLake(lake_uri=lake.uri)}
+    gold_job = defs.resolve_job_def("gold_job")
+
+    def launched_and_failed(request: dg.RunRequest) -> None:
+        tags = {**request.tags, "dagster/partition": str(request.partition_key)}
+        run = instance.create_run_for_job(gold_job, status=dg.DagsterRunStatus.STARTED, tags=tags)
+        instance.report_run_failed(run)
+
+    def reported() -> dict[str, FailingBuild]:
+        return {build.what: build for build in failing_builds(lake)}
+
+    assert gold_partitions_sensor.name in SENSORS  # where the dashboard looks
+    with dg.build_sensor_context(instance=instance, resources=resources) as context:
+        (first,) = gold_partitions_sensor(context).run_requests
+        assert str(first.partition_key) == "default|1" and RETRY_TAG not in first.tags
+        launched_and_failed(first)
+        assert not gold_partitions_sensor(context).run_requests  # within its backoff
+        assert reported()["default|1"].retrying and reported()["default|1"].attempts == 1
+        for attempt in (1, 2):
+            time.sleep(0.3 * 2 ** (attempt - 1) + 0.05)
+            (retry,) = gold_partitions_sensor(context).run_requests
+            assert retry.tags[RETRY_TAG] == str(attempt)
+            assert retry.run_key.endswith(f"|retry{attempt}")
+            assert retry.tags["claw/inputs"] == first.tags["claw/inputs"]
+            launched_and_failed(retry)
+        time.sleep(1.3)
+        assert not gold_partitions_sensor(context).run_requests  # given up
+        given_up = reported()["default|1"]
+        assert not given_up.retrying and given_up.attempts == 3
+        assert "given up until its inputs change" in given_up.line()
+
+        land(lake, [feedback({"trajectory_uid": "g-r0"}, "reward", 0.5)])  # new inputs
+        build_silver(lake)
+        (fresh,) = gold_partitions_sensor(context).run_requests
+        assert (
+            RETRY_TAG not in fresh.tags and fresh.tags["claw/inputs"] != first.tags["claw/inputs"]
+        )
+        tags = {**fresh.tags, "dagster/partition": "default|1"}
+        instance.create_run_for_job(gold_job, status=dg.DagsterRunStatus.SUCCESS, tags=tags)
+        assert not gold_partitions_sensor(context).run_requests
+        assert "default|1" not in reported()  # no longer failing
