@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 
 from claw_pipelines.consume import open_dataset, subtree_ends
 from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.contracts.tables import GOLD_CONSUMPTION
+from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, gold_tree_table
 from claw_pipelines.gold import build_partition
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import build_silver
@@ -353,3 +354,25 @@ def test_a_batch_plan_packs_only_the_batches_asked_for_as_batches_gives_them(lak
         same_batch(batch, everything[index])
     with pytest.raises(IndexError, match="out of range"):
         plan.batches([len(plan)])
+
+
+def test_without_stored_trees_a_token_budget_plan_packs_the_partition_and_agrees(lake, tmp_path):
+    """Tree sizes for a token budget come from the stored trees; a lake without them (here:
+    a copy with gold/trees removed) makes the plan pack the whole partition to count them,
+    and its batches are still those of the lake with stored trees."""
+    copy = tmp_path / "lake"
+    shutil.copytree(lake.uri, copy)
+    shutil.rmtree(copy / gold_tree_table("train"))
+    with_trees, without = open_dataset("train", lake.uri), open_dataset("train", str(copy))
+    assert without.stored_trees(1, without.steps(1)) is None
+    budget = max(b.num_tokens for b in with_trees.batches(1, max_tokens=1)) + 1
+    plan = without.batch_plan(1, max_tokens=budget)
+    assert plan.packed_steps == without.steps(1).height  # packed once, to size the trees
+    want = list(with_trees.batches(1, max_tokens=budget))
+    assert len(plan) == len(want) >= 2
+    got = list(plan.batches([1, 0]))
+    assert plan.packed_steps == without.steps(1).height  # and not again
+    for batch, index in zip(got, [1, 0], strict=True):
+        for name in ("input_ids", "parent", "position_ids", "loss_mask", "subtree_end"):
+            assert np.array_equal(getattr(batch, name), getattr(want[index], name)), name
+        assert batch.step_keys == want[index].step_keys
