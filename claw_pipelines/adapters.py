@@ -31,7 +31,7 @@ from typing import Any, Literal
 import numpy as np
 import polars as pl
 
-from claw_pipelines.consume import Dataset, Layout
+from claw_pipelines.consume import BatchPlan, Dataset, Layout
 from claw_pipelines.export import verl_frame
 
 try:
@@ -126,8 +126,10 @@ class BatchDataset(_IterableDataset):
     (the default, as torch's DistributedSampler pads) ceil(n / w), the last ranks' extra
     batches being the partition's first ones again (`repeated` true: every batch once, a few
     twice); with `uneven="drop"` floor(n / w), the last n mod w batches left out (every batch
-    at most once). Use `DataLoader(ds, batch_size=None)`, and with workers
-    `multiprocessing_context="spawn"`: polars is not fork-safe."""
+    at most once). Every rank and worker plans the same batches (`Dataset.batch_plan`: no
+    tokens read) and packs only those it yields (`plan.packed_steps` counts them). Use
+    `DataLoader(ds, batch_size=None)`, and with workers `multiprocessing_context="spawn"`:
+    polars is not fork-safe."""
 
     def __init__(
         self,
@@ -153,6 +155,29 @@ class BatchDataset(_IterableDataset):
         )
         self.batch_size, self.max_tokens = batch_size, max_tokens
         self.rank, self.world_size, self.uneven = rank, world_size, uneven
+        self._plan: BatchPlan | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (into a spawned worker) without its plan: the worker plans again, alike."""
+        return {**self.__dict__, "_plan": None}
+
+    @property
+    def plan(self) -> BatchPlan:
+        """The partition's batch plan (the same on every rank and worker): the one the last
+        iteration packed from, else a new one. Each iteration (epoch) plans again, so the
+        contract's staleness floor is that of now."""
+        if self._plan is None:
+            self._plan = self._new_plan()
+        return self._plan
+
+    def _new_plan(self) -> BatchPlan:
+        return self.dataset.batch_plan(
+            self.policy_version,
+            self.batch_size,
+            layout=self.layout,
+            seed=self.seed,
+            max_tokens=self.max_tokens,
+        )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         from torch.utils.data import get_worker_info
@@ -163,19 +188,12 @@ class BatchDataset(_IterableDataset):
             rank, world = self.rank, self.world_size or 1
         worker = get_worker_info()
         workers, me = (1, 0) if worker is None else (worker.num_workers, worker.id)
-        batches = list(
-            self.dataset.batches(
-                self.policy_version,
-                self.batch_size,
-                layout=self.layout,
-                seed=self.seed,
-                max_tokens=self.max_tokens,
-            )
-        )
-        total = len(batches)
+        self._plan = plan = self._new_plan()
+        total = len(plan)
         per_rank = -(-total // world) if self.uneven == "repeat" else total // world
-        for turn in range(me, per_rank, workers):
-            index = rank + turn * world
-            tensors = batches[index % total].to_torch()
+        mine = [rank + turn * world for turn in range(me, per_rank, workers)]
+        batches = plan.batches(index % total for index in mine)
+        for index, batch in zip(mine, batches, strict=True):
+            tensors = batch.to_torch()
             tensors["batch_index"], tensors["repeated"] = index % total, index >= total
             yield tensors

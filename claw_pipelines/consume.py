@@ -6,6 +6,10 @@ ds = open_dataset("default", lake_uri="./lake")          # version=N: time trave
 for batch in ds.batches(policy_version=3, batch_size=64, layout="tree", consumer="run-7"):
     tensors = batch.to_torch()                            # torch: `pip install .[train]`
 
+# the same batches planned (no token read), the same on every rank; a rank packs its own
+plan = ds.batch_plan(policy_version=3, batch_size=64, seed=0)
+for batch in plan.batches(range(rank, len(plan), world_size)): ...
+
 # asynchronous RL: block for fresh whole groups, each delivered once per consumer rank
 batch = ds.next_batch(groups=16, consumer="run-7", min_policy_version=4, timeout=60)
 publish_policy_version(5, lake_uri="./lake")             # agents move on to policy 5
@@ -29,7 +33,7 @@ built only when asked (`attention_mask()`, `block_attention_mask(b)`, `to_torch(
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cache
@@ -142,7 +146,7 @@ class Batch:
     step_starts: np.ndarray  # per step: the depth where its own tokens start (0 when flat)
     step_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     groups: list[str] = field(default_factory=list)  # next_batch: the units it delivers
-    batch_index: int | None = None  # next_batch: its index in the consumer rank's record
+    batch_index: int | None = None  # batches: its index in the plan; next_batch: in the record
     max_tokens: int | None = None  # the token budget it was packed to, if any
     # its contract report, or what makes it on first use (see `contract`)
     _contract: ContractReport | Callable[[], ContractReport] | None = field(
@@ -292,6 +296,115 @@ def _batch(packed: Packed, first: int, stop: int, policy_version: int) -> Batch:
     )
 
 
+class BatchPlan:
+    """Which trees (so which steps) make each batch of one partition, decided from the steps'
+    light columns (`Dataset.batch_plan`): no token is read and no tree is built until batches
+    are asked for, and then only those batches' trees are packed. The same arguments give the
+    same plan on every rank; `batches(indexes)` gives exactly the batches `Dataset.batches`
+    yields at those indexes (the same token ids, trees and contract)."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        policy_version: int,
+        frame: pl.DataFrame,
+        trees: pl.DataFrame,
+        cuts: list[tuple[int, int]],
+        layout: Layout,
+        max_tokens: int | None,
+        whole: tuple[Packed, pl.DataFrame] | None = None,
+    ) -> None:
+        self.dataset, self.policy_version = dataset, policy_version
+        self.layout, self.max_tokens = layout, max_tokens
+        self._frame, self._trees, self._cuts, self._whole = frame, trees, cuts, whole
+        self._bounds = np.r_[0, np.cumsum(trees["n"].to_numpy())].astype(np.int64)
+        ranked = trees.select("tree_id").with_row_index("rank")
+        self._keys = (  # every step in the order batches lay them out: tree rank, step key
+            frame.select("step_key", "tree_id")
+            .join(ranked, on="tree_id", how="left")
+            .sort("rank", "step_key")["step_key"]
+            .to_list()
+        )
+        # steps laid out for training so far (tree-built or gathered): a whole partition
+        # when sizing its trees by tokens needed them packed (see `Dataset.batch_plan`)
+        self.packed_steps = 0 if whole is None else frame.height
+        # what the contract is judged against is read now; the judging is done once per
+        # packing, when a blocking spec or the first look at a batch's contract needs it
+        spec, hashes = dataset._lineage_specs(dataset.version)
+        self._spec, self._hashes = spec, {v: h for v, h in hashes.items() if v == policy_version}
+        self._floor = dataset.staleness_floor()
+        self._left_out = dataset._left_out((policy_version,))
+
+    def __len__(self) -> int:
+        return len(self._cuts)
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchPlan({self.dataset.name!r}, version={self.dataset.version}, "
+            f"policy_version={self.policy_version}, batches={len(self)}, layout={self.layout!r})"
+        )
+
+    def step_keys(self, index: int) -> list[str]:
+        """The step keys of batch `index`, in the order the batch holds them (no packing)."""
+        first, stop = self._cuts[self._index(index)]
+        return self._keys[self._bounds[first] : self._bounds[stop]]
+
+    def tree_ids(self, index: int) -> list[str]:
+        """The trees (trajectories or prompt groups) of batch `index`, in batch order."""
+        first, stop = self._cuts[self._index(index)]
+        return self._trees["tree_id"][first:stop].to_list()
+
+    def batches(self, indexes: Iterable[int] | None = None) -> Iterator[Batch]:
+        """Batches `indexes` (default: all, in order), in the order given (an index may come
+        again: the same batch). Packing waits for the first one; then the trees of every
+        distinct batch asked for are packed together, once, and nothing else."""
+        wanted = list(range(len(self))) if indexes is None else [self._index(i) for i in indexes]
+        return self._packed(wanted)
+
+    def _index(self, index: int) -> int:
+        if not 0 <= index < len(self):
+            raise IndexError(f"batch index {index} out of range: the plan has {len(self)} batches")
+        return int(index)
+
+    def _packed(self, wanted: list[int]) -> Iterator[Batch]:
+        if not wanted:
+            return
+        distinct = sorted(set(wanted))
+        if self._whole is not None:
+            (packed, frame), steps_before = self._whole, self._bounds
+            tree_at = {i: self._cuts[i][0] for i in distinct}
+        else:
+            positions = np.concatenate([np.arange(*self._cuts[i]) for i in distinct])
+            share = self._trees[positions]
+            everything = len(positions) == self._trees.height
+            frame = self._frame
+            if not everything:
+                frame = frame.filter(pl.col("tree_id").is_in(share["tree_id"].implode()))
+            packed, frame = self.dataset._pack_trees(
+                self.policy_version, frame, share, self.layout, everything
+            )
+            self.packed_steps += frame.height
+            steps_before = np.r_[0, np.cumsum(share["n"].to_numpy())].astype(np.int64)
+            runs = np.cumsum([0] + [self._cuts[i][1] - self._cuts[i][0] for i in distinct])
+            tree_at = dict(zip(distinct, runs[:-1].tolist(), strict=True))
+        judged = cache(
+            lambda: verdicts(self._spec, self._hashes, frame, packed, self._floor, self._left_out)
+        )
+        blocks = self._spec is not None and bool(self._spec.blocking)
+        name, version = self.dataset.name, self.dataset.version
+        for index in wanted:
+            first_tree = tree_at[index]
+            stop_tree = first_tree + self._cuts[index][1] - self._cuts[index][0]
+            first, stop = int(steps_before[first_tree]), int(steps_before[stop_tree])
+            batch = _batch(packed, first, stop, self.policy_version)
+            batch.max_tokens, batch.batch_index = self.max_tokens, index
+            keys = batch.step_keys
+            batch.contract = lambda keys=keys: judged().report(name, version, keys)
+            if blocks:
+                _refuse_if_blocked(batch.contract)
+            yield batch
+
+
 class Dataset:
     """A gold dataset at one Delta version (the newest unless pinned)."""
 
@@ -396,7 +509,31 @@ class Dataset:
         is a batch of its own (`token_report()` says so). Tree order: by tree id, or shuffled
         by `seed` (same seed, same order). With `consumer`, each batch pulled is logged in
         `gold/consumption`; with `skip_consumed_by`, steps that consumer already took are
-        left out."""
+        left out. The whole partition is packed at the first batch; `batch_plan` packs only
+        the batches asked for."""
+        plan = self.batch_plan(
+            policy_version, batch_size, layout, seed, max_tokens, skip_consumed_by
+        )
+        for index, batch in enumerate(plan.batches()):
+            if consumer is not None:
+                self._log(consumer, policy_version, index, batch.step_keys)
+            yield batch
+
+    def batch_plan(
+        self,
+        policy_version: int,
+        batch_size: int | None = None,
+        layout: Layout = "tree",
+        seed: int | None = None,
+        max_tokens: int | None = None,
+        skip_consumed_by: str | None = None,
+    ) -> BatchPlan:
+        """The batches `batches` would yield with these arguments, planned but not packed:
+        `len(plan)`, `plan.step_keys(i)`, and `plan.batches(indexes)` packs only the trees of
+        those batches (a rank, or a DataLoader worker, packs only its share). Reads the
+        partition's step columns without their tokens; with `max_tokens` in the tree layout,
+        tree sizes come from the stored trees, or, when those do not stand for the steps (a
+        partly consumed partition), from packing the whole partition now."""
         if batch_size is None and max_tokens is None:
             raise ValueError("give batch_size (steps), max_tokens, or both")
         if batch_size is not None and batch_size < 1:
@@ -414,38 +551,61 @@ class Dataset:
             if taken.height:
                 keys = taken["step_keys"].explode().unique().implode()
                 frame = frame.filter(~pl.col("step_key").is_in(keys))
-        segments = self.stored_trees(policy_version, frame) if layout == "tree" else None
-        if segments is None:  # flat, a partly consumed partition, or no usable stored trees
-            tokens = in_partition.select("step_key", "prompt_ids", "response_ids").collect()
-            frame = frame.join(tokens, on="step_key", how="left", maintain_order="left")
         trees = frame.group_by("tree_id").agg(pl.len().alias("n")).sort("tree_id")
         if seed is not None:
             trees = trees[np.random.default_rng(seed).permutation(trees.height)]
-        trees = trees.with_row_index("rank")
-        rank = frame.select("tree_id").join(trees, on="tree_id", how="left", maintain_order="left")
-        packed = pack(frame, rank["rank"].to_numpy().astype(np.int64), layout, segments)
-        bounds = np.r_[0, np.cumsum(trees["n"].to_numpy())]
-        ends = bounds[1:] - 1  # each tree's last step
-        tree_tokens = packed.block_hi[ends] - packed.block_lo[bounds[:-1]] if len(ends) else ends
-        cuts = _groups(trees["n"].to_numpy(), tree_tokens, batch_size, max_tokens)
-        # what the contract is judged against is read now; the judging is done once, when a
-        # blocking spec or the first look at a batch's contract needs it
-        spec, hashes = self._lineage_specs(self.version)
-        floor, left_out = self.staleness_floor(), self._left_out((policy_version,))
-        mine = {v: h for v, h in hashes.items() if v == policy_version}
-        judged = cache(lambda: verdicts(spec, mine, frame, packed, floor, left_out))
-        blocks = spec is not None and bool(spec.blocking)
-        for index, (first_tree, stop_tree) in enumerate(cuts):
-            first, stop = int(bounds[first_tree]), int(bounds[stop_tree])
-            batch = _batch(packed, first, stop, policy_version)
-            batch.max_tokens = max_tokens
-            keys = batch.step_keys
-            batch.contract = lambda keys=keys: judged().report(self.name, self.version, keys)
-            if blocks:
-                _refuse_if_blocked(batch.contract)
-            if consumer is not None:
-                self._log(consumer, policy_version, index, batch.step_keys)
-            yield batch
+        whole = None
+        sizes = np.zeros(trees.height, dtype=np.int64)  # tokens per tree: only a budget needs them
+        if max_tokens is not None:
+            found = self._tree_tokens(policy_version, frame, layout)
+            if found is None:  # no stored trees stand for these steps: build them to count
+                whole = self._pack_trees(policy_version, frame, trees, layout, everything=True)
+                packed, bounds = whole[0], np.r_[0, np.cumsum(trees["n"].to_numpy())]
+                ends = bounds[1:] - 1  # each tree's last step
+                sizes = packed.block_hi[ends] - packed.block_lo[bounds[:-1]] if len(ends) else ends
+            else:
+                tokens = trees.join(found, on="tree_id", how="left", maintain_order="left")
+                sizes = tokens["tokens"].to_numpy()
+        cuts = list(_groups(trees["n"].to_numpy(), sizes, batch_size, max_tokens))
+        return BatchPlan(self, policy_version, frame, trees, cuts, layout, max_tokens, whole)
+
+    def _tree_tokens(
+        self, policy_version: int, steps: pl.DataFrame, layout: Layout
+    ) -> pl.DataFrame | None:
+        """Per tree of `steps` (tree_id, tokens): its tokens in `layout`, without reading a
+        token: flat, the steps' lengths; tree, its stored segments' (None when the stored
+        trees do not stand for exactly these steps)."""
+        if layout == "flat":
+            length = pl.col("prompt_len") + pl.col("response_len")
+            return steps.group_by("tree_id").agg(tokens=length.sum().cast(pl.Int64))
+        columns = ["tree_id", "step_key", "start_depth", "end_depth"]
+        segments = self._segments(policy_version, steps, None, columns)
+        if segments is None:
+            return None
+        own = pl.col("end_depth") - pl.col("start_depth")
+        return segments.group_by("tree_id").agg(tokens=own.sum().cast(pl.Int64))
+
+    def _pack_trees(
+        self,
+        policy_version: int,
+        frame: pl.DataFrame,
+        trees: pl.DataFrame,
+        layout: Layout,
+        everything: bool,
+    ) -> tuple[Packed, pl.DataFrame]:
+        """The steps of `frame` (whole trees of one partition, `everything` when all of it)
+        packed with their trees in the order of `trees`, from the stored trees or their
+        tokens; and `frame` as packed (with its tokens when read)."""
+        segments = self.stored_trees(policy_version, frame) if layout == "tree" else None
+        if segments is None:  # flat, a partly consumed partition, or no usable stored trees
+            rows = self._scan().filter(pl.col("policy_version") == policy_version)
+            if not everything:
+                rows = rows.filter(pl.col("step_key").is_in(frame["step_key"].implode()))
+            tokens = rows.select("step_key", "prompt_ids", "response_ids").collect()
+            frame = frame.join(tokens, on="step_key", how="left", maintain_order="left")
+        ranked = trees.select("tree_id").with_row_index("rank")
+        rank = frame.select("tree_id").join(ranked, on="tree_id", how="left", maintain_order="left")
+        return pack(frame, rank["rank"].to_numpy().astype(np.int64), layout, segments), frame
 
     def stored_trees(
         self, policy_version: int, steps: pl.DataFrame, version: int | None = None
@@ -454,6 +614,14 @@ class Dataset:
         tree_id, prompt_len, response_len: a partition, or some of its trees), as written
         with the rows of this dataset version (or `version`), found through lineage; None
         when they cannot stand for exactly those steps."""
+        columns = ["segment", "tree_id", "parent", "start_depth", "end_depth", "tokens", "step_key"]
+        return self._segments(policy_version, steps, version, columns)
+
+    def _segments(
+        self, policy_version: int, steps: pl.DataFrame, version: int | None, columns: list[str]
+    ) -> pl.DataFrame | None:
+        """`stored_trees`, reading only `columns` (which must hold tree_id, step_key and
+        end_depth: the check that the segments stand for exactly `steps` reads them)."""
         if not (self.lake.exists(GOLD_LINEAGE) and self.lake.exists(self.trees_table)):
             return None
         at = self.version if version is None else version
@@ -470,15 +638,7 @@ class Dataset:
         segments = self.lake.read(
             self.trees_table,
             int(written["trees_version"][-1]),
-            columns=[
-                "segment",
-                "tree_id",
-                "parent",
-                "start_depth",
-                "end_depth",
-                "tokens",
-                "step_key",
-            ],
+            columns=columns,
             where=(pl.col("policy_version") == policy_version) & pl.col("tree_id").is_in(trees),
         )
         expected = steps.select(

@@ -119,3 +119,56 @@ def test_every_rank_gets_as_many_batches_and_every_group_goes_once(lake, world, 
     )
     again = [t["batch_index"] for share in got for t in share if t["repeated"]]
     assert again == list(range(expected * world - n)) if uneven == "repeat" else not again
+
+
+def same_tensors(got: dict, want: dict) -> None:
+    """Two `to_torch()` dicts hold the same batch: token ids, tree, weights, step indices."""
+    assert got["step_keys"] == want["step_keys"]
+    for name in ("input_ids", "parent", "position_ids", "loss_mask", "token_rewards"):
+        assert torch.equal(got[name], want[name]), name
+    for name in ("advantages", "subtree_end", "tree_offsets"):
+        assert torch.equal(got[name], want[name]), name
+    assert len(got["step_token_index"]) == len(want["step_token_index"])
+    for a, b in zip(got["step_token_index"], want["step_token_index"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("uneven", ["repeat", "drop"])
+@pytest.mark.parametrize(
+    "sizing",
+    [{"batch_size": 1}, {"max_tokens": 1, "seed": 7}, {"max_tokens": 1, "layout": "flat"}],
+    ids=["steps", "tokens-seeded", "tokens-flat"],
+)
+def test_each_rank_packs_only_its_share_and_its_batches_are_those_batches_gives(
+    lake,  # noqa: F811
+    world,
+    uneven,
+    sizing,
+):
+    """Every rank plans the same batches (no tokens read) and packs only those it yields:
+    the plan's packed-steps count is its share's steps, less than the partition's; each
+    batch equals, tensor for tensor, the one `Dataset.batches` gives at that index; counts
+    per rank are equal and every group is delivered once (drop: at most once)."""
+    ds = open_dataset("train", lake.uri)
+    everything = {i: b.to_torch() for i, b in enumerate(ds.batches(1, **sizing))}
+    n, partition = len(everything), ds.steps(1).height
+    assert n >= 3
+    shares = []
+    for rank in range(world):
+        source = BatchDataset(ds, 1, rank=rank, world_size=world, uneven=uneven, **sizing)
+        share = list(source)
+        shares.append(share)
+        held = {t["batch_index"] for t in share}
+        assert source.plan.packed_steps == sum(len(everything[i]["step_keys"]) for i in held)
+        assert source.plan.packed_steps < partition  # not the whole partition
+        for tensors in share:
+            same_tensors(tensors, everything[tensors["batch_index"]])
+    expected = -(-n // world) if uneven == "repeat" else n // world
+    assert [len(share) for share in shares] == [expected] * world
+    delivered = sorted(t["batch_index"] for share in shares for t in share if not t["repeated"])
+    assert delivered == list(range(n if uneven == "repeat" else n - n % world))
+    groups = [g for share in shares for t in share if not t["repeated"] for g in t["step_keys"]]
+    assert len(groups) == len(set(groups))  # no step twice, unless marked repeated
+    repeats = [t["batch_index"] for share in shares for t in share if t["repeated"]]
+    assert repeats == (list(range(expected * world - n)) if uneven == "repeat" else [])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 
 from claw_pipelines.consume import open_dataset, subtree_ends
 from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.contracts.tables import GOLD_CONSUMPTION
+from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, gold_tree_table
 from claw_pipelines.gold import build_partition
 from claw_pipelines.lake import Lake
 from claw_pipelines.silver import build_silver
@@ -297,3 +298,81 @@ def test_batches_packed_by_tokens_keep_trees_whole_and_report_padding(lake, layo
     assert all(len(b.step_keys) <= 2 or len({tree_of[k] for k in b.step_keys}) == 1 for b in both)
     with pytest.raises(ValueError, match="batch_size"):
         next(ds.batches(1))
+
+
+def same_batch(got, want) -> None:
+    """Two batches are the same: token ids, tree, weights, step indices, contract."""
+    assert got.step_keys == want.step_keys and got.layout == want.layout
+    for name in (
+        "input_ids",
+        "parent",
+        "position_ids",
+        "loss_mask",
+        "token_rewards",
+        "advantages",
+        "tree_offsets",
+        "subtree_end",
+        "step_starts",
+    ):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(got.step_token_index, want.step_token_index, strict=True)
+    )
+    assert (got.batch_index, got.max_tokens) == (want.batch_index, want.max_tokens)
+    assert got.contract.to_dict() == want.contract.to_dict()
+
+
+@pytest.mark.parametrize(
+    "sizing",
+    [
+        {"batch_size": 9},
+        {"batch_size": 9, "layout": "flat", "seed": 4},
+        {"max_tokens": 1},
+        {"max_tokens": 1, "layout": "flat"},
+    ],
+    ids=["steps", "steps-flat-seeded", "tokens", "tokens-flat"],
+)
+def test_a_batch_plan_packs_only_the_batches_asked_for_as_batches_gives_them(lake, sizing):
+    """The plan reads no token; `batches(indexes)` packs the trees of those batches alone
+    (its count of packed steps says so) and they equal `Dataset.batches`'s, in the order
+    asked, a repeated index included."""
+    ds = open_dataset("train", lake.uri)
+    everything = list(ds.batches(1, **sizing))
+    plan = ds.batch_plan(1, **sizing)
+    assert len(plan) == len(everything) >= 3 and plan.packed_steps == 0
+    assert [plan.step_keys(i) for i in range(len(plan))] == [b.step_keys for b in everything]
+    tree_of = dict(zip(ds.steps(1)["step_key"], ds.steps(1)["tree_id"], strict=True))
+    assert plan.tree_ids(0) == list(dict.fromkeys(tree_of[k] for k in everything[0].step_keys))
+    last = len(plan) - 1
+    asked = [last, 0, last]
+    got = list(plan.batches(asked))
+    assert plan.packed_steps == len(plan.step_keys(0)) + len(plan.step_keys(last))
+    assert plan.packed_steps < ds.steps(1).height
+    for index, batch in zip(asked, got, strict=True):
+        same_batch(batch, everything[index])
+    with pytest.raises(IndexError, match="out of range"):
+        plan.batches([len(plan)])
+
+
+def test_without_stored_trees_a_token_budget_plan_packs_the_partition_and_agrees(lake, tmp_path):
+    """Tree sizes for a token budget come from the stored trees; a lake without them (here:
+    a copy with gold/trees removed) makes the plan pack the whole partition to count them,
+    and its batches are still those of the lake with stored trees."""
+    copy = tmp_path / "lake"
+    shutil.copytree(lake.uri, copy)
+    shutil.rmtree(copy / gold_tree_table("train"))
+    with_trees, without = open_dataset("train", lake.uri), open_dataset("train", str(copy))
+    assert without.stored_trees(1, without.steps(1)) is None
+    budget = max(b.num_tokens for b in with_trees.batches(1, max_tokens=1)) + 1
+    plan = without.batch_plan(1, max_tokens=budget)
+    assert plan.packed_steps == without.steps(1).height  # packed once, to size the trees
+    want = list(with_trees.batches(1, max_tokens=budget))
+    assert len(plan) == len(want) >= 2
+    got = list(plan.batches([1, 0]))
+    assert plan.packed_steps == without.steps(1).height  # and not again
+    for batch, index in zip(got, [1, 0], strict=True):
+        for name in ("input_ids", "parent", "position_ids", "loss_mask", "subtree_end"):
+            assert np.array_equal(getattr(batch, name), getattr(want[index], name)), name
+        assert batch.step_keys == want[index].step_keys
