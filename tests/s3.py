@@ -143,18 +143,24 @@ def _free_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
+def seaweed_ports(count: int) -> list[int]:
+    """`count` loopback ports for SeaweedFS's listeners, each p with p + 10000 free (its gRPC
+    port) and no two adjacent or 10000 apart."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = _free_pair()
+        if all(abs(port - p) > 1 and port != p + 10000 and p != port + 10000 for p in ports):
+            ports.append(port)
+    return ports
+
+
 @contextmanager
 def seaweed_server(root: Path, bucket: str = "claw-lake") -> Iterator[str]:
     """SeaweedFS (`weed server -s3`, master, volume and filer in one process) on loopback
     ports, data under `root`, with one bucket; yields its S3 URL. It enforces If-None-Match
     and commits ~4x faster than moto."""
     weed = shutil.which("weed", path=str(Path(sys.executable).parent))
-    ports = []
-    while len(ports) < 4:
-        port = _free_pair()
-        if all(abs(port - p) > 1 and port != p + 10000 and p != port + 10000 for p in ports):
-            ports.append(port)
-    s3, master, volume, filer = ports
+    s3, master, volume, filer = seaweed_ports(4)
     (root / "data").mkdir(parents=True, exist_ok=True)
     log = (root / "weed.log").open("ab")
     proc = subprocess.Popen(
