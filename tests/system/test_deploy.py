@@ -1,13 +1,14 @@
 """The deployment artefacts hold together with the code they deploy: the Dockerfile lints, the
 compose file parses and every command in it is one our CLI (or Dagster's) accepts, with
 settings the gateway takes, and mounts what each service needs; the Helm values use only keys
-of Dagster's chart and name the code location module, which loads; the pool limits are the
-ones `claw up` writes. tests/system/test_compose_local.py (a soak) starts the compose file's
-services for real."""
+of Dagster's chart (checked against the chart's own values schema where it is at hand) and
+name the code location module, which loads; the pool limits are the ones `claw up` writes.
+tests/system/test_compose_local.py (a soak) starts the compose file's services for real."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import shutil
@@ -29,8 +30,14 @@ from tests.compose_local import claw_image, load_compose
 from tests.servers import REPO
 
 DEPLOY = REPO / "deploy"
+# Dagster's Helm chart 1.13 (helm/dagster in dagster-io/dagster at a 1.13.x tag): its
+# values.schema.json and values.yaml (the defaults the chart merges user values over). Not in
+# this repository (third-party files); looked for in the workplace's shared folder beside the
+# checkout, or where CLAW_DAGSTER_CHART points.
+CHART = Path(os.environ.get("CLAW_DAGSTER_CHART") or REPO.parent / "shared" / "dagster-chart-1.13")
 # Key paths of Dagster's Helm chart (1.13) these values may use: its values schema
 # (helm/dagster/schema: UserDeployment, Webserver, Daemon, Concurrency*). "[]" is a list item.
+# Where the chart's schema is at hand, every path here is checked to exist in it.
 CHART_KEYS = {
     "dagster-user-deployments.enabled",
     "dagster-user-deployments.enableSubchart",
@@ -190,6 +197,81 @@ def test_helm_values_use_chart_keys_and_name_a_code_location_that_loads():
     module = importlib.import_module(args[args.index("--module-name") + 1])
     assert isinstance(module.defs, dg.Definitions)
     assert module.defs.resolve_asset_graph().get_all_asset_keys()
+
+
+def helm_merge(defaults, values):
+    """User values over a chart's defaults as Helm merges them: maps key by key, anything
+    else (lists included) replaced."""
+    if isinstance(defaults, dict) and isinstance(values, dict):
+        return {k: helm_merge(defaults.get(k), values[k]) if k in values else defaults[k]
+                for k in {**defaults, **values}}  # fmt: skip
+    return values
+
+
+def offline(schema):
+    """The schema without its references to Kubernetes' own schemas (remote URLs, never
+    fetched here): those parts accept anything their sibling keywords allow."""
+    if isinstance(schema, dict):
+        return {
+            k: offline(v)
+            for k, v in schema.items()
+            if not (k == "$ref" and isinstance(v, str) and not v.startswith("#"))
+        }
+    if isinstance(schema, list):
+        return [offline(v) for v in schema]
+    return schema
+
+
+def chart_validator(schema: dict):
+    """A validator of the chart's schema (draft 7 unless it names another), offline."""
+    from jsonschema.validators import Draft7Validator, validator_for
+
+    return validator_for(schema, default=Draft7Validator)(offline(schema))
+
+
+def schema_has(schema: dict, node: dict, path: list[str]) -> bool:
+    """Whether a dotted key path ("[]" for list items) leads somewhere in the schema."""
+    if "$ref" in node and not node["$ref"].startswith("#/"):
+        return True  # a Kubernetes type (a remote schema): whatever it holds
+    if "$ref" in node:
+        target = schema
+        for part in node["$ref"][2:].split("/"):
+            target = target[part]
+        return schema_has(schema, target, path)
+    if not path:
+        return True
+    for branch in ("anyOf", "oneOf", "allOf"):
+        if any(schema_has(schema, option, path) for option in node.get(branch, ())):
+            return True
+    head, rest = path[0], path[1:]
+    if head.endswith("[]") and head != "[]":
+        return schema_has(schema, node, [head[:-2], "[]", *rest])
+    if head == "[]":
+        items = node.get("items")
+        return isinstance(items, dict) and schema_has(schema, items, rest)
+    properties = node.get("properties") or {}
+    if head in properties:
+        return schema_has(schema, properties[head], rest)
+    extra = node.get("additionalProperties")
+    return isinstance(extra, dict) and schema_has(schema, extra, rest)
+
+
+@pytest.mark.skipif(
+    not (CHART / "values.schema.json").is_file() or not (CHART / "values.yaml").is_file(),
+    reason=f"Dagster's chart 1.13 values.schema.json and values.yaml are not in {CHART} "
+    "(set CLAW_DAGSTER_CHART to the chart's folder)",
+)
+def test_helm_values_over_the_charts_defaults_validate_against_its_values_schema():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    merged = helm_merge(defaults, values)
+    errors = sorted(chart_validator(schema).iter_errors(merged), key=lambda e: list(e.path))
+    shown = [f"{'.'.join(map(str, e.absolute_path)) or '<top>'}: {e.message}" for e in errors]
+    assert not shown, "\n".join(shown[:20])
+    assert chart_validator(schema).is_valid(defaults), "the chart's own defaults validate"
+    unknown = sorted(p for p in CHART_KEYS if not schema_has(schema, schema, p.split(".")))
+    assert not unknown, f"not in the chart's schema: {unknown}"
 
 
 def test_pool_limits_match_what_claw_up_writes():
