@@ -6,8 +6,10 @@ delta-rs 1.x commits a table version as one put of `_delta_log/<version>.json` w
 `If-None-Match: *` (S3, Azure; a generation precondition on GCS): of two writers racing for a
 version, the store must refuse the second. A store (or a proxy in front of it) that ignores
 the condition lets both succeed and one commit is lost without any error, so a writer probes
-the store once per process (a second conditional put of the same key must fail) and refuses
-to write when it does not.
+the store once per process and refuses to write when it fails: a second conditional put of
+the same key must be refused, and of two conditional puts of one fresh key racing each other
+exactly one must succeed (a store may check existence and write in two steps, which only
+concurrent puts catch: seaweedfs#8800).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ _CLIENT_OPTIONS = {
     "user_agent",
 }
 _PREFIXES = ("aws_", "google_", "azure_")
+RACERS = 2  # conditional puts of one key raced against each other by the probe
+_USE_INSTEAD = (
+    "use a store that does: AWS S3, GCS, Azure, MinIO, SeaweedFS after 3.96, moto; not "
+    "through a proxy that drops the header"
+)
 _verified: set[tuple[str, frozenset[tuple[str, str]]]] = set()
 _verified_lock = threading.Lock()
 
@@ -84,10 +91,27 @@ def refuse_unsafe_options(options: Mapping[str, str]) -> None:
 
 
 def check_conditional_put(uri: str, options: Mapping[str, str]) -> None:
-    """Put a probe object twice, both times only-if-absent: the second must be refused
-    (UnsafeStore otherwise, or when the store cannot be written at all)."""
+    """Put a probe object twice, both times only-if-absent: the second must be refused; then
+    race two only-if-absent puts of another fresh key: exactly one may succeed (UnsafeStore
+    otherwise, or when the store cannot be written at all)."""
     store = open_store(uri, options)
-    key = f"{PROBE_PREFIX}-{uuid.uuid4().hex}"
+    _check_sequential_puts(store, uri)
+    _check_racing_puts(store, uri)
+
+
+def _probe_key() -> str:
+    return f"{PROBE_PREFIX}-{uuid.uuid4().hex}"
+
+
+def _delete_probe(store, uri: str, key: str) -> None:
+    try:
+        obstore.delete(store, key)
+    except Exception as exc:  # a leftover probe object is harmless
+        log.warning("could not delete the probe %s/%s: %s", uri, key, _first_line(exc))
+
+
+def _check_sequential_puts(store, uri: str) -> None:
+    key = _probe_key()
     try:
         obstore.put(store, key, b"first", mode="create")
     except Exception as exc:
@@ -101,16 +125,48 @@ def check_conditional_put(uri: str, options: Mapping[str, str]) -> None:
             f"{uri}: the store's answer to a conditional put is not a refusal: {_first_line(exc)}"
         ) from None
     finally:
-        try:
-            obstore.delete(store, key)
-        except Exception as exc:  # a leftover probe object is harmless
-            log.warning("could not delete the probe %s/%s: %s", uri, key, _first_line(exc))
+        _delete_probe(store, uri, key)
     raise UnsafeStore(
         f"{uri}: the store accepted a second If-None-Match put of the same key: it does not "
         "enforce conditional writes, so concurrent Delta commits would be lost silently "
-        "(use a store that does: AWS S3, GCS, Azure, MinIO, SeaweedFS, moto; not through a "
-        "proxy that drops the header)"
+        f"({_USE_INSTEAD})"
     )
+
+
+def _check_racing_puts(store, uri: str) -> None:
+    """Two threads put one fresh key only-if-absent at the same moment (a barrier)."""
+    key = _probe_key()
+    barrier = threading.Barrier(RACERS)
+    outcomes: list[bool | BaseException | None] = [None] * RACERS
+
+    def racer(index: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            obstore.put(store, key, f"racer {index}".encode(), mode="create")
+            outcomes[index] = True
+        except AlreadyExistsError:
+            outcomes[index] = False
+        except BaseException as exc:  # reported below, in this thread
+            outcomes[index] = exc
+
+    threads = [threading.Thread(target=racer, args=(i,), daemon=True) for i in range(RACERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    _delete_probe(store, uri, key)
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    if failed:
+        raise UnsafeStore(
+            f"{uri}: a conditional put racing another failed: {_first_line(failed[0])}"
+        )
+    won = outcomes.count(True)
+    if won != 1:
+        raise UnsafeStore(
+            f"{uri}: of {RACERS} concurrent If-None-Match puts of one new key, {won} succeeded "
+            "(exactly one must): the store does not enforce conditional writes under "
+            f"concurrency, so racing Delta commits would be lost silently ({_USE_INSTEAD})"
+        )
 
 
 def verify_lake_store(uri: str, options: Mapping[str, str]) -> None:

@@ -1,6 +1,7 @@
 """A local S3-compatible server for tests (moto, which enforces If-None-Match / If-Match),
 and a proxy in front of it that drops those headers: a store that ignores conditional
-writes, as a misconfigured gateway or an old S3-compatible server would be."""
+writes, as a misconfigured gateway or an old S3-compatible server would be, or one that
+honours them only for puts that do not race (it checks, then writes)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -60,9 +62,20 @@ def moto_server(bucket: str = "claw-lake") -> Iterator[str]:
         proc.wait(10)
 
 
+PRECONDITION_FAILED = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PreconditionFailed</Code>'
+    b"<Message>At least one of the pre-conditions you specified did not hold</Message></Error>"
+)
+
+
 @contextmanager
-def header_dropping_proxy(target: str) -> Iterator[str]:
-    """A proxy to `target` that forwards every request without its conditional headers."""
+def header_dropping_proxy(target: str, check_then_put_s: float | None = None) -> Iterator[str]:
+    """A proxy to `target` that forwards every request without its conditional headers.
+
+    With `check_then_put_s`, an `If-None-Match: *` put is answered as a store that checks and
+    writes in two steps would (seaweedfs#8800): 412 when the key exists, else the put goes on
+    unconditionally `check_then_put_s` seconds later. One put after another is refused
+    correctly; two racing puts both succeed."""
     client = httpx.Client(base_url=target, timeout=30)
 
     class Forward(BaseHTTPRequestHandler):
@@ -70,6 +83,16 @@ def header_dropping_proxy(target: str) -> Iterator[str]:
 
         def log_message(self, *args) -> None:  # quiet
             pass
+
+        def _answer(self, status: int, headers, content: bytes) -> None:
+            self.send_response(status)
+            for key, value in headers:
+                if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                    self.send_header(key, value)
+            self.send_header("Content-Length", str(len(content)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(content)
 
         def _forward(self) -> None:
             length = int(self.headers.get("content-length") or 0)
@@ -79,15 +102,19 @@ def header_dropping_proxy(target: str) -> Iterator[str]:
                 for k, v in self.headers.items()
                 if k.lower() not in (*CONDITIONAL_HEADERS, "host", "content-length")
             }
+            if (
+                check_then_put_s is not None
+                and self.command == "PUT"
+                and self.headers.get("if-none-match") == "*"
+            ):
+                bucket, _, key = self.path.split("?", 1)[0].lstrip("/").partition("/")
+                listed = client.get(f"/{bucket}", params={"list-type": "2", "prefix": key})
+                if f"<Key>{key}</Key>" in listed.text:
+                    self._answer(412, [("Content-Type", "application/xml")], PRECONDITION_FAILED)
+                    return
+                time.sleep(check_then_put_s)
             answer = client.request(self.command, self.path, content=body, headers=headers)
-            self.send_response(answer.status_code)
-            for key, value in answer.headers.items():
-                if key.lower() not in ("content-length", "transfer-encoding", "connection"):
-                    self.send_header(key, value)
-            self.send_header("Content-Length", str(len(answer.content)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(answer.content)
+            self._answer(answer.status_code, answer.headers.items(), answer.content)
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
@@ -116,18 +143,24 @@ def _free_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
+def seaweed_ports(count: int) -> list[int]:
+    """`count` loopback ports for SeaweedFS's listeners, each p with p + 10000 free (its gRPC
+    port) and no two adjacent or 10000 apart."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = _free_pair()
+        if all(abs(port - p) > 1 and port != p + 10000 and p != port + 10000 for p in ports):
+            ports.append(port)
+    return ports
+
+
 @contextmanager
 def seaweed_server(root: Path, bucket: str = "claw-lake") -> Iterator[str]:
     """SeaweedFS (`weed server -s3`, master, volume and filer in one process) on loopback
     ports, data under `root`, with one bucket; yields its S3 URL. It enforces If-None-Match
     and commits ~4x faster than moto."""
     weed = shutil.which("weed", path=str(Path(sys.executable).parent))
-    ports = []
-    while len(ports) < 4:
-        port = _free_pair()
-        if all(abs(port - p) > 1 and port != p + 10000 and p != port + 10000 for p in ports):
-            ports.append(port)
-    s3, master, volume, filer = ports
+    s3, master, volume, filer = seaweed_ports(4)
     (root / "data").mkdir(parents=True, exist_ok=True)
     log = (root / "weed.log").open("ab")
     proc = subprocess.Popen(

@@ -19,6 +19,8 @@ from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
 from claw_pipelines.lake import Lake
 from claw_pipelines.object_store import (
     UnsafeStore,
+    _check_racing_puts,
+    _check_sequential_puts,
     check_conditional_put,
     open_store,
     verify_lake_store,
@@ -99,6 +101,31 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_any_write(s3_
         lines = [line for line in gateway.log_path.read_text().splitlines() if line.strip()]
         assert lines and "does not enforce conditional writes" in lines[-1]
         assert not any("Traceback" in line for line in lines)
+
+
+def test_a_store_that_checks_then_writes_passes_one_put_after_another_but_not_the_race(
+    s3_server,
+):
+    """A store that tests for the key and then writes (seaweedfs#8800) refuses a second put
+    made after the first, so only the probe's race of two concurrent puts catches it."""
+    with header_dropping_proxy(s3_server, check_then_put_s=0.3) as proxy:
+        uri = f"s3://claw-lake/racy-{uuid.uuid4().hex[:8]}"
+        store = open_store(uri, s3_options(proxy))
+        _check_sequential_puts(store, uri)  # no error: one put after another is refused
+        with pytest.raises(UnsafeStore, match=r"of 2 concurrent If-None-Match puts .* 2 succeeded"):
+            check_conditional_put(uri, s3_options(proxy))
+        with pytest.raises(UnsafeStore, match="under concurrency"):
+            verify_lake_store(uri, s3_options(proxy))
+        assert not Lake(uri, s3_options(s3_server)).exists(BRONZE_EVENTS)
+
+
+@pytest.mark.parametrize("server", ["s3_server", "seaweed"])
+def test_of_two_racing_conditional_puts_the_test_servers_let_exactly_one_win(server, request):
+    url = request.getfixturevalue(server)
+    uri = f"s3://claw-lake/race-{uuid.uuid4().hex[:8]}"
+    store = open_store(uri, s3_options(url))
+    for _ in range(5):  # the probe's race, a few times over
+        _check_racing_puts(store, uri)
 
 
 @pytest.mark.parametrize(

