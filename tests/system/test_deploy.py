@@ -32,9 +32,9 @@ from tests.servers import REPO
 DEPLOY = REPO / "deploy"
 # Dagster's Helm chart 1.13 (helm/dagster in dagster-io/dagster at a 1.13.x tag): its
 # values.schema.json and values.yaml (the defaults the chart merges user values over). Not in
-# this repository (third-party files); looked for in the workplace's shared folder beside the
-# checkout, or where CLAW_DAGSTER_CHART points.
-CHART = Path(os.environ.get("CLAW_DAGSTER_CHART") or REPO.parent / "shared" / "dagster-chart-1.13")
+# this repository (third-party files): read from where CLAW_DAGSTER_CHART points (e.g. a
+# `helm pull dagster/dagster --version 1.13.x --untar` folder).
+CHART = Path(os.environ.get("CLAW_DAGSTER_CHART") or "/nonexistent/dagster-chart")
 # Key paths of Dagster's Helm chart (1.13) these values may use: its values schema
 # (helm/dagster/schema: UserDeployment, Webserver, Daemon, Concurrency*). "[]" is a list item.
 # Where the chart's schema is at hand, every path here is checked to exist in it.
