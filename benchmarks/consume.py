@@ -26,11 +26,11 @@ import polars as pl
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from claw_pipelines.consume import open_dataset  # noqa: E402
+from claw_pipelines.build.gold import build_partition  # noqa: E402
+from claw_pipelines.build.silver import build_silver  # noqa: E402
+from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
-from claw_pipelines.gold import build_partition  # noqa: E402
-from claw_pipelines.lake import Lake  # noqa: E402
-from claw_pipelines.silver import build_silver  # noqa: E402
+from claw_pipelines.lake.delta import Lake  # noqa: E402
 from tests.lakes import completion, land, step  # noqa: E402
 
 PRODUCTION_TARGET = 0.5
@@ -104,7 +104,7 @@ def compute(lake: Lake, rounds: int, vocab: int) -> dict:
     import torch
     from torch.nn.functional import scaled_dot_product_attention
 
-    from claw_pipelines.block_attention import tree_attention, tree_plan
+    from claw_pipelines.train.block_attention import tree_attention, tree_plan
     from tests.tiny_transformer import TinyLM
 
     torch.manual_seed(0)

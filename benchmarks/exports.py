@@ -31,14 +31,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from claw_pipelines.app.cli import main as claw  # noqa: E402
-from claw_pipelines.consume import open_dataset  # noqa: E402
+from claw_pipelines.build.gold import build_partition  # noqa: E402
+from claw_pipelines.build.silver import build_silver  # noqa: E402
+from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
-from claw_pipelines.export import CHUNK_ROWS, export, sft_record  # noqa: E402
-from claw_pipelines.gold import build_partition  # noqa: E402
-from claw_pipelines.lake import Lake  # noqa: E402
-from claw_pipelines.silver import build_silver  # noqa: E402
+from claw_pipelines.interop.export import CHUNK_ROWS, export, sft_record  # noqa: E402
+from claw_pipelines.lake.delta import Lake  # noqa: E402
+from claw_pipelines.lake.specs import save_spec  # noqa: E402
 from claw_pipelines.simulation.model_folders import tokenizer_folder  # noqa: E402
-from claw_pipelines.spec_store import save_spec  # noqa: E402
 from claw_pipelines.tokenization import IM_END, decode_lists, load_chat_tokenizer  # noqa: E402
 
 TARGET_SHARE = 1.0

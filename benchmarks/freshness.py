@@ -44,17 +44,17 @@ import polars as pl
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from claw_pipelines.app.instance import DAGSTER_YAML  # noqa: E402
 from claw_pipelines.app.processes import ServiceProcess, free_port  # noqa: E402
-from claw_pipelines.app.up import DAGSTER_YAML  # noqa: E402
+from claw_pipelines.build.live import materializer_running  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
 from claw_pipelines.contracts.tables import (  # noqa: E402
     BRONZE_EVENTS,
     GOLD_CONSUMPTION,
     gold_dataset_table,
 )
-from claw_pipelines.lake import COMMIT_METADATA_KEY, Lake  # noqa: E402
-from claw_pipelines.live import materializer_running  # noqa: E402
-from claw_pipelines.spec_store import save_spec  # noqa: E402
+from claw_pipelines.lake.delta import COMMIT_METADATA_KEY, Lake  # noqa: E402
+from claw_pipelines.lake.specs import save_spec  # noqa: E402
 
 TARGET_P50_S = 2.0
 TARGET_P99_S = 5.0
@@ -234,7 +234,7 @@ def trainer(
     consumer: str = CONSUMER,
 ):
     """Spawned: block on `next_batch` until `stop`; report each batch's delivery time."""
-    from claw_pipelines.consume import Dataset
+    from claw_pipelines.consume.dataset import Dataset
 
     lake = Lake(uri)
     out.put(("ready",))

@@ -22,8 +22,8 @@ import pyarrow as pa
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from claw_pipelines.quality import trees_are_minimal  # noqa: E402
 from claw_pipelines.transforms.prefix_tree import build_forest  # noqa: E402
+from claw_pipelines.transforms.quality import trees_are_minimal  # noqa: E402
 
 TARGET_RATIO = 10.0
 VOCAB = 150_000

@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.consume import grpo_lake  # noqa: E402
-from claw_pipelines.adapters import BatchDataset  # noqa: E402
-from claw_pipelines.consume import open_dataset  # noqa: E402
+from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
+from claw_pipelines.train.adapters import BatchDataset  # noqa: E402
 
 
 def baseline(ds, world: int, rank: int, batch_size: int) -> float:

@@ -47,16 +47,16 @@ from benchmarks.freshness import (  # noqa: E402
     stop_service,
 )
 from claw_pipelines.app.processes import ServiceProcess, free_port  # noqa: E402
+from claw_pipelines.build.live import HEARTBEAT  # noqa: E402
+from claw_pipelines.build.silver import WATERMARK_TABLE, silver_state  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
 from claw_pipelines.contracts.tables import (  # noqa: E402
     BRONZE_EVENTS,
     SILVER_STEPS,
     gold_dataset_table,
 )
-from claw_pipelines.lake import Lake  # noqa: E402
-from claw_pipelines.live import HEARTBEAT  # noqa: E402
-from claw_pipelines.silver import WATERMARK_TABLE, silver_state  # noqa: E402
-from claw_pipelines.spec_store import load_specs, save_spec  # noqa: E402
+from claw_pipelines.lake.delta import Lake  # noqa: E402
+from claw_pipelines.lake.specs import load_specs, save_spec  # noqa: E402
 
 TARGET_S = 60.0
 TARGET = "every dataset current within 60 s of each fault clearing; 0 lost, 0 duplicated steps"

@@ -33,12 +33,12 @@ import pyarrow as pa
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from claw_pipelines.build.rescore import JUDGE_INPUT_COLUMNS, load_judge, rescore  # noqa: E402
+from claw_pipelines.build.silver import build_silver  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS  # noqa: E402
-from claw_pipelines.lake import Lake  # noqa: E402
-from claw_pipelines.rescore import JUDGE_INPUT_COLUMNS, load_judge, rescore  # noqa: E402
-from claw_pipelines.silver import build_silver  # noqa: E402
+from claw_pipelines.lake.delta import Lake  # noqa: E402
+from claw_pipelines.lake.tokenizers import bundled_fingerprint  # noqa: E402
 from claw_pipelines.tokenization import IM_END, encode, encode_chat  # noqa: E402
-from claw_pipelines.tokenizer_store import bundled_fingerprint  # noqa: E402
 
 FULL_TARGET = 3.0
 INCREMENTAL_TARGET = 0.05

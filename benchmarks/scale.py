@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import dashboard, freshness  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS  # noqa: E402
-from claw_pipelines.lake import Lake  # noqa: E402
+from claw_pipelines.lake.delta import Lake  # noqa: E402
 from claw_pipelines.simulation.bulk import (  # noqa: E402
     BulkShape,
     bronze_batch,
@@ -92,8 +92,8 @@ def _in_child(target, *args):
 def take_in(uri: str, out) -> None:
     """Child: the live materializer until silver and gold hold all of bronze, then the
     maintenance a deployment runs on its schedule (compaction, checkpoints)."""
+    from claw_pipelines.build.live import LiveMaterializer
     from claw_pipelines.defs.maintenance import maintained_tables
-    from claw_pipelines.live import LiveMaterializer
 
     lake = Lake(uri)
     started, rounds = time.perf_counter(), 0
@@ -125,8 +125,8 @@ def increments(uri: str, count: int, groups: int, out) -> None:
     import numpy as np
     import polars as pl
 
-    from claw_pipelines import live
-    from claw_pipelines.live import LiveMaterializer
+    from claw_pipelines.build import live
+    from claw_pipelines.build.live import LiveMaterializer
 
     live.PULLING_S = 0.0  # every dataset each round (a kept lake's old pulls aside)
     lake = Lake(uri)
@@ -162,7 +162,7 @@ def increments(uri: str, count: int, groups: int, out) -> None:
 
 def next_batch(uri: str, out) -> None:
     """Child: a new consumer's first `next_batch` (and a second one) on the dataset."""
-    from claw_pipelines.consume import Dataset
+    from claw_pipelines.consume.dataset import Dataset
 
     started = time.perf_counter()
     dataset = Dataset(Lake(uri), SPEC.name)
@@ -181,7 +181,7 @@ def next_batch(uri: str, out) -> None:
 
 def build(uri: str, steps: int) -> dict:
     """Write the bulk bronze and let the live materializer take it in."""
-    from claw_pipelines.spec_store import save_spec
+    from claw_pipelines.lake.specs import save_spec
 
     lake = Lake(uri)
     started, records = time.perf_counter(), 0

@@ -27,9 +27,9 @@ from deltalake import write_deltalake
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from claw_pipelines.build.silver import SilverOptions, build_silver, silver_findings  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS  # noqa: E402
-from claw_pipelines.lake import Lake  # noqa: E402
-from claw_pipelines.silver import SilverOptions, build_silver, silver_findings  # noqa: E402
+from claw_pipelines.lake.delta import Lake  # noqa: E402
 
 FULL_TARGET = 3.0
 INCREMENTAL_TARGET = 0.05

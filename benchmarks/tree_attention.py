@@ -9,7 +9,7 @@ batch's tokens, SDPA causal, gradients accumulated.
 
 The tree arm attends through FlexAttention with the tree BlockMask where flex has a
 backward (CUDA); on CPU (torch 2.13 flex has no backward) through the block-sparse tree
-attention (`claw_pipelines.block_attention`): neither builds a T×T mask.
+attention (`claw_pipelines.train.block_attention`): neither builds a T×T mask.
 
 Each arm runs in a fresh process so its peak RSS is its own. Targets: tree/flat time <=
 1.25 × token_ratio; the tree step's peak RSS increase <= 1.5 × the flat step's; no tensor of
@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 import polars as pl  # noqa: E402
 
 from benchmarks.consume import grpo_lake  # noqa: E402
-from claw_pipelines.consume import open_dataset  # noqa: E402
+from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from tests.small_qwen2 import small_qwen2  # noqa: E402
 
 TIME_SLACK = 1.25
@@ -164,8 +164,8 @@ def run_arm(arm: str, lake_uri: str, rounds: int, shape: str) -> dict:
     """One arm in this process: times, peak RSS increase, and (tree) the largest tensor."""
     import torch
 
-    from claw_pipelines.attention import tree_block_mask
-    from claw_pipelines.block_attention import register_hf_tree_attention, tree_plan
+    from claw_pipelines.train.attention import tree_block_mask
+    from claw_pipelines.train.block_attention import register_hf_tree_attention, tree_plan
 
     torch.set_num_threads(2)
     ds = open_dataset("bench", lake_uri)

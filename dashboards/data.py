@@ -11,8 +11,12 @@ import httpx
 import polars as pl
 import streamlit as st
 
-from claw_pipelines import failing
-from claw_pipelines.consume import Batch, Dataset
+from claw_pipelines.build import failing
+from claw_pipelines.build.failing import FailingBuild
+from claw_pipelines.build.gold import classified, source_versions
+from claw_pipelines.build.live import materializer_running
+from claw_pipelines.consume.dataset import Batch, Dataset
+from claw_pipelines.consume.delivery import UNIT_COLUMNS, consumer_positions, unit_keys
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -28,13 +32,10 @@ from claw_pipelines.contracts.tables import (
     gold_rejection_table,
     gold_tree_table,
 )
-from claw_pipelines.decoding import resolver
-from claw_pipelines.delivery import UNIT_COLUMNS, consumer_positions, unit_keys
-from claw_pipelines.failing import FailingBuild
-from claw_pipelines.gold import classified, source_versions
-from claw_pipelines.lake import Lake
-from claw_pipelines.ledger import LEDGER_SCHEMA, gold_datasets, waste_ledger
-from claw_pipelines.live import materializer_running
+from claw_pipelines.lake.catalog import gold_datasets
+from claw_pipelines.lake.decoding import resolver
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.ops.ledger import LEDGER_SCHEMA, waste_ledger
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.tokenization import ChatTokenizer
 from claw_pipelines.transforms.curation import (

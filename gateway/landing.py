@@ -14,7 +14,7 @@ import time
 import polars as pl
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
 from claw_pipelines.settings import ClawSettings
 from gateway.idempotency import IdempotencyIndex
 from gateway.metrics import GatewayMetrics, labelled

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import claw_pipelines
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
 from claw_pipelines.settings import ClawSettings
 from gateway.auth import KeyRing
 from gateway.dispatch import Dispatcher

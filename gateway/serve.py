@@ -10,10 +10,10 @@ import socket
 
 import uvicorn
 
-from claw_pipelines.lake import Lake
-from claw_pipelines.object_store import verify_lake_store
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.object_store import verify_lake_store
+from claw_pipelines.lake.tokenizers import save_tokenizer
 from claw_pipelines.settings import ClawSettings
-from claw_pipelines.tokenizer_store import save_tokenizer
 from gateway.auth import KeyRing
 from gateway.proxy.capture_mode import CaptureMode, probe_upstream
 

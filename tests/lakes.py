@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
 
 T0 = datetime(2026, 11, 30, tzinfo=UTC)
 # the spec a live trainer pulls GRPO groups from: complete groups, merged, GRPO advantages

@@ -12,10 +12,10 @@ import signal
 import threading
 from typing import Any
 
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
-from claw_pipelines.gold import build_partition
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import build_silver
+from claw_pipelines.lake.delta import Lake
 
 BARRIER_TIMEOUT_S = 60
 

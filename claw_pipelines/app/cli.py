@@ -13,10 +13,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from claw_pipelines.contracts.errors import ClawError
 from claw_pipelines.settings import ClawSettings
 
 
-class CliError(Exception):
+class CliError(ClawError):
     """An error to report to the user as one line."""
 
 
@@ -25,7 +26,7 @@ def _settings(args: argparse.Namespace) -> ClawSettings:
 
 
 def _cmd_gateway(args: argparse.Namespace) -> None:
-    from claw_pipelines.object_store import UnsafeStore
+    from claw_pipelines.lake.object_store import UnsafeStore
     from gateway.serve import GatewayRefused, serve_gateway
 
     try:
@@ -110,19 +111,20 @@ def _say_now(line: str) -> None:
 
 def _open_lake(args: argparse.Namespace, hint: str = ""):
     """The lake of `--lake` / `CLAW_LAKE_URI`; a local one must exist (readers never create)."""
-    from claw_pipelines.lake import Lake
+    from claw_pipelines.lake.catalog import lake_exists
+    from claw_pipelines.lake.delta import Lake
 
     settings = _settings(args)
     lake = Lake.from_settings(settings)
-    if not lake.is_remote and not Path(lake.uri).is_dir():
+    if not lake_exists(lake):
         raise CliError(f"no lake at {lake.uri} (the directory does not exist{hint})")
     return lake
 
 
 def _cmd_rescore(args: argparse.Namespace) -> None:
-    from claw_pipelines.rescore import JudgeError, load_judge, rescore
-    from claw_pipelines.silver import build_silver
-    from claw_pipelines.spec_store import SpecError, load_spec
+    from claw_pipelines.build.rescore import JudgeError, load_judge, rescore
+    from claw_pipelines.build.silver import build_silver
+    from claw_pipelines.lake.specs import SpecError, load_spec
 
     lake = _open_lake(args)
     try:
@@ -142,7 +144,7 @@ def _cmd_rescore(args: argparse.Namespace) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> None:
-    from claw_pipelines.integrity import check_lake
+    from claw_pipelines.ops.integrity import check_lake
 
     lake = _open_lake(args)
     problems = check_lake(lake)
@@ -154,8 +156,8 @@ def _cmd_check(args: argparse.Namespace) -> None:
 
 
 def _cmd_repair(args: argparse.Namespace) -> None:
-    from claw_pipelines.integrity import repair_lake
-    from claw_pipelines.silver import SilverOptions
+    from claw_pipelines.build.silver import SilverOptions
+    from claw_pipelines.ops.integrity import repair_lake
 
     lake = _open_lake(args)
     options = SilverOptions.from_settings(_settings(args))
@@ -177,7 +179,7 @@ def _cmd_repair(args: argparse.Namespace) -> None:
 
 
 def _cmd_policy_publish(args: argparse.Namespace) -> None:
-    from claw_pipelines.policy import publish_policy_version
+    from claw_pipelines.lake.policy import publish_policy_version
 
     try:
         publish_policy_version(_open_lake(args), args.version, by=args.by, note=args.note)
@@ -187,7 +189,7 @@ def _cmd_policy_publish(args: argparse.Namespace) -> None:
 
 
 def _cmd_policy_show(args: argparse.Namespace) -> None:
-    from claw_pipelines.policy import published_versions
+    from claw_pipelines.lake.policy import published_versions
 
     versions = published_versions(_open_lake(args))
     if versions.is_empty():
@@ -200,7 +202,7 @@ def _cmd_policy_show(args: argparse.Namespace) -> None:
 
 def _cmd_spec_list(args: argparse.Namespace) -> None:
     from claw_pipelines.contracts.specs import BUILTIN_SPECS
-    from claw_pipelines.spec_store import read_specs
+    from claw_pipelines.lake.specs import read_specs
 
     shelf = read_specs(_open_lake(args))
     for name, spec in sorted(shelf.specs.items()):
@@ -215,7 +217,7 @@ def _cmd_spec_list(args: argparse.Namespace) -> None:
 
 
 def _cmd_spec_add(args: argparse.Namespace) -> None:
-    from claw_pipelines.spec_store import SpecError, add_builtin
+    from claw_pipelines.lake.specs import SpecError, add_builtin
 
     lake = _open_lake(args)
     try:
@@ -228,11 +230,11 @@ def _cmd_spec_add(args: argparse.Namespace) -> None:
 def _cmd_ledger(args: argparse.Namespace) -> None:
     import polars as pl
 
-    from claw_pipelines.consume import dataset_names
-    from claw_pipelines.ledger import waste_ledger
+    from claw_pipelines.lake.catalog import gold_datasets
+    from claw_pipelines.ops.ledger import waste_ledger
 
     lake = _open_lake(args)
-    known = dataset_names(lake)
+    known = gold_datasets(lake)
     unknown = [name for name in args.dataset or [] if name not in known]
     if unknown:
         raise CliError(
@@ -266,8 +268,8 @@ def _cmd_dashboard(args: argparse.Namespace) -> None:
 
 def _cmd_export(args: argparse.Namespace) -> None:
 
-    from claw_pipelines.consume import open_dataset
-    from claw_pipelines.export import export
+    from claw_pipelines.consume.dataset import open_dataset
+    from claw_pipelines.interop.export import export
 
     settings = _settings(args)
     try:
@@ -286,8 +288,8 @@ def _cmd_export(args: argparse.Namespace) -> None:
 
 
 def _cmd_import(args: argparse.Namespace) -> None:
-    from claw_pipelines.interchange import ChatLogError, import_chat_log
-    from claw_pipelines.lake import Lake
+    from claw_pipelines.interop.chat_logs import ChatLogError, import_chat_log
+    from claw_pipelines.lake.delta import Lake
     from claw_pipelines.tokenization import load_chat_tokenizer
 
     lake = Lake.from_settings(_settings(args)) if args.create else _open_lake(args, "; --create")
@@ -526,13 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.handler(args)
     except KeyboardInterrupt:
         return 130
-    except CliError as exc:
-        print(f"claw: error: {exc}", file=sys.stderr)
-        return 1
-    except LookupError as exc:  # the Python API's NotFound; a KeyError or IndexError is a bug
-        consume = sys.modules.get("claw_pipelines.consume")
-        if consume is None or not isinstance(exc, consume.NotFound):
-            return _unexpected(exc)
+    except ClawError as exc:  # the lakehouse said no (NotFound, SpecError, ...): one line
         print(f"claw: error: {exc}", file=sys.stderr)
         return 1
     except ValidationError as exc:  # settings from the environment

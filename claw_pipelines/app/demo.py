@@ -36,7 +36,7 @@ from claw_pipelines.contracts.tables import (
     gold_rejection_table,
     gold_tree_table,
 )
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.simulation.agents import (
     Tally,
@@ -203,7 +203,7 @@ def materialize_all(settings: ClawSettings) -> tuple[int, int]:
 
 def consume_a_batch(lake: Lake) -> None:
     """Pull one tree batch per policy version of `default`, as a trainer would (logged)."""
-    from claw_pipelines.consume import Dataset
+    from claw_pipelines.consume.dataset import Dataset
 
     dataset = Dataset(lake, "default")
     for version in dataset.policy_versions():
@@ -338,7 +338,7 @@ def table_counts(lake: Lake, table: str, column: str) -> dict[str, int]:
 
 def gold_dataset_names(lake: Lake) -> list[str]:
     """The gold datasets the lake holds, `default` first."""
-    from claw_pipelines.integrity import gold_datasets
+    from claw_pipelines.lake.catalog import gold_datasets
 
     return sorted(gold_datasets(lake), key=lambda name: (name != "default", name))
 
@@ -498,7 +498,7 @@ def _script(name: str, module: str, cwd: Path) -> str:
 
 def next_steps(settings: ClawSettings, lake: Lake, cwd: Path | None = None) -> list[Hint]:
     """What to run next on the demo's lake, as commands that need nothing on PATH."""
-    from claw_pipelines.app.up import dagster_home
+    from claw_pipelines.app.instance import dagster_home
 
     cwd = (cwd or Path.cwd()).absolute()
     remote = settings.lake_is_remote

@@ -18,14 +18,15 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from claw_pipelines.consume import Batch, Dataset
+from claw_pipelines.build.live import LiveMaterializer
+from claw_pipelines.build.silver import SilverOptions
+from claw_pipelines.consume.dataset import Dataset
 from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.lake import Lake
-from claw_pipelines.live import LiveMaterializer
-from claw_pipelines.policy import publish_policy_version, published_version
-from claw_pipelines.silver import SilverOptions
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.policy import publish_policy_version, published_version
+from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.simulation.agents import Tally, Task, white_box_group
-from claw_pipelines.spec_store import save_spec
+from claw_pipelines.train.tiny_policy import TinyPolicy
 
 TRAINER = "claw-demo-trainer"
 VOCAB = 4096  # the bundled tokenizer's ids lie below this (larger ids are folded in)
@@ -72,33 +73,6 @@ class LoopRound:
         )
 
 
-class TinyPolicy:
-    """Token embeddings and a vocabulary head, trained with a policy-gradient step."""
-
-    def __init__(self, seed: int = 0) -> None:
-        import torch
-
-        torch.manual_seed(seed)
-        self.torch = torch
-        self.embed = torch.nn.Embedding(VOCAB, 32)
-        self.head = torch.nn.Linear(32, VOCAB)
-        parameters = [*self.embed.parameters(), *self.head.parameters()]
-        self.optimizer = torch.optim.SGD(parameters, lr=0.05)
-
-    def step(self, batch: Batch) -> float:
-        """One update on a tree batch: -sum(advantage * log p(token | parent)) over the
-        trained tokens; returns the loss."""
-        t = batch.to_torch()
-        ids = t["input_ids"] % VOCAB
-        logits = self.head(self.embed(ids))
-        logp = logits.log_softmax(-1)[t["parent"].clamp(min=0), ids]
-        loss = -(t["advantages"] * logp * t["loss_mask"]).sum() / max(1, len(batch.step_keys))
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        return float(loss.detach())
-
-
 def _materialize_in_background(lake: Lake, stop: threading.Event) -> threading.Thread:
     """The live materializer, following the lake until `stop` is set."""
     live = LiveMaterializer(lake, SilverOptions())
@@ -132,7 +106,7 @@ def run_loop(
     spec = loop_spec(rollouts)
     save_spec(lake, spec)
     try:
-        policy: TinyPolicy | None = TinyPolicy()
+        policy: TinyPolicy | None = TinyPolicy(vocab=VOCAB)
     except ImportError:
         policy = None
     published = published_version(lake)

@@ -3,7 +3,7 @@ with `--follow`, keep them up to date continuously.
 
 Unpartitioned assets (silver) run first, in one run; partitioned ones (gold) then run once per
 (dataset, policy version) partition that the lake's specs and silver define. `follow` runs
-the live materializer (`claw_pipelines.live`) and reports its increments to Dagster.
+the live materializer (`claw_pipelines.build.live`) and reports its increments to Dagster.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class MaterializeReport:
         if not result.success:
             line = blocked[0] if blocked else _failure_line(result)
             if partition and "|" in partition:  # a gold partition: say whose spec it is
-                from claw_pipelines.spec_store import spec_path
+                from claw_pipelines.lake.specs import spec_path
 
                 path = spec_path(partition.split("|", 1)[0])
                 said = line.removeprefix(f"{path}: ")  # the build may have named it
@@ -112,8 +112,8 @@ def materialize(
             all_partition_keys,
             defs,
         )
-        from claw_pipelines.lake import Lake
-        from claw_pipelines.spec_store import read_specs
+        from claw_pipelines.lake.delta import Lake
+        from claw_pipelines.lake.specs import read_specs
 
         graph = defs.resolve_asset_graph()
         chosen = _selection(select).resolve(graph)
@@ -190,12 +190,12 @@ def follow(
     say: Callable[[str], None] = print,
 ) -> None:
     """`claw materialize --follow`: keep silver and every spec's gold up to date (see
-    `claw_pipelines.live`) until `stop` is set. Each increment is reported to the Dagster
+    `claw_pipelines.build.live`) until `stop` is set. Each increment is reported to the Dagster
     instance of `DAGSTER_HOME` (when set) as runless materializations of the same assets,
     with the versions in their metadata, so the UI's asset history shows it."""
-    from claw_pipelines.lake import Lake
-    from claw_pipelines.live import LiveMaterializer
-    from claw_pipelines.silver import SilverOptions
+    from claw_pipelines.build.live import LiveMaterializer
+    from claw_pipelines.build.silver import SilverOptions
+    from claw_pipelines.lake.delta import Lake
 
     stop = stop or threading.Event()
     lake = Lake.from_settings(settings)

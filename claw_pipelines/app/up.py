@@ -7,7 +7,6 @@ file under `<lake>/_logs` (`.claw/_logs` for a remote lake), named once at start
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import sys
@@ -21,44 +20,17 @@ from typing import TextIO
 import httpx
 import polars as pl
 
+from claw_pipelines.app.instance import dagster_home
 from claw_pipelines.app.processes import ServiceProcess, free_port
+from claw_pipelines.build.live import materializer_running
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
-from claw_pipelines.lake import Lake
-from claw_pipelines.live import materializer_running
+from claw_pipelines.lake.delta import Lake
 from claw_pipelines.settings import ClawSettings
 
-DAGSTER_YAML = """\
-# Written by `claw up`. Maintenance runs one at a time (its op pool and its run tag).
-telemetry:
-  enabled: false
-concurrency:
-  pools:
-    default_limit: 1
-  runs:
-    max_concurrent_runs: 4
-    tag_concurrency_limits:
-      - key: claw/maintenance
-        limit: 1
-"""
 STOP_TIMEOUT_S = 60.0  # for all children together; SIGKILL after
 SLOW_STOP_S = 10.0  # a child that takes longer to stop is reported
 STATUS_EVERY_S = {True: 5.0, False: 15.0}  # on a terminal / piped
 DAEMONS_QUERY = "{ instance { daemonHealth { allDaemonStatuses { daemonType healthy } } } }"
-
-
-def dagster_home(settings: ClawSettings) -> Path:
-    """`DAGSTER_HOME`, or `<lake>/_dagster` (a local lake), with a dagster.yaml written once."""
-    home = os.environ.get("DAGSTER_HOME")
-    if home:
-        path = Path(home)
-    elif settings.lake_is_remote:
-        path = Path.home() / ".claw" / "dagster"
-    else:
-        path = Path(settings.lake_uri).expanduser().resolve() / "_dagster"
-    path.mkdir(parents=True, exist_ok=True)
-    if not (path / "dagster.yaml").exists():
-        (path / "dagster.yaml").write_text(DAGSTER_YAML)
-    return path
 
 
 def daemons_healthy(webserver_url: str) -> bool:

@@ -42,7 +42,7 @@ REJECTION_REASONS = (
     "not_selected",  # not the trajectory the spec's `select` picks from its group
 )
 RejectionReason = Literal[REJECTION_REASONS]
-# what every batch's contract report checks (claw_pipelines.contract); a spec may block on any
+# what every batch's contract report checks (claw_pipelines.consume.report); a spec may block on any
 CONTRACT_CHECKS = (
     "spec_hash",
     "staleness",

@@ -23,6 +23,7 @@ SILVER_TABLES = (  # every table a silver run writes (its marker, trajectories, 
 )
 GOLD_LINEAGE = "gold/lineage"
 GOLD_CONSUMPTION = "gold/consumption"
+LIVE_DELIVERY = "next"  # the `kind` of gold/consumption rows a live `next_batch` writes
 GOLD_POLICY_VERSIONS = "gold/policy_versions"
 GOLD_DATASETS_PREFIX = "gold/datasets"
 GOLD_TREES_PREFIX = "gold/trees"
@@ -143,7 +144,7 @@ SILVER_STEPS_SPEC = TableSpec(
     "`origin_step_key` is the key the gateway gave an unscoped call before stitching; "
     "`sequence_hash` (unscoped calls) is the rolling hash later calls are matched against; "
     "`has_log_probs`: the step carries its behaviour log-probs; `tokenizer`: the fingerprint of "
-    "the tokenizer its ids belong to, when known (claw_pipelines.tokenizer_store).",
+    "the tokenizer its ids belong to, when known (claw_pipelines.lake.tokenizers).",
 )
 
 SILVER_STEP_CONFLICTS_SPEC = TableSpec(

@@ -3,6 +3,9 @@ at most one at a time (the run reads up to the newest bronze when it starts)."""
 
 import dagster as dg
 
+from claw_pipelines.build.failing import report_sensor_failures
+from claw_pipelines.build.live import materializer_running
+from claw_pipelines.build.silver import watermark
 from claw_pipelines.contracts.tables import BRONZE_EVENTS
 from claw_pipelines.defs.keys import BRONZE
 from claw_pipelines.defs.resources import ClawLake
@@ -16,9 +19,6 @@ from claw_pipelines.defs.runs import (
     runs_in_flight,
 )
 from claw_pipelines.defs.silver import SILVER_SPECS
-from claw_pipelines.failing import report_sensor_failures
-from claw_pipelines.live import materializer_running
-from claw_pipelines.silver import watermark
 
 # the sensor's name: its failing builds are reported under it (`failing.SENSORS`)
 SENSOR = "bronze_version_sensor"

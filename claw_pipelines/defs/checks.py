@@ -2,8 +2,8 @@
 
 import dagster as dg
 
-from claw_pipelines.integrity import REPAIR_HINT
-from claw_pipelines.quality import Finding
+from claw_pipelines.ops.integrity import REPAIR_HINT
+from claw_pipelines.transforms.quality import Finding
 
 
 def check_spec(

@@ -8,6 +8,7 @@ CLAW_RETENTION_HOURS, the time-travel window).
 
 import dagster as dg
 
+from claw_pipelines.build.silver import SILVER_TABLES
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     GOLD_CONSUMPTION,
@@ -17,9 +18,8 @@ from claw_pipelines.contracts.tables import (
     gold_tree_table,
 )
 from claw_pipelines.defs.resources import ClawLake
-from claw_pipelines.integrity import gold_datasets
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import SILVER_TABLES
+from claw_pipelines.lake.catalog import gold_datasets
+from claw_pipelines.lake.delta import Lake
 
 MAINTENANCE_POOL = "claw_maintenance"
 MAINTAINED_TABLES = (BRONZE_EVENTS, *SILVER_TABLES, GOLD_LINEAGE, GOLD_CONSUMPTION)

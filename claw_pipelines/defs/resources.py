@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
 from claw_pipelines.settings import ClawSettings
 
 

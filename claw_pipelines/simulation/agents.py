@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from claw_pipelines.tokenizer_store import bundled_fingerprint
+from claw_pipelines.lake.tokenizers import bundled_fingerprint
 
 CALCULATOR_TOOL = {
     "type": "function",

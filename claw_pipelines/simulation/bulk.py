@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, LOGPROB_LIST, TOKEN_LIST, UTC_MICROS
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
 
 T0 = datetime(2026, 11, 30, tzinfo=UTC)
 VOCAB = 8_000

@@ -7,7 +7,7 @@ import streamlit as st
 
 from claw_pipelines.contracts.specs import BUILTIN_SPECS, REJECTION_REASONS
 from claw_pipelines.contracts.tables import TOKEN_SOURCES
-from claw_pipelines.spec_store import SpecError, read_specs, save_spec, to_yaml, validate_spec
+from claw_pipelines.lake.specs import SpecError, read_specs, save_spec, to_yaml, validate_spec
 from dashboards import dagster_graphql, data, ledger_view
 
 st.title("Curation")
@@ -203,7 +203,7 @@ if st.button("build this dataset now"):
     if saved_spec is None:
         st.error("save the spec first")
         st.stop()
-    from claw_pipelines.gold import policy_versions as all_versions
+    from claw_pipelines.build.gold import policy_versions as all_versions
 
     versions_to_build = all_versions(lake)
     if dagster_graphql.is_up(at.dagster_url):
@@ -215,7 +215,7 @@ if st.button("build this dataset now"):
             links = ", ".join(f"v{v} [{r[:8]}]({at.dagster_url}/runs/{r})" for v, r in runs.items())
             st.success(f"Dagster runs building {spec.name}: {links}")
     else:
-        from claw_pipelines.gold import build_partition
+        from claw_pipelines.build.gold import build_partition
 
         for version in versions_to_build:
             part = build_partition(lake, saved_spec, version)

@@ -16,7 +16,7 @@ from gateway.proxy.steps import CallSteps, StepPlace
 from gateway.records import BronzeRecord
 
 if TYPE_CHECKING:
-    from gateway.proxy.token_in import TokenInPlan
+    from gateway.proxy.token_in_plan import TokenInPlan
 
 
 @dataclass(slots=True)

@@ -46,7 +46,8 @@ from gateway.proxy.steps import (
     uncaptured_record,
     upstream_error_record,
 )
-from gateway.proxy.token_in import TokenIn, TokenInPlan
+from gateway.proxy.token_in import TokenIn
+from gateway.proxy.token_in_plan import TokenInPlan
 from gateway.proxy.upstream import (
     Upstream,
     UpstreamFailure,

@@ -23,7 +23,7 @@ import polars as pl
 import pydantic_core
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
 from gateway.proxy.capture import CHAT_KIND
 from gateway.records import BronzeRecord
 from gateway.wal.frames import read_segment

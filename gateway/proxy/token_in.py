@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
@@ -38,9 +37,9 @@ from gateway.proxy.token_history import (
     TokenHistory,
     Turn,
     conversation_chain,
-    extend_chain,
     restore_trajectory,
 )
+from gateway.proxy.token_in_plan import TokenInPlan
 from gateway.records import BronzeRecord
 
 TOKEN_IN_HEADER = "x-claw-token-in"
@@ -109,34 +108,6 @@ def untranslatable(body: dict[str, Any]) -> tuple[str, str] | None:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             return f"messages[{position}]", "each message needs a role"
     return None
-
-
-@dataclass(slots=True)
-class TokenInPlan:
-    """One token-in call: where it continues from, its prompt ids and the upstream body; or,
-    for a call that continues nothing (`via_chat`), the chat call itself, whose ids the
-    upstream renders and returns (nothing to splice, so nothing to tokenize here)."""
-
-    trajectory_uid: str
-    tools: Any
-    chain: list[bytes]
-    mode: str
-    parent_step: int | None
-    via_chat: bool
-    prompt_ids: np.ndarray | None = None
-    new_tokens: int | None = None
-    body: bytes = b""
-    logprobs_top: int | None = None  # None: the agent did not ask for log-probs
-    token_ids: bool = False  # the agent asked for return_token_ids itself
-
-    def metadata(self, reply: dict[str, Any]) -> dict[str, Any]:
-        """What a step of this call (its reply message) records in `metadata.token_in`."""
-        return {
-            "mode": self.mode,
-            "parent_step": self.parent_step,
-            "history": extend_chain(self.chain, self.tools, reply).hex(),
-            "new_tokens": self.new_tokens,
-        }
 
 
 class TokenIn:

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
-from claw_pipelines.lake import Lake
-from claw_pipelines.policy import published_version
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.policy import published_version
 from claw_pipelines.settings import ClawSettings
 from gateway.records import to_bronze_table
 from gateway.wal.frames import read_segment

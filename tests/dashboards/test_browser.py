@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from claw_pipelines.consume import open_dataset
+from claw_pipelines.build.gold import build_partition, policy_versions
+from claw_pipelines.build.silver import build_silver
+from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.contracts.tables import SILVER_STEPS
-from claw_pipelines.gold import build_partition, policy_versions
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import build_silver
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import load_specs
 from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
-from claw_pipelines.spec_store import load_specs
 from tests.browser import PAGES, DashboardProcess, browser, chromium_path
 from tests.servers import REPO
 

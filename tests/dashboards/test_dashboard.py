@@ -9,15 +9,15 @@ import polars as pl
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from claw_pipelines.consume import open_dataset
+from claw_pipelines.build.failing import FailingBuild, report_sensor_failures
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.live import LiveMaterializer
+from claw_pipelines.build.rescore import load_judge, rescore
+from claw_pipelines.build.silver import build_silver
+from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec, Readmission
-from claw_pipelines.failing import FailingBuild, report_sensor_failures
-from claw_pipelines.gold import build_partition
-from claw_pipelines.lake import Lake
-from claw_pipelines.live import LiveMaterializer
-from claw_pipelines.rescore import load_judge, rescore
-from claw_pipelines.silver import build_silver
-from claw_pipelines.spec_store import load_specs, save_spec
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import load_specs, save_spec
 from tests.lakes import feedback, group_of, land
 from tests.pipelines.test_rescore import arithmetic_steps
 from tests.servers import REPO

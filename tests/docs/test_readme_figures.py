@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-from claw_pipelines import live
+from claw_pipelines.build import live
 from claw_pipelines.settings import ClawSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def test_limits_and_intervals_are_the_code_s() -> None:
 
 
 def test_import_provenance_says_how_much_of_the_hash_it_keeps() -> None:
-    source = (ROOT / "claw_pipelines/interchange.py").read_text()
+    source = (ROOT / "claw_pipelines/interop/chat_logs.py").read_text()
     kept = re.search(r"hashlib\.sha256\(raw\)\.hexdigest\(\)\[:(\d+)\]", source)
     assert kept is not None
     assert f"the first {kept.group(1)} hex\ndigits of its SHA-256" in README

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from claw_pipelines.app.cli import build_parser
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
 from tests.conftest import TEST_KEY
 
 OPEN = {"/healthz", "/readyz"}  # /metrics too only with CLAW_METRICS_PUBLIC (test_access.py)

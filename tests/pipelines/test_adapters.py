@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from claw_pipelines.adapters import BatchDataset, trl_records, verl_batch  # noqa: E402
-from claw_pipelines.consume import open_dataset  # noqa: E402
+from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
+from claw_pipelines.train.adapters import BatchDataset, trl_records, verl_batch  # noqa: E402
 from tests.pipelines.test_consume import lake  # noqa: E402, F401 (the fixture)
 from tests.real_servers import import_or_skip  # noqa: E402
 

@@ -8,6 +8,9 @@ import polars as pl
 import pytest
 
 from claw_pipelines.app.cli import main
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.increments import update_dataset
+from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import (
     PREFERENCE_PAIRS_SPEC,
     SFT_SUCCESSES_SPEC,
@@ -19,12 +22,9 @@ from claw_pipelines.contracts.tables import (
     gold_dataset_table,
     gold_rejection_table,
 )
-from claw_pipelines.gold import build_partition
-from claw_pipelines.gold_increments import update_dataset
-from claw_pipelines.lake import Lake
-from claw_pipelines.ledger import waste_ledger
-from claw_pipelines.silver import build_silver
-from claw_pipelines.spec_store import SpecError, load_spec, save_spec
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import SpecError, load_spec, save_spec
+from claw_pipelines.ops.ledger import waste_ledger
 from tests.lakes import group_of, land, step
 
 GRPO = CurationSpec(

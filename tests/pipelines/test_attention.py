@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from claw_pipelines.attention import tile_masks, tree_block_mask
-from claw_pipelines.consume import open_dataset, subtree_ends
+from claw_pipelines.consume.dataset import open_dataset, subtree_ends
+from claw_pipelines.train.attention import tile_masks, tree_block_mask
 from tests.pipelines.test_consume import ancestors_brute_force, lake  # noqa: F401 (fixture)
 
 torch = pytest.importorskip("torch")

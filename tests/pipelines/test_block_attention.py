@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from claw_pipelines.block_attention import tree_attention, tree_plan  # noqa: E402
-from claw_pipelines.consume import subtree_ends  # noqa: E402
+from claw_pipelines.consume.dataset import subtree_ends  # noqa: E402
+from claw_pipelines.train.block_attention import tree_attention, tree_plan  # noqa: E402
 from tests.pipelines.test_attention import random_forest  # noqa: E402
 from tests.pipelines.test_consume import ancestors_brute_force  # noqa: E402
 

@@ -11,9 +11,9 @@ import time
 import polars as pl
 import pytest
 
+from claw_pipelines.build.silver import SILVER_TABLES, build_silver
 from claw_pipelines.contracts.tables import BRONZE_EVENTS
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import SILVER_TABLES, build_silver
+from claw_pipelines.lake.delta import Lake
 from tests.crash_load import client
 from tests.servers import GatewayProcess
 

@@ -16,12 +16,12 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from claw_pipelines.consume import open_dataset, subtree_ends
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.silver import build_silver
+from claw_pipelines.consume.dataset import open_dataset, subtree_ends
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, gold_tree_table
-from claw_pipelines.gold import build_partition
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import build_silver
+from claw_pipelines.lake.delta import Lake
 from tests.lakes import group_of, land
 from tests.servers import REPO
 

@@ -6,15 +6,16 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from claw_pipelines.consume import BATCH_READ_COLUMNS, open_dataset
-from claw_pipelines.contract import ContractViolation, contract_report
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.silver import build_silver
+from claw_pipelines.consume.dataset import BATCH_READ_COLUMNS, open_dataset
+from claw_pipelines.consume.report import contract_report
+from claw_pipelines.contracts.errors import ContractViolation
 from claw_pipelines.contracts.specs import CONTRACT_CHECKS, CurationSpec
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION
-from claw_pipelines.gold import build_partition
-from claw_pipelines.lake import Lake
-from claw_pipelines.policy import publish_policy_version
-from claw_pipelines.silver import build_silver
-from claw_pipelines.spec_store import save_spec
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.policy import publish_policy_version
+from claw_pipelines.lake.specs import save_spec
 from tests.lakes import completion, group_of, land, step
 
 SPEC = CurationSpec(

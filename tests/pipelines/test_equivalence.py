@@ -8,11 +8,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from claw_pipelines.consume import open_dataset  # noqa: E402
+from claw_pipelines.build.gold import build_partition  # noqa: E402
+from claw_pipelines.build.silver import build_silver  # noqa: E402
+from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
-from claw_pipelines.gold import build_partition  # noqa: E402
-from claw_pipelines.lake import Lake  # noqa: E402
-from claw_pipelines.silver import build_silver  # noqa: E402
+from claw_pipelines.lake.delta import Lake  # noqa: E402
 from tests.lakes import completion, land, step  # noqa: E402
 from tests.tiny_transformer import TinyLM, forward_by_path, token_logprobs  # noqa: E402
 

@@ -14,7 +14,9 @@ import threading
 import polars as pl
 import pytest
 
-from claw_pipelines.consume import open_dataset
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.silver import build_silver, silver_state, watermark
+from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.contracts.tables import (
     GOLD_LINEAGE,
@@ -24,10 +26,8 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEPS,
     gold_dataset_table,
 )
-from claw_pipelines.gold import build_partition
-from claw_pipelines.integrity import SILVER_KEYS as KEYS
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import build_silver, silver_state, watermark
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.ops.integrity import SILVER_KEYS as KEYS
 from tests.lakes import completion, feedback, group_of, land, step
 from tests.racing import (
     BarrierLake,
@@ -126,7 +126,7 @@ def test_silver_builds_in_separate_processes_from_one_watermark_land_each_step_o
 
 KILL_SCRIPT = """
 import sys
-from claw_pipelines.silver import build_silver
+from claw_pipelines.build.silver import build_silver
 from tests.racing import KillingLake
 build_silver(KillingLake(sys.argv[1], sys.argv[2]))
 """

@@ -15,6 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from claw_pipelines.build.failing import SENSORS, FailingBuild, failing_builds
+from claw_pipelines.build.gold import build_partition, partition_findings, source_versions
+from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec
 from claw_pipelines.contracts.tables import GOLD_LINEAGE, gold_dataset_table, gold_tree_table
 from claw_pipelines.definitions import defs
@@ -26,12 +29,8 @@ from claw_pipelines.defs.gold import (
 )
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.defs.runs import RETRY_TAG
-from claw_pipelines.failing import SENSORS, FailingBuild, failing_builds
-from claw_pipelines.gold import build_partition, partition_findings, source_versions
-from claw_pipelines.lake import Lake
-from claw_pipelines.quality import trees_are_minimal
-from claw_pipelines.silver import build_silver
-from claw_pipelines.spec_store import (
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import (
     SpecError,
     load_spec,
     load_specs,
@@ -40,6 +39,7 @@ from claw_pipelines.spec_store import (
     save_spec,
 )
 from claw_pipelines.transforms.prefix_tree import build_forest
+from claw_pipelines.transforms.quality import trees_are_minimal
 from tests.dagster_runs import materialize_gold_partition
 from tests.lakes import completion, feedback, group_of, land, rebuilt_sequences, step
 

@@ -11,9 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from claw_pipelines.attention import tree_block_mask  # noqa: E402
-from claw_pipelines.block_attention import register_hf_tree_attention, tree_plan  # noqa: E402
 from claw_pipelines.tokenization import load_tokenizer  # noqa: E402
+from claw_pipelines.train.attention import tree_block_mask  # noqa: E402
+from claw_pipelines.train.block_attention import register_hf_tree_attention, tree_plan  # noqa: E402
 from tests.pipelines.test_equivalence import dataset  # noqa: E402, F401 (the fixture)
 from tests.small_qwen2 import small_qwen2  # noqa: E402
 

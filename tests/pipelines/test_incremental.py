@@ -13,9 +13,12 @@ import time
 import polars as pl
 import pytest
 
-from claw_pipelines import lake as lake_module
-from claw_pipelines import live
-from claw_pipelines.consume import Dataset
+from claw_pipelines.build import live
+from claw_pipelines.build.gold import build_partition, policy_versions
+from claw_pipelines.build.live import LiveMaterializer
+from claw_pipelines.build.silver import SilverOptions, build_silver, silver_state
+from claw_pipelines.consume.dataset import Dataset
+from claw_pipelines.consume.delivery import LiveRows
 from claw_pipelines.contracts.specs import CurationSpec, JudgeRef, Readmission
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -29,13 +32,10 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.definitions import defs
 from claw_pipelines.defs.maintenance import maintained_tables
-from claw_pipelines.delivery import LiveRows
-from claw_pipelines.gold import build_partition, policy_versions
-from claw_pipelines.lake import Lake
-from claw_pipelines.live import LiveMaterializer
-from claw_pipelines.silver import SilverOptions, build_silver, silver_state
+from claw_pipelines.lake import delta as lake_module
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
-from claw_pipelines.spec_store import save_spec
 from tests.lakes import LIVE, completion, feedback, group_of, land, step
 
 OPTIONS = SilverOptions(idle_timeout_s=0.04)  # a round is ~20 ms of data time

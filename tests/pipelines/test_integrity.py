@@ -14,7 +14,9 @@ import dagster as dg
 import numpy as np
 import polars as pl
 
-from claw_pipelines.consume import open_dataset
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.silver import build_silver, watermark
+from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec, Readmission
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -26,11 +28,9 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.defs.gold import gold_partitions_sensor
 from claw_pipelines.defs.resources import ClawLake
-from claw_pipelines.gold import build_partition
-from claw_pipelines.integrity import check_lake, repair_lake
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import build_silver, watermark
-from claw_pipelines.spec_store import save_spec
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.ops.integrity import check_lake, repair_lake
 from tests.dagster_runs import materialize_gold_partition
 from tests.lakes import land, step
 from tests.pipelines.test_exactly_once import assert_each_once, fill_bronze

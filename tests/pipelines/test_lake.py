@@ -12,13 +12,13 @@ import httpx
 import pyarrow as pa
 import pytest
 
-from claw_pipelines.consume import Dataset
+from claw_pipelines.build.live import LiveMaterializer
+from claw_pipelines.consume.dataset import Dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
-from claw_pipelines.lake import Lake
-from claw_pipelines.live import LiveMaterializer
-from claw_pipelines.policy import publish_policy_version
-from claw_pipelines.spec_store import save_spec
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.policy import publish_policy_version
+from claw_pipelines.lake.specs import save_spec
 from tests.lakes import group_of, land
 from tests.s3 import moto_server, s3_options
 from tests.servers import GatewayProcess, wait_until
@@ -173,7 +173,7 @@ def test_the_change_feed_falls_back_only_when_its_versions_are_gone(tmp_path, ca
     log_dir = tmp_path / "lake" / BRONZE_EVENTS / "_delta_log"
     lake.open(BRONZE_EVENTS).create_checkpoint()
     (log_dir / f"{1:020d}.json").unlink()
-    with caplog.at_level("INFO", logger="claw_pipelines.lake"):
+    with caplog.at_level("INFO", logger="claw_pipelines.lake.delta"):
         assert Lake(lake.uri).changes(BRONZE_EVENTS, 0, newest) is None
     assert "the change feed does not cover versions 1.." in caplog.text
     assert "Invalid table version" in caplog.text

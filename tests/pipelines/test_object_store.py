@@ -16,8 +16,8 @@ from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
-from claw_pipelines.lake import Lake
-from claw_pipelines.object_store import (
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.object_store import (
     UnsafeStore,
     _check_racing_puts,
     _check_sequential_puts,

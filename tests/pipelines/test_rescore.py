@@ -11,16 +11,8 @@ import sys
 import polars as pl
 import pytest
 
-from claw_pipelines.contracts.specs import CurationSpec, JudgeRef
-from claw_pipelines.contracts.tables import (
-    GOLD_LINEAGE,
-    SILVER_FEEDBACK,
-    SILVER_STEP_REWARDS,
-    SILVER_STEPS,
-)
-from claw_pipelines.gold import build_partition
-from claw_pipelines.lake import Lake
-from claw_pipelines.rescore import (
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.rescore import (
     JudgeError,
     exact_match,
     judge_texts,
@@ -28,9 +20,17 @@ from claw_pipelines.rescore import (
     rescore,
     watermark_path,
 )
-from claw_pipelines.silver import build_silver
+from claw_pipelines.build.silver import build_silver
+from claw_pipelines.contracts.specs import CurationSpec, JudgeRef
+from claw_pipelines.contracts.tables import (
+    GOLD_LINEAGE,
+    SILVER_FEEDBACK,
+    SILVER_STEP_REWARDS,
+    SILVER_STEPS,
+)
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.tokenizers import bundled_fingerprint
 from claw_pipelines.tokenization import IM_END, encode, encode_chat
-from claw_pipelines.tokenizer_store import bundled_fingerprint
 from claw_pipelines.transforms.judges import judge_agreement, judge_rewards
 from tests.lakes import completion, land, step
 from tests.servers import REPO
@@ -229,7 +229,7 @@ def test_judges_side_by_side_and_their_agreement(lake):
 
 
 def test_judges_read_each_steps_text_with_its_own_tokenizer(tmp_path):
-    from claw_pipelines.interchange import import_chat_log
+    from claw_pipelines.interop.chat_logs import import_chat_log
     from claw_pipelines.simulation.model_folders import tokenizer_folder
     from claw_pipelines.tokenization import load_chat_tokenizer
 

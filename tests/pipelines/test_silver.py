@@ -15,12 +15,12 @@ import openai
 import polars as pl
 import pytest
 
+from claw_pipelines.build.silver import watermark
 from claw_pipelines.contracts.tables import BRONZE_EVENTS
 from claw_pipelines.definitions import defs
 from claw_pipelines.defs.automation import bronze_version_sensor
 from claw_pipelines.defs.resources import ClawLake
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import watermark
+from claw_pipelines.lake.delta import Lake
 from tests.servers import REPO, GatewayProcess, bronze, wait_landed, wait_until
 from tests.upstreams import SimProcess, proxy_env
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from claw_pipelines.consume import ContractViolation, open_dataset
+from claw_pipelines import ContractViolation, open_dataset
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.silver import build_silver, silver_findings
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec
 from claw_pipelines.contracts.tables import SILVER_STEPS, gold_rejection_table
-from claw_pipelines.gold import build_partition
-from claw_pipelines.lake import Lake
-from claw_pipelines.ledger import waste_ledger
-from claw_pipelines.silver import build_silver, silver_findings
-from claw_pipelines.spec_store import save_spec
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.ops.ledger import waste_ledger
 from tests.lakes import completion, land, step
 
 

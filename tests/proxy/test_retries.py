@@ -7,11 +7,11 @@ from __future__ import annotations
 import openai
 import polars as pl
 
-from claw_pipelines.consume import open_dataset
+from claw_pipelines.build.gold import build_partition, candidate_steps, source_versions
+from claw_pipelines.build.silver import build_silver
+from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.gold import build_partition, candidate_steps, source_versions
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import build_silver
+from claw_pipelines.lake.delta import Lake
 from tests.servers import GatewayProcess, bronze, wait_until
 from tests.upstreams import SimProcess, proxy_env
 

@@ -18,7 +18,7 @@ import pytest
 
 from claw_pipelines.definitions import defs
 from claw_pipelines.defs.resources import ClawLake
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
 from claw_pipelines.tokenization import IM_END, decode, encode, load_tokenizer
 from gateway.proxy.token_history import restore_trajectory
 from tests.proxy.test_sim_llm import CALCULATOR

@@ -18,14 +18,14 @@ import polars as pl
 import pytest
 from transformers import AutoTokenizer
 
-from claw_pipelines.consume import open_dataset
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.silver import build_silver
+from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.export import export
-from claw_pipelines.gold import build_partition
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import build_silver
+from claw_pipelines.interop.export import export
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.simulation.model_folders import tiny_model_folder
-from claw_pipelines.spec_store import save_spec
 from claw_pipelines.tokenization import server_messages
 from tests.servers import REPO, GatewayProcess, bronze, wait_landed
 from tests.upstreams import TransformersServe, proxy_env

@@ -21,8 +21,8 @@ import pytest
 from claw_pipelines.app.up import daemons_healthy
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import SILVER_STEPS, gold_dataset_table
-from claw_pipelines.lake import Lake
-from claw_pipelines.spec_store import save_spec
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import save_spec
 from gateway.auth import create_key
 from tests.compose_local import LocalCompose
 from tests.servers import wait_until

@@ -24,7 +24,7 @@ from dagster._daemon.cli import run_command as daemon_run_command
 from dagster_webserver.cli import dagster_webserver
 
 from claw_pipelines.app.cli import build_parser
-from claw_pipelines.app.up import DAGSTER_YAML
+from claw_pipelines.app.instance import DAGSTER_YAML
 from claw_pipelines.settings import ClawSettings
 from tests.compose_local import claw_image, load_compose
 from tests.servers import REPO

@@ -1,7 +1,7 @@
 """Every user error is one clear line naming what is missing and what exists, the same in the
 CLI and the Python API (docs/DESIGN.md §9): a table of wrong invocations on one small real lake.
 CLI rows run as real `claw` processes (in a few threads, sharing one lake); API rows call
-`claw_pipelines.consume` and expect its NotFound."""
+`claw_pipelines.consume.dataset` and expect its NotFound."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from claw_pipelines.consume import NotFound, open_dataset
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.silver import build_silver
+from claw_pipelines.consume.dataset import NotFound, open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.gold import build_partition
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import build_silver
+from claw_pipelines.lake.delta import Lake
 from tests.lakes import group_of, land
 from tests.servers import REPO, free_port
 

@@ -24,7 +24,10 @@ def test_import_contracts_hold():
     [
         ("gateway.main", ("dagster", "streamlit")),
         ("dashboards", ("dagster", "gateway")),
-        ("claw_pipelines.contracts", ("dagster", "fastapi", "streamlit", "claw_pipelines.lake")),
+        (
+            "claw_pipelines.contracts",
+            ("dagster", "fastapi", "streamlit", "claw_pipelines.lake.delta"),
+        ),
         ("claw_pipelines.lake", ("dagster", "fastapi", "streamlit")),
     ],
 )

@@ -26,6 +26,9 @@ import httpx
 import polars as pl
 import pytest
 
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.live import LiveMaterializer
+from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -33,11 +36,8 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEPS,
     gold_dataset_table,
 )
-from claw_pipelines.gold import build_partition
-from claw_pipelines.lake import Lake
-from claw_pipelines.live import LiveMaterializer
-from claw_pipelines.silver import build_silver
-from claw_pipelines.spec_store import save_spec
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import save_spec
 from tests.crash_load import make_request
 from tests.s3 import s3_options, seaweed_server
 from tests.servers import REPO, GatewayProcess
@@ -48,8 +48,8 @@ SPEC = CurationSpec(name="soak", reward_status=["pending", "missing", "final"])
 MAINTAINED = (BRONZE_EVENTS, SILVER_STEPS, SILVER_FEEDBACK, "silver/trajectories")
 MAINTENANCE = """
 import sys, time
-from claw_pipelines.lake import Lake
-from claw_pipelines.live import LiveMaterializer
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.build.live import LiveMaterializer
 from claw_pipelines.settings import ClawSettings
 lake = Lake.from_settings(ClawSettings())
 rounds = 0

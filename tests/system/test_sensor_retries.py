@@ -14,15 +14,15 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from claw_pipelines.app.instance import DAGSTER_YAML
 from claw_pipelines.app.processes import ServiceProcess, wait_until
-from claw_pipelines.app.up import DAGSTER_YAML
+from claw_pipelines.build.failing import failing_builds
+from claw_pipelines.build.silver import watermark
 from claw_pipelines.contracts.specs import CurationSpec, Readmission
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, gold_dataset_table
 from claw_pipelines.defs.runs import RETRY_TAG
-from claw_pipelines.failing import failing_builds
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import watermark
-from claw_pipelines.spec_store import read_specs, save_spec
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import read_specs, save_spec
 from tests.lakes import feedback, group_of, land
 
 pytestmark = pytest.mark.soak

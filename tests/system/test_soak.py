@@ -17,8 +17,8 @@ import httpx
 import polars as pl
 import pytest
 
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import SILVER_TABLES, build_silver, watermark
+from claw_pipelines.build.silver import SILVER_TABLES, build_silver, watermark
+from claw_pipelines.lake.delta import Lake
 from tests.crash_load import client as white_box_client
 from tests.lakes import group_of, land
 from tests.servers import REPO, GatewayProcess
@@ -128,8 +128,8 @@ def test_a_silver_run_killed_midway_converges_to_the_uninterrupted_result(tmp_pa
     build_silver(clean)
 
     script = (
-        "import sys; from claw_pipelines.lake import Lake; "
-        "from claw_pipelines.silver import build_silver; build_silver(Lake(sys.argv[1]))"
+        "import sys; from claw_pipelines.lake.delta import Lake; "
+        "from claw_pipelines.build.silver import build_silver; build_silver(Lake(sys.argv[1]))"
     )
     interrupted = 0
     for delay in (0.4, 0.8, 1.2, 1.6, 2.0, 2.4):

@@ -22,10 +22,10 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_CONSUMPTION_SPEC
-from claw_pipelines.lake import Guard, Lake
+from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_CONSUMPTION_SPEC, LIVE_DELIVERY
+from claw_pipelines.lake.delta import Guard, Lake
 
-NEXT = "next"  # the `kind` of consumption rows written by next_batch
+NEXT = LIVE_DELIVERY  # the `kind` of consumption rows written by next_batch
 # a batch next_batch refused (a blocking contract check failed): its groups are never
 # offered to that consumer rank again, and the refusal is on record
 REFUSED = "refused"

@@ -100,22 +100,6 @@ class ContractReport:
         return "\n".join(lines)
 
 
-class ContractViolation(RuntimeError):
-    """A batch that breaks a check its spec makes blocking; names the checks and rows."""
-
-    def __init__(self, report: ContractReport, failed: list[ContractCheck]) -> None:
-        self.report, self.failed = report, failed
-        parts = [
-            f"{c.name} ({c.detail}; rows: {', '.join(c.rows)}"
-            + (", ..." if c.failures > len(c.rows) else "")
-            + ")"
-            for c in failed
-        ]
-        super().__init__(
-            f"batch of {report.dataset} v{report.dataset_version} refused: " + "; ".join(parts)
-        )
-
-
 def nesting_breaks(rows: pl.DataFrame, index: dict[str, np.ndarray], input_ids: np.ndarray):
     """(the later step keys of every pair of consecutive turns in `rows`, those of the pairs
     that do not nest): step t+1's first n tokens equal step t's n tokens. In a prefix tree a

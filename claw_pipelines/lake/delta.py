@@ -27,8 +27,9 @@ from deltalake import (
 )
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
+from claw_pipelines.contracts.errors import WriteConflict
 from claw_pipelines.contracts.tables import TABLES, TableSpec
-from claw_pipelines.object_store import (
+from claw_pipelines.lake.object_store import (
     list_folders,
     list_names,
     read_bytes,
@@ -57,11 +58,6 @@ APPEND_HEAVY_WRITER = WriterProperties(
     compression_level=1,
     default_column_properties=ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE"),
 )
-
-
-class WriteConflict(Exception):
-    """A concurrent writer committed to a table this write was computed from; the write did
-    not land. Recompute from the new state and try again."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +201,7 @@ class Lake:
 
     def verify_store(self) -> None:
         """Before this process first writes: the store must keep concurrent commits safe
-        (claw_pipelines.object_store; once per process and lake, nothing for a local lake)."""
+        (claw_pipelines.lake.object_store; once per process and lake, nothing for a local lake)."""
         verify_lake_store(self.uri, self.storage_options)
 
     # -- plain files (curation specs) -------------------------------------------------------

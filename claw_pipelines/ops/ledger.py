@@ -7,11 +7,11 @@ from __future__ import annotations
 import polars as pl
 
 from claw_pipelines.contracts.tables import (
-    GOLD_LINEAGE,
     gold_dataset_table,
     gold_rejection_table,
 )
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.catalog import gold_datasets
+from claw_pipelines.lake.delta import Lake
 
 ROW_SCHEMA = {
     "step_key": pl.String,
@@ -33,14 +33,6 @@ LEDGER_SCHEMA = {
     "readmitted_tokens": pl.Int64,
     "readmitted_by": pl.List(pl.String),
 }
-
-
-def gold_datasets(lake: Lake) -> list[str]:
-    """Names of the gold datasets written so far (from lineage), sorted."""
-    if not lake.exists(GOLD_LINEAGE):
-        return []
-    names = set(lake.read(GOLD_LINEAGE, columns=["dataset"])["dataset"].to_list())
-    return sorted(name for name in names if lake.exists(gold_dataset_table(name)))
 
 
 def _admitted_of(left_out: pl.DataFrame, admitted: pl.DataFrame) -> pl.Series:

@@ -31,8 +31,8 @@ from typing import Any, Literal
 import numpy as np
 import polars as pl
 
-from claw_pipelines.consume import BatchPlan, Dataset, Layout
-from claw_pipelines.export import verl_frame
+from claw_pipelines.consume.dataset import BatchPlan, Dataset, Layout
+from claw_pipelines.transforms.shapes import verl_frame
 
 try:
     from torch.utils.data import IterableDataset as _IterableDataset

@@ -37,6 +37,9 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from claw_pipelines.build.gold import curated, source_versions
+from claw_pipelines.build.silver import silver_state
+from claw_pipelines.contracts.errors import JudgeError
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -44,12 +47,10 @@ from claw_pipelines.contracts.tables import (
     SCHEMA_VERSION,
     SILVER_STEPS,
 )
-from claw_pipelines.decoding import decode_steps, recorded_requests, resolver
-from claw_pipelines.gold import curated, source_versions
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import silver_state
+from claw_pipelines.lake.decoding import decode_steps, recorded_requests, resolver
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.tokenizers import bundled_fingerprint
 from claw_pipelines.tokenization import IM_END, IM_START, decode_lists, encode
-from claw_pipelines.tokenizer_store import bundled_fingerprint
 
 JudgeFunction = Callable[[pl.DataFrame], pl.Series]
 RESCORE_WRITER = "rescore"  # the bronze `gateway_id` of judges' facts
@@ -64,10 +65,6 @@ JUDGE_SCHEMA = {
     "tokenizer": pl.String,
 }
 JUDGE_INPUT_COLUMNS = list(JUDGE_SCHEMA)
-
-
-class JudgeError(ValueError):
-    """A judge that cannot be loaded or answered wrongly (one line, names the judge)."""
 
 
 @dataclass(frozen=True)
@@ -269,7 +266,7 @@ def load_judge(name: str, version: str | None = None) -> Judge:
 def judge_texts(lake: Lake, steps: pl.DataFrame, fallback: str | None = None) -> pl.DataFrame:
     """The steps with `last_user` and `reply` decoded with each step's tokenizer (the lake's
     copy; `fallback` for steps naming none): the bundled tokenizer's ChatML by scanning the
-    ids for the last user turn (vectorized), others through claw_pipelines.decoding.
+    ids for the last user turn (vectorized), others through claw_pipelines.lake.decoding.
     Undecodable names the first step that cannot be read."""
     resolve = resolver(lake, fallback)
     bundled = bundled_fingerprint()

@@ -11,7 +11,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
 from claw_pipelines.tokenization import ChatTokenizer, load_chat_tokenizer
 from claw_pipelines.tokenization.templates import TEMPLATE_DIR
 

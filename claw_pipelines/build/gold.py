@@ -27,6 +27,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from claw_pipelines.build.silver import silver_state
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_LINEAGE,
@@ -42,17 +43,8 @@ from claw_pipelines.contracts.tables import (
     gold_tree_spec,
     gold_tree_table,
 )
-from claw_pipelines.lake import Guard, Lake, conform, until_landed
-from claw_pipelines.quality import (
-    Finding,
-    groups_are_complete,
-    partition_within_staleness,
-    steps_in_one_partition,
-    trees_are_minimal,
-    trees_rebuild_steps,
-)
-from claw_pipelines.silver import silver_state
-from claw_pipelines.spec_store import SpecError, load_spec
+from claw_pipelines.lake.delta import Guard, Lake, conform, until_landed
+from claw_pipelines.lake.specs import SpecError, load_spec
 from claw_pipelines.transforms.curation import (
     CANDIDATE_STEP_COLUMNS,
     GROUP,
@@ -64,6 +56,14 @@ from claw_pipelines.transforms.curation import (
     tree_ids,
 )
 from claw_pipelines.transforms.prefix_tree import PrefixForest, build_forest
+from claw_pipelines.transforms.quality import (
+    Finding,
+    groups_are_complete,
+    partition_within_staleness,
+    steps_in_one_partition,
+    trees_are_minimal,
+    trees_rebuild_steps,
+)
 
 SILVER_COLUMNS_FOR_GOLD = [*CANDIDATE_STEP_COLUMNS, "model", "created_at", "event_id"]
 # what a spec with `reward_judge` reads of silver/feedback

@@ -9,14 +9,11 @@ from dataclasses import dataclass
 import yaml
 from pydantic import ValidationError
 
+from claw_pipelines.contracts.errors import SpecError
 from claw_pipelines.contracts.specs import BUILTIN_SPECS, DEFAULT_SPEC, CurationSpec
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
 
 SPEC_FOLDER = "specs"
-
-
-class SpecError(ValueError):
-    """A spec that does not validate; the message names the field."""
 
 
 def spec_path(name: str) -> str:

@@ -2,7 +2,7 @@
 exports, judges and the dashboard, decoded with the tokenizer the step's ids belong to.
 
 A step names its tokenizer in `metadata.tokenizer` (silver's and gold's `tokenizer` column:
-its fingerprint), kept in the lake by claw_pipelines.tokenizer_store. A prompt becomes
+its fingerprint), kept in the lake by claw_pipelines.lake.tokenizers. A prompt becomes
 messages by reading its text back with the chat template (`MessageReader`): what the template
 writes around a message of each role is learned by rendering markers in that role, the text
 is cut along it, and the reading is kept only when rendering the messages again gives the
@@ -22,10 +22,11 @@ from typing import Any
 
 import polars as pl
 
+from claw_pipelines.contracts.errors import Undecodable
 from claw_pipelines.contracts.tables import SILVER_STEPS
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.tokenizers import tokenizer_of
 from claw_pipelines.tokenization import IM_END, IM_START, ChatTokenizer, load_chat_tokenizer
-from claw_pipelines.tokenizer_store import tokenizer_of
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_TURNS = 1024
@@ -35,10 +36,6 @@ def _marker(i: int) -> str:
     """The content standing for message i while a template's layout is learned: private-use
     characters, which no template writes itself."""
     return f"\ue000{i}\ue001"
-
-
-class Undecodable(LookupError):
-    """A step whose messages cannot be had; the message names the step and what is missing."""
 
 
 @dataclass(frozen=True, slots=True)

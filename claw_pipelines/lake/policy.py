@@ -15,7 +15,7 @@ import polars as pl
 import pyarrow as pa
 
 from claw_pipelines.contracts.tables import GOLD_POLICY_VERSIONS
-from claw_pipelines.lake import Guard, Lake, until_landed
+from claw_pipelines.lake.delta import Guard, Lake, until_landed
 
 POLICY_WRITER = "claw.policy"
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import polars as pl
 
-from claw_pipelines import lake as lake_module
+from claw_pipelines.build.silver_view import SilverView
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     FACT_KINDS,
@@ -35,8 +35,16 @@ from claw_pipelines.contracts.tables import (
     STEP_KINDS,
     TABLES,
 )
-from claw_pipelines.lake import Guard, Lake, sql_strings, until_landed
-from claw_pipelines.quality import (
+from claw_pipelines.lake import delta as lake_module
+from claw_pipelines.lake.delta import Guard, Lake, sql_strings, until_landed
+from claw_pipelines.settings import ClawSettings
+from claw_pipelines.transforms.feedback import (
+    RewardTarget,
+    bronze_facts,
+    resolve_rewards,
+    step_reward_facts,
+)
+from claw_pipelines.transforms.quality import (
     Finding,
     feedback_targets_exist,
     lengths_are_consistent,
@@ -45,14 +53,6 @@ from claw_pipelines.quality import (
     step_keys_are_unique,
     steps_have_no_conflicts,
     token_ids_are_exact,
-)
-from claw_pipelines.settings import ClawSettings
-from claw_pipelines.silver_view import SilverView
-from claw_pipelines.transforms.feedback import (
-    RewardTarget,
-    bronze_facts,
-    resolve_rewards,
-    step_reward_facts,
 )
 from claw_pipelines.transforms.steps import (
     BRONZE_COLUMNS_OF_STEPS,

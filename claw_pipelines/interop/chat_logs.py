@@ -18,7 +18,7 @@ returns token ids (vLLM's `return_token_ids`) logged it.
 | `metadata` | anything else to keep (a JSON object) |
 
 With `--tokenizer FOLDER` (the model's tokenizer folder, as the gateway's `CLAW_TOKENIZER`),
-the folder is kept in the lake (claw_pipelines.tokenizer_store) and every step names it in
+the folder is kept in the lake (claw_pipelines.lake.tokenizers) and every step names it in
 `metadata.tokenizer`, so exports and judges decode its ids with it.
 
 Choice 0 is the trajectory's step; choice i > 0 becomes trajectory `<uid>.c<i>` (the rollouts
@@ -41,19 +41,16 @@ from typing import Any
 import pyarrow as pa
 from pydantic import ValidationError
 
+from claw_pipelines.contracts.errors import ChatLogError
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC, SCHEMA_VERSION
 from claw_pipelines.contracts.wire import Step
-from claw_pipelines.lake import Lake
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.tokenizers import save_tokenizer
 from claw_pipelines.tokenization import ChatTokenizer
-from claw_pipelines.tokenizer_store import save_tokenizer
 
 IMPORT_FORMATS = ("openai-chat",)
 IMPORT_WRITER = "claw-import"
 TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "response_mask")
-
-
-class ChatLogError(ValueError):
-    """A chat log that cannot be imported; the message names the line and the field."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ verl (`verl-parquet`, `jsonl`), one row per step:
 
 `sft-messages` (JSON lines, one per step; e.g. of the built-in `sft-successes` dataset):
 `messages` (the prompt's turns, then the sampled reply as the assistant's, decoded with the
-step's own tokenizer: claw_pipelines.decoding), `prompt_ids`, `response_ids`,
+step's own tokenizer: claw_pipelines.lake.decoding), `prompt_ids`, `response_ids`,
 `response_mask` (loss on the reply alone), `reward`, `trajectory_return`, the provenance
 columns and `decoded_with` (the tokenizer's name and fingerprint, and `via`: `template` or
 `recorded`).
@@ -42,41 +42,13 @@ import polars as pl
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from claw_pipelines.consume import Dataset
-from claw_pipelines.decoding import decode_steps, recorded_requests, resolver
+from claw_pipelines.consume.dataset import Dataset
+from claw_pipelines.lake.decoding import decode_steps, recorded_requests, resolver
+from claw_pipelines.transforms.shapes import verl_frame
 
 Format = Literal["verl-parquet", "jsonl", "sft-messages", "preference-pairs"]
 FORMATS = ("verl-parquet", "jsonl", "sft-messages", "preference-pairs")
 CHUNK_ROWS = 1024
-
-
-def verl_frame(steps: pl.DataFrame) -> pl.DataFrame:
-    """Gold steps in verl's column names and shapes (see the module doc)."""
-    ones = pl.col("response_ids").list.eval(pl.element() * 0 + 1).cast(pl.List(pl.Int8))
-    zeros = pl.col("response_ids").list.eval(pl.element() * 0.0).cast(pl.List(pl.Float32))
-    last_reward = pl.col("reward").fill_null(0.0).cast(pl.Float32)
-    return steps.select(
-        uid=pl.coalesce("prompt_uid", "trajectory_uid"),
-        prompts="prompt_ids",
-        responses="response_ids",
-        response_mask=pl.coalesce(pl.col("response_mask"), ones),
-        old_log_probs="rollout_log_probs",
-        token_level_rewards=pl.when(pl.col("response_ids").list.len() > 0)
-        .then(
-            pl.concat_list(
-                zeros.list.head(pl.col("response_ids").list.len() - 1),
-                last_reward,
-            )
-        )
-        .otherwise(zeros),
-        reward="reward",
-        reward_status="reward_status",
-        advantage="advantage",
-        step_key="step_key",
-        trajectory_uid="trajectory_uid",
-        step_index="step_index",
-        policy_version="policy_version",
-    )
 
 
 def sft_frame(

@@ -30,7 +30,7 @@ from claw_pipelines.contracts.tables import (
     SILVER_TRAJECTORIES,
     TABLES,
 )
-from claw_pipelines.lake import Lake, conform
+from claw_pipelines.lake.delta import Lake, conform
 from claw_pipelines.transforms.curation import (
     CALL_COLUMNS,
     CANDIDATE_STEP_COLUMNS,

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cache
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,26 +45,7 @@ import polars as pl
 import pyarrow as pa
 from deltalake.exceptions import DeltaError
 
-from claw_pipelines import policy
-from claw_pipelines.contract import (
-    CONTRACT_COLUMNS,
-    ContractReport,
-    ContractViolation,
-    Verdicts,
-    blocking_failures,
-    verdicts,
-)
-from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.contracts.tables import (
-    GOLD_CONSUMPTION,
-    GOLD_CONSUMPTION_SPEC,
-    GOLD_LINEAGE,
-    GOLD_POLICY_VERSIONS,
-    gold_dataset_table,
-    gold_rejection_table,
-    gold_tree_table,
-)
-from claw_pipelines.delivery import (
+from claw_pipelines.consume.delivery import (
     NEXT,
     REFUSED,
     UNIT_COLUMNS,
@@ -76,7 +56,27 @@ from claw_pipelines.delivery import (
     ledger,
     record_delivery,
 )
-from claw_pipelines.lake import Lake, until_landed
+from claw_pipelines.consume.report import (
+    CONTRACT_COLUMNS,
+    ContractReport,
+    Verdicts,
+    blocking_failures,
+    verdicts,
+)
+from claw_pipelines.contracts.errors import ContractViolation, NotFound
+from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.contracts.tables import (
+    GOLD_CONSUMPTION,
+    GOLD_CONSUMPTION_SPEC,
+    GOLD_LINEAGE,
+    GOLD_POLICY_VERSIONS,
+    gold_dataset_table,
+    gold_rejection_table,
+    gold_tree_table,
+)
+from claw_pipelines.lake import policy
+from claw_pipelines.lake.catalog import gold_datasets, lake_exists
+from claw_pipelines.lake.delta import Lake, until_landed
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.packing import Layout, Packed, pack
 
@@ -91,11 +91,6 @@ BATCH_STEP_COLUMNS = [
 ]
 
 
-class NotFound(LookupError):
-    """What was asked for (lake, dataset, dataset version, policy version) does not exist;
-    the message names it and what does exist, in one line."""
-
-
 def _listed(values: Sequence[object], none: str) -> str:
     """`values` as '1, 2, 3' (a range as '0..12' when contiguous), or `none`."""
     if not values:
@@ -106,18 +101,10 @@ def _listed(values: Sequence[object], none: str) -> str:
     return ", ".join(str(v) for v in values)
 
 
-def dataset_names(lake: Lake) -> list[str]:
-    """The gold datasets of a lake (those lineage records whose table exists)."""
-    if not lake.exists(GOLD_LINEAGE):
-        return []
-    names = lake.read(GOLD_LINEAGE, columns=["dataset"])["dataset"].unique().sort()
-    return [n for n in names.to_list() if lake.exists(gold_dataset_table(n))]
-
-
 def require_lake(lake: Lake) -> None:
     """Raise NotFound when a local lake's directory does not exist (object stores have no
     directories to look for: a missing table says so instead)."""
-    if not lake.is_remote and not Path(lake.uri).is_dir():
+    if not lake_exists(lake):
         raise NotFound(f"no lake at {lake.uri} (the directory does not exist)")
 
 
@@ -155,7 +142,7 @@ class Batch:
 
     @property
     def contract(self) -> ContractReport | None:
-        """The checks this batch satisfies (claw_pipelines.contract). Judged when the batch
+        """The checks this batch satisfies (claw_pipelines.consume.report). Judged when the batch
         is made if its spec blocks on any; otherwise on first use (for `batches`: once per
         partition, about 20 ms per 3,000 steps)."""
         if callable(self._contract):
@@ -415,7 +402,7 @@ class Dataset:
         require_lake(lake)
         newest = lake.version(self.table)
         if newest is None:
-            known = _listed(dataset_names(lake), "none yet: `claw materialize` builds them")
+            known = _listed(gold_datasets(lake), "none yet: `claw materialize` builds them")
             raise NotFound(f"no gold dataset {name!r} in {lake.uri} (datasets: {known})")
         self.version: int = newest if version is None else self._readable(version, newest)
         # live delivery keeps what it read while the tables it came from have not moved

@@ -24,6 +24,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError
 from obstore.store import from_url
 
+from claw_pipelines.contracts.errors import UnsafeStore
 from claw_pipelines.settings import REMOTE_SCHEMES, unsafe_storage_option
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,6 @@ _USE_INSTEAD = (
 )
 _verified: set[tuple[str, frozenset[tuple[str, str]]]] = set()
 _verified_lock = threading.Lock()
-
-
-class UnsafeStore(ValueError):
-    """The lake's store or storage options would let concurrent commits be lost."""
 
 
 def _split_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from claw_pipelines.attention import tile_masks
+from claw_pipelines.train.attention import tile_masks
 
 HF_NAME = "claw_tree"
 PLAN_BLOCK = 256

@@ -33,12 +33,17 @@ from datetime import UTC, datetime, timedelta
 
 import polars as pl
 
+from claw_pipelines.build.gold import TOKEN_COLUMNS
+from claw_pipelines.build.increments import AtHand, Brought, GoldIncrement, update_dataset
+from claw_pipelines.build.silver import SilverOptions, SilverRun, build_silver, silver_state
+from claw_pipelines.build.silver_view import SilverView
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     GOLD_CONSUMPTION,
     GOLD_LINEAGE,
     GOLD_POLICY_VERSIONS,
+    LIVE_DELIVERY,
     SILVER_STEP_REWARDS,
     SILVER_TABLES,
     SILVER_TRAJECTORIES,
@@ -46,13 +51,8 @@ from claw_pipelines.contracts.tables import (
     gold_rejection_table,
     gold_tree_table,
 )
-from claw_pipelines.delivery import NEXT
-from claw_pipelines.gold import TOKEN_COLUMNS
-from claw_pipelines.gold_increments import AtHand, Brought, GoldIncrement, update_dataset
-from claw_pipelines.lake import Lake
-from claw_pipelines.silver import SilverOptions, SilverRun, build_silver, silver_state
-from claw_pipelines.silver_view import SilverView
-from claw_pipelines.spec_store import SpecError, read_specs, spec_path
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import SpecError, read_specs, spec_path
 
 HEARTBEAT = "_live/materializer.json"
 HEARTBEAT_S = 5.0  # the heartbeat is rewritten at least this often
@@ -374,7 +374,7 @@ def live_consumed(lake: Lake, within_s: float | None = None) -> dict[str, str]:
     pulls of the last `within_s` seconds when given."""
     if not lake.exists(GOLD_CONSUMPTION):
         return {}
-    pulls = pl.col("kind") == NEXT
+    pulls = pl.col("kind") == LIVE_DELIVERY
     if within_s is not None:
         pulls = pulls & (pl.col("consumed_at") >= datetime.now(UTC) - timedelta(seconds=within_s))
     last = (

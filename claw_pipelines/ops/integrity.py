@@ -17,7 +17,15 @@ from typing import Literal
 
 import polars as pl
 
-from claw_pipelines.consume import BATCH_STEP_COLUMNS, Dataset
+from claw_pipelines.build.gold import build_partition, policy_versions
+from claw_pipelines.build.silver import (
+    SILVER_TABLES,
+    SilverOptions,
+    build_silver,
+    dedupe_silver,
+    silver_state,
+)
+from claw_pipelines.consume.dataset import BATCH_STEP_COLUMNS, Dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -30,22 +38,15 @@ from claw_pipelines.contracts.tables import (
     gold_dataset_table,
     gold_tree_table,
 )
-from claw_pipelines.gold import build_partition, policy_versions
-from claw_pipelines.lake import Lake
-from claw_pipelines.quality import (
+from claw_pipelines.lake.catalog import gold_datasets
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import SpecError, load_spec
+from claw_pipelines.transforms.quality import (
     Finding,
     inconsistent_lengths,
     rewards_are_finite,
     step_keys_are_unique,
 )
-from claw_pipelines.silver import (
-    SILVER_TABLES,
-    SilverOptions,
-    build_silver,
-    dedupe_silver,
-    silver_state,
-)
-from claw_pipelines.spec_store import SpecError, load_spec
 
 Kind = Literal["duplicates", "watermark", "trees", "bad_rows"]
 SILVER_KEYS = {
@@ -132,14 +133,6 @@ def _silver_problems(lake: Lake) -> list[Problem]:
         "rewards that are not finite numbers (not repairable: fix the writer)",
     )
     return problems
-
-
-def gold_datasets(lake: Lake) -> list[str]:
-    """The datasets gold holds (every dataset lineage has recorded whose table exists)."""
-    if not lake.exists(GOLD_LINEAGE):
-        return []
-    names = lake.read(GOLD_LINEAGE, columns=["dataset"])["dataset"].unique().sort()
-    return [n for n in names.to_list() if lake.exists(gold_dataset_table(n))]
 
 
 def _gold_problems(lake: Lake) -> list[Problem]:
