@@ -44,6 +44,7 @@ class ProxyCall:
     audit_json: bytes | None = None
     routing_key: str | None = None  # what keeps the call on its trajectory's replica
     replica: dict[str, Any] | None = None  # which replica served it (and moves), for the step
+    can_move: bool = False  # another replica is left to try should this one be unreachable
 
     @property
     def stream(self) -> bool:
@@ -71,7 +72,7 @@ class ProxyCall:
             "model": self.body.get("model"),
             "stream": self.stream,
             "prompt_uid": self.scope.prompt_uid,
-        }
+        } | ({"replica": self.replica["url"]} if self.replica else {})
 
 
 def parse_request(raw: bytes) -> tuple[dict[str, Any], bytes]:

@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import pydantic_core
@@ -64,6 +64,8 @@ class StreamRelay:
         # a call in another protocol: its events are made from the chat chunks
         self.translator = call.dialect.stream() if call.dialect is not None else None
         self.recorded = False
+        self.on_close: Callable[[], None] | None = None  # the replica's call ended
+        self.on_failure: Callable[[UpstreamFailure], None] | None = None  # the replica broke
         self.started = time.perf_counter()
         self.body = self._events()
 
@@ -101,6 +103,8 @@ class StreamRelay:
             if translator is not None:
                 yield translator.finish()
         except UpstreamFailure as failure:
+            if self.on_failure is not None:
+                self.on_failure(failure)
             await self._record("upstream_error", failure)
             if translator is not None:
                 yield translator.error(failure)
@@ -120,6 +124,9 @@ class StreamRelay:
             await self.body.aclose()
             await self.response.aclose()
             await self._record("client_disconnected")
+            if self.on_close is not None:
+                self.on_close, on_close = None, self.on_close
+                on_close()
 
     async def _record(self, unfinished: str | None, failure: UpstreamFailure | None = None) -> None:
         """Make the steps durable (once; shielded from cancellation)."""

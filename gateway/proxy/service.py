@@ -40,6 +40,7 @@ from gateway.proxy.chat_from_tokens import chat_chunks
 from gateway.proxy.dialects import DialectCall, Responses, open_messages
 from gateway.proxy.dialects.response_store import ResponseStore, reply_message
 from gateway.proxy.relay import StreamRelay
+from gateway.proxy.replicas import Replica, Replicas, routing_key
 from gateway.proxy.scope import Scope, TrajectoryBook
 from gateway.proxy.steps import (
     CallSteps,
@@ -72,7 +73,7 @@ class ProxyService:
         self,
         settings: ClawSettings,
         landing: Landing,
-        upstream: Upstream | None,
+        upstream: Replicas | None,
         registry: CollectorRegistry | None = None,
         capture: CaptureMode | None = None,
     ) -> None:
@@ -115,8 +116,8 @@ class ProxyService:
         )
 
     # -- admission and failures -------------------------------------------------------------
-    def admit(self, recording: bool = True) -> Upstream:
-        """The upstream, if configured and (for recorded calls) the gateway can record.
+    def admit(self, recording: bool = True) -> Replicas:
+        """The upstream replicas, if configured and (for recorded calls) the gateway can record.
 
         Refusing up front (503) wastes no inference: after the landing reported overload,
         calls are refused for its Retry-After."""
@@ -178,7 +179,7 @@ class ProxyService:
 
     async def models(self, tenant: str) -> Answer:
         """The upstream's model list, passed through."""
-        upstream = self.admit(recording=False)
+        upstream = self.admit(recording=False).route(None)[0].upstream
         try:
             reply = await upstream.get("/models")
         except UpstreamFailure as failure:
@@ -188,8 +189,49 @@ class ProxyService:
         return Answer(reply.status, reply.body, reply.content_type or JSON)
 
     async def complete(self, call: ProxyCall) -> Answer | StreamRelay:
-        """Forward a (chat) completion; record its choices; answer as the upstream did."""
-        upstream = self.admit()
+        """Forward a (chat) completion to its replica; record its choices; answer as the
+        upstream did. A replica that cannot be reached is skipped and the call (and its
+        trajectory) moves to another, recorded on the step (`metadata.replica`)."""
+        replicas = self.admit()
+        if len(replicas) == 1:
+            return await self._complete_on(call, replicas.replicas[0].upstream)
+        key = routing_key(call.scope.trajectory_uid, call.body)
+        tried: tuple[Replica, ...] = ()
+        while True:
+            replica, moved_from = replicas.route(key, tried)
+            call.replica = {"url": replica.url}
+            if moved_from is not None:
+                call.replica["moved_from"] = moved_from.url
+            call.can_move = len(tried) + 1 < len(replicas)
+            replica.in_flight += 1
+            try:
+                answer = await self._complete_on(call, replica.upstream)
+            except ReplicaFailed as failed:
+                replica.release()
+                replicas.failed(replica, failed.failure.message)
+                tried += (replica,)
+                continue
+            except BaseException:
+                replica.release()
+                raise
+            replicas.succeeded(replica)
+            if isinstance(answer, StreamRelay):
+                answer.on_close = replica.release
+                answer.on_failure = lambda failure, r=replica: replicas.failed(r, failure.message)
+            else:
+                replica.release()
+            return answer
+
+    async def _upstream_failed(self, failure: UpstreamFailure, call: ProxyCall) -> NoReturn:
+        """A failed upstream call: recorded as an event, then moved to another replica when
+        the replica could not be reached and another is left, else answered as an error."""
+        if call.can_move and failure.status == 502:
+            await self.land([self.failure_record(failure, call.tenant, call)])
+            raise ReplicaFailed(failure)
+        await self.fail(failure, call.tenant, call)
+
+    async def _complete_on(self, call: ProxyCall, upstream: Upstream) -> Answer | StreamRelay:
+        """Forward a call to one upstream replica."""
         call.token_in_plan = plan = await self.token_in.plan(call, upstream.returns_token_ids())
         if plan is not None and not plan.via_chat:
             answer = await self._complete_token_in(call, upstream, plan)
@@ -216,7 +258,7 @@ class ProxyService:
                 self._token_ids_unsupported(upstream, call.stream)
                 ask_token_ids = False
         except UpstreamFailure as failure:
-            await self.fail(failure, call.tenant, call)
+            await self._upstream_failed(failure, call)
         if reply.status >= 400:
             return await self._refused(reply, call)
         seconds = time.perf_counter() - started
@@ -259,7 +301,7 @@ class ProxyService:
         try:
             reply = await upstream.post(COMPLETIONS.path, plan.body)
         except UpstreamFailure as failure:
-            await self.fail(failure, call.tenant, call)
+            await self._upstream_failed(failure, call)
         if _refuses_token_ids(reply.status, reply.body):
             self._token_ids_unsupported(upstream, stream=False)
             if self.token_in.mode_of(call) == "auto":
@@ -493,6 +535,14 @@ class ProxyService:
                 group = groups.setdefault(index // call.n, new_event_id())
             places.append(StepPlace(new_event_id(), 0, group, version, stamped))
         return places
+
+
+class ReplicaFailed(Exception):
+    """A replica could not be reached; the call goes to another."""
+
+    def __init__(self, failure: UpstreamFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 def server_timing(received: float, upstream_ms: float) -> str:
