@@ -9,6 +9,12 @@ run), the gateway's CPU per call, the throughput ratio, the targets (median adde
 every run <= 1.5 ms, gateway CPU <= 1 ms per call, ratio >= 0.8, every answer recorded) and
 `target_met`.
 
+The same call as OpenAI Responses (`/v1/responses`) and Anthropic Messages (`/v1/messages`)
+through the same gateway runs in the same rounds (`protocols`): each one's added p50 over
+direct must be at most 1.5 x the chat arm's, and its throughput at least 0.95 of it. After
+the rounds, `sticky_replicas`: a gateway in front of two sim replicas, 32 scoped agents of 8
+turns each; the share of each trajectory's calls served by its first replica must be >= 0.99.
+
 Two more arms run in the same rounds: the gateway with httpx as its upstream client (does the
 hand-written HTTP/1.1 client earn its place?) and `relay_floor` (benchmarks/relay_floor.py:
 uvicorn, the same client and the same JSON work, recording nothing), the floor under any
@@ -56,6 +62,9 @@ TARGET_ADDED_P50_MS = 1.0  # median of the runs
 TARGET_WORST_RUN_MS = 1.5
 TARGET_CPU_MS_PER_CALL = 1.0
 TARGET_RATIO = 0.8
+TARGET_PROTOCOL_ADDED_FACTOR = 1.5  # Responses / Messages added p50 vs the chat arm's
+TARGET_PROTOCOL_RATIO = 0.95  # their throughput over the chat arm's
+TARGET_STICKY_SHARE = 0.99  # a trajectory's calls on its first replica, both healthy
 SATURATED = 0.85  # share of one CPU the (single-threaded) simulated model may use
 TEXT = (
     "the agent reads the tool output and plans its next step while the model keeps the "
@@ -80,6 +89,79 @@ def chat_body(prompt_tokens: int = 1500) -> tuple[bytes, int]:
     chat = messages(words)
     body = {"model": "claw-sim-llm", "messages": chat, "max_tokens": 64}
     return json.dumps(body).encode(), len(encode_chat(chat))
+
+
+def protocol_bodies(chat: bytes) -> dict[str, tuple[str, bytes]]:
+    """The same call in each protocol the gateway serves: path and body."""
+    body = json.loads(chat)
+    system, user = body["messages"][0]["content"], body["messages"][1]["content"]
+    responses = {
+        "model": body["model"],
+        "instructions": system,
+        "input": user,
+        "max_output_tokens": body["max_tokens"],
+    }
+    messages = {
+        "model": body["model"],
+        "system": system,
+        "messages": [{"role": "user", "content": user}],
+        "max_tokens": body["max_tokens"],
+    }
+    return {
+        "chat": ("/v1/chat/completions", chat),
+        "responses": ("/v1/responses", json.dumps(responses).encode()),
+        "messages": ("/v1/messages", json.dumps(messages).encode()),
+    }
+
+
+async def sticky_calls(url: str, agents: int, turns: int, latency_s: float) -> int:
+    """`agents` scoped multi-turn conversations through a gateway, concurrently; calls made."""
+    async with httpx.AsyncClient(timeout=60) as client:
+
+        async def agent(index: int) -> int:
+            await asyncio.sleep(latency_s * index / agents)
+            messages = [{"role": "user", "content": f"What is {index} + 7?"}]
+            for turn in range(turns):
+                answer = await client.post(
+                    f"{url}/t/sticky-{index}/g/g-{index}/v1/chat/completions",
+                    json={"model": "claw-sim-llm", "messages": messages, "max_tokens": 32},
+                )
+                answer.raise_for_status()
+                reply = answer.json()["choices"][0]["message"]["content"]
+                messages += [
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": f"And {turn}?"},
+                ]
+            return turns
+
+        return sum(await asyncio.gather(*(agent(i) for i in range(agents))))
+
+
+def sticky_share(lake: Path, calls: int) -> dict:
+    """Per trajectory, the share of its calls served by the replica of its first call."""
+    table = str(lake / "bronze" / "events")
+    wait_until(lambda: pl.read_delta(table).height >= calls, 60, interval=0.2, what="sticky steps")
+    steps = (
+        pl.read_delta(table)
+        .filter(pl.col("kind") == "chat_completion")
+        .select(
+            "trajectory_uid",
+            "step_index",
+            replica=pl.col("payload").str.json_path_match("$.metadata.replica.url"),
+        )
+        .sort("trajectory_uid", "step_index")
+    )
+    shares = steps.group_by("trajectory_uid").agg(
+        share=(pl.col("replica") == pl.col("replica").first()).mean(),
+        first=pl.col("replica").first(),
+    )
+    return {
+        "calls": steps.height,
+        "trajectories": shares.height,
+        "share_on_first_replica_min": round(shares["share"].min(), 4),
+        "share_on_first_replica_mean": round(shares["share"].mean(), 4),
+        "trajectories_per_replica": sorted(shares["first"].value_counts()["count"].to_list()),
+    }
 
 
 def start(command: list[str], url: str, env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -159,6 +241,8 @@ def main() -> None:
     )
     parser.add_argument("--latency-ms", type=float, default=250.0)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--sticky-agents", type=int, default=32)
+    parser.add_argument("--sticky-turns", type=int, default=8)
     parser.add_argument(
         "--no-compare-clients",
         dest="compare_clients",
@@ -168,6 +252,7 @@ def main() -> None:
     args = parser.parse_args()
 
     body, prompt_tokens = chat_body(args.prompt_tokens)
+    protocols = protocol_bodies(body)
     workdir = Path(tempfile.mkdtemp(prefix="claw-proxy-bench-"))
     sim_port, gw_port = free_port(), free_port()
     env = {
@@ -213,18 +298,25 @@ def main() -> None:
                 workdir / f"{name}.log",
             ),
         )
-    targets = {"direct": sim_port, **{name: port for name, (port, _) in gateways.items()}}
+    chat_path = "/v1/chat/completions"
+    targets = {
+        "direct": (sim_port, chat_path, body),
+        **{name: (port, chat_path, body) for name, (port, _) in gateways.items()},
+        # the other protocols through the same gateway, to the same upstream chat call
+        **{f"gateway_{p}": (gw_port, *protocols[p]) for p in ("responses", "messages")},
+    }
     # Independent agents do not start in lockstep: spread the clients' first calls over one
     # model latency (unmeasured), as a steady stream of 32 agents would arrive.
     stagger = args.latency_ms / 1000
     results = {name: LoadResult() for name in targets}
     sim_busy = {name: 0.0 for name in targets}
-    gateway_busy = {name: 0.0 for name in gateways}
+    gateway_busy = {name: 0.0 for name in [*gateways, "gateway_responses", "gateway_messages"]}
     children_busy = {name: 0.0 for name in gateways}  # the syncer and flusher processes
     by_round: list[float] = []  # added p50 of each run (round)
+    by_round_protocol: dict[str, list[float]] = {"responses": [], "messages": []}
     try:
-        for port in targets.values():  # connections, caches, the first WAL segment: not measured
-            request = encode_post("127.0.0.1", port, "/v1/chat/completions", body)
+        for port, path, payload in targets.values():  # connections, caches: not measured
+            request = encode_post("127.0.0.1", port, path, payload)
             asyncio.run(
                 run_load(
                     "127.0.0.1",
@@ -240,8 +332,8 @@ def main() -> None:
             if round_index % 2:  # ABBA: a drift of the machine weighs on both arms alike
                 order.reverse()
             this_round = {}
-            for name, port in order:
-                request = encode_post("127.0.0.1", port, "/v1/chat/completions", body)
+            for name, (port, path, payload) in order:
+                request = encode_post("127.0.0.1", port, path, payload)
                 cpu_before = cpu_seconds(sim.pid)
                 gw_before = {g: cpu_seconds(proc.pid) for g, (_, proc) in gateways.items()}
                 kids_before = {
@@ -260,7 +352,10 @@ def main() -> None:
                 )
                 wall = time.perf_counter() - started
                 sim_busy[name] += (cpu_seconds(sim.pid) - cpu_before) / wall / args.rounds
-                if name in gateways:
+                if name.startswith("gateway_") and name[8:] in protocols:  # the chat gateway's
+                    used = cpu_seconds(gateways["gateway"][1].pid) - gw_before["gateway"]
+                    gateway_busy[name] += used / wall / args.rounds
+                elif name in gateways:
                     used = cpu_seconds(gateways[name][1].pid) - gw_before[name]
                     gateway_busy[name] += used / wall / args.rounds
                     kids = children_cpu_seconds(gateways[name][1].pid) - kids_before[name]
@@ -268,8 +363,41 @@ def main() -> None:
                 results[name].merge(run)
                 this_round[name] = run.summary()["p50_ms"]
             by_round.append(round(this_round["gateway"] - this_round["direct"], 3))
+            for protocol in ("responses", "messages"):
+                added = this_round[f"gateway_{protocol}"] - this_round["direct"]
+                by_round_protocol[protocol].append(round(added, 3))
         syncs = wal_syncs(f"http://127.0.0.1:{gw_port}/metrics")
         sync_p50, sync_p99 = fdatasync_ms(workdir / "gateway")
+        # Two replicas behind one gateway: does each trajectory stay on its first replica?
+        sim2_port, sticky_port = free_port(), free_port()
+        sim2 = start(
+            [*cli, "sim-llm", "--port", str(sim2_port), "--latency-ms", str(args.latency_ms)],
+            f"http://127.0.0.1:{sim2_port}/health",
+            env,
+            workdir / "sim2.log",
+        )
+        gateways["sim2"] = (sim2_port, sim2)  # stopped with the others
+        replicas = f"{env['CLAW_UPSTREAM_URL']},http://127.0.0.1:{sim2_port}/v1"
+        sticky_proc = start(
+            [*cli, "gateway", "--port", str(sticky_port)],
+            f"http://127.0.0.1:{sticky_port}/readyz",
+            env
+            | {
+                "CLAW_LAKE_URI": str(workdir / "sticky"),
+                "CLAW_GATEWAY_ID": "gw-proxy-bench-sticky",
+                "CLAW_UPSTREAM_URL": replicas,
+            },
+            workdir / "sticky.log",
+        )
+        gateways["sticky_gateway"] = (sticky_port, sticky_proc)
+        sticky_made = asyncio.run(
+            sticky_calls(
+                f"http://127.0.0.1:{sticky_port}",
+                args.sticky_agents,
+                args.sticky_turns,
+                args.latency_ms / 1000,
+            )
+        )
     finally:
         procs = [proc for _, proc in gateways.values()] + [sim]
         for proc in procs:
@@ -282,6 +410,7 @@ def main() -> None:
         .collect()
         .item()
     )
+    sticky = sticky_share(workdir / "sticky", sticky_made)
     shutil.rmtree(workdir, ignore_errors=True)  # kept (with the logs) only when a run fails
     direct, through = results["direct"].summary(), results["gateway"].summary()
     own_ms = results["gateway"].server_ms.get("gateway", [])  # its Server-Timing
@@ -293,6 +422,26 @@ def main() -> None:
     floor_added = round(floor["p50_ms"] - direct["p50_ms"], 3)
     ratio = round(through["rps"] / direct["rps"], 3) if direct["rps"] else 0.0
     acked = results["gateway"].statuses.get(200, 0)
+    protocol_arms = {}
+    for protocol, rounds in by_round_protocol.items():
+        summary = results[f"gateway_{protocol}"].summary()
+        added = round(statistics.median(rounds), 3)
+        rps_ratio = round(summary["rps"] / through["rps"], 3) if through["rps"] else 0.0
+        limit = round(TARGET_PROTOCOL_ADDED_FACTOR * max(added_p50, 0.0), 3)
+        protocol_arms[protocol] = {
+            "through_gateway": summary,
+            "added_p50_ms": added,
+            "added_p50_ms_by_round": rounds,
+            "added_p50_ms_limit": limit,  # 1.5 x the chat arm's, same run
+            "throughput_ratio_to_chat": rps_ratio,
+            "gateway_cpu_ms_per_call": cpu_per_call(gateway_busy[f"gateway_{protocol}"], summary),
+            "all_answered": summary["requests"] > 0 and summary["errors"] == 0,
+            "target_met": added <= limit
+            and rps_ratio >= TARGET_PROTOCOL_RATIO
+            and summary["requests"] > 0
+            and summary["errors"] == 0,
+        }
+    sticky["target_met"] = sticky["share_on_first_replica_min"] >= TARGET_STICKY_SHARE
     httpx_arm = None
     if "gateway_httpx" in results:  # the same gateway, httpx as its client: for comparison
         other = results["gateway_httpx"].summary()
@@ -361,8 +510,15 @@ def main() -> None:
                     "added_p50_ms_worst_run": TARGET_WORST_RUN_MS,
                     "gateway_cpu_ms_per_call": TARGET_CPU_MS_PER_CALL,
                     "throughput_ratio": TARGET_RATIO,
+                    "protocol_added_p50_vs_chat": TARGET_PROTOCOL_ADDED_FACTOR,
+                    "protocol_throughput_ratio_to_chat": TARGET_PROTOCOL_RATIO,
+                    "sticky_share_on_first_replica": TARGET_STICKY_SHARE,
                 },
+                "protocols": protocol_arms,
+                "sticky_replicas": sticky,
                 "target_met": added_p50 <= TARGET_ADDED_P50_MS
+                and all(arm["target_met"] for arm in protocol_arms.values())
+                and sticky["target_met"]
                 and worst_run <= TARGET_WORST_RUN_MS
                 and cpu_ms <= TARGET_CPU_MS_PER_CALL
                 and ratio >= TARGET_RATIO

@@ -56,7 +56,10 @@ class ClawSettings(BaseSettings):
     storage_options: dict[str, str] = Field(
         default_factory=dict, description="JSON object passed to delta-rs object stores"
     )
-    upstream_url: str | None = Field(None, description="OpenAI base URL of the inference server")
+    upstream_url: str | None = Field(
+        None,
+        description="OpenAI base URL of the inference server (several replicas: comma-separated)",
+    )
     upstream_timeout_s: float = Field(
         600.0, gt=0, description="longest wait for the upstream (connect, or between two reads)"
     )

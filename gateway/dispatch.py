@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.asgi import send_answer, send_body
 from gateway.auth import KeyRing
-from gateway.errors import ApiError, envelope
+from gateway.errors import ApiError, error_body
 from gateway.incoming import Incoming, tenant_of
 from gateway.metrics import GatewayMetrics, labelled
 from gateway.routes.table import RouteTable
@@ -38,9 +38,9 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
-async def _answer_error(send: Send, error: ApiError) -> None:
-    """Send an ApiError in the OpenAI envelope."""
-    body = json.dumps(envelope(error.status, error.message, error.param, error.code)).encode()
+async def _answer_error(send: Send, error: ApiError, path: str = "") -> None:
+    """Send an ApiError in its route's shape (OpenAI's envelope; Anthropic's on /v1/messages)."""
+    body = json.dumps(error_body(path, error)).encode()
     await send_body(send, error.status, body, headers=error.headers)
 
 
@@ -98,7 +98,7 @@ class Dispatcher:
                     raise refusal
                 matched = self.routes.match(scope["method"], scope["path"])
             except ApiError as refused:  # no or a wrong key; a body refused; a bad uid
-                return await self._refuse(send_with_status, refused)
+                return await self._refuse(send_with_status, refused, scope["path"])
             if matched is None or self.services is None:
                 return await self.fallback(scope, receive, send_with_status)
             route, params = matched
@@ -107,23 +107,23 @@ class Dispatcher:
             try:
                 answer = await route.handle(incoming)
             except ApiError as exc:
-                return await self._refuse(send_with_status, exc)
+                return await self._refuse(send_with_status, exc, scope["path"])
             except Exception:
                 log.exception("unhandled error on %s %s", scope["method"], scope["path"])
                 error = ApiError(
                     500, "internal error; the request was not stored", code="internal_error"
                 )
-                return await self._refuse(send_with_status, error)
+                return await self._refuse(send_with_status, error, scope["path"])
             await send_answer(answer, scope, receive, send_with_status)
         finally:
             label = label or getattr(scope.get("route"), "path", None) or "unmatched"
             labelled(self.metrics.requests, label, str(status)).inc()
             labelled(self.metrics.request_seconds, label).observe(time.perf_counter() - started)
 
-    async def _refuse(self, send: Send, error: ApiError) -> None:
+    async def _refuse(self, send: Send, error: ApiError, path: str = "") -> None:
         """Answer an error, counted by its reason (its code, else its status)."""
         labelled(self.metrics.rejected, error.code or f"http_{error.status}").inc()
-        await _answer_error(send, error)
+        await _answer_error(send, error, path)
 
     def _authenticate(self, path: str, headers: dict[str, str]) -> str | None:
         """The tenant of the request's key (401 without a valid one), or None when keys are

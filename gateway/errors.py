@@ -1,4 +1,5 @@
-"""The OpenAI error envelope: one exception type and the handlers that render every error."""
+"""The OpenAI error envelope (and, on Anthropic's `/v1/messages`, Anthropic's error shape): one
+exception type and the handlers that render every error."""
 
 from __future__ import annotations
 
@@ -55,6 +56,36 @@ def envelope(status: int, message: str, param: str | None = None, code: str | No
     """The JSON body of an error."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATH_SUFFIX = "/v1/messages"  # the routes that answer errors in Anthropic's shape
+
+
+def anthropic_envelope(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body: `{"type": "error", "error": {"type", "message"}}`."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body(path: str, error: ApiError) -> dict[str, Any]:
+    """An error's body in the shape of the route it answers: Anthropic's on `/v1/messages`,
+    else OpenAI's envelope."""
+    if path.endswith(ANTHROPIC_PATH_SUFFIX):
+        return anthropic_envelope(error.status, error.message)
+    return envelope(error.status, error.message, error.param, error.code)
 
 
 def error_response(exc: ApiError) -> JSONResponse:

@@ -20,8 +20,9 @@ from gateway.errors import install_error_handlers
 from gateway.landing import Landing
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import document_routes, registered_routes
-from gateway.proxy import ProxyService, Upstream
+from gateway.proxy import ProxyService
 from gateway.proxy.capture_mode import CaptureMode
+from gateway.proxy.replicas import Replicas
 from gateway.routes import ROUTES
 from gateway.routes.ops import open_paths
 from gateway.services import GatewayServices
@@ -93,7 +94,7 @@ def create_app(
         landed = landing or Landing(settings, Lake.from_settings(settings), metrics)
         upstream = None
         if settings.upstream_url:
-            upstream = Upstream(
+            upstream = Replicas.from_setting(
                 settings.upstream_url, settings.upstream_timeout_s, settings.upstream_client
             )
             if capture.probe is not None and capture.probe.token_ids is False:

@@ -16,6 +16,7 @@ from claw_pipelines.lake.tokenizers import save_tokenizer
 from claw_pipelines.settings import ClawSettings
 from gateway.auth import KeyRing
 from gateway.proxy.capture_mode import CaptureMode, probe_upstream
+from gateway.proxy.replicas import upstream_urls
 
 
 def is_loopback(host: str) -> bool:
@@ -68,7 +69,11 @@ def bind_listener(host: str, port: int) -> socket.socket:
 def capture_mode(settings: ClawSettings) -> CaptureMode:
     """How this gateway will capture token ids: the upstream asked once, the tokenizer
     loaded (refused at start, in one line, rather than on the first call)."""
-    probe = probe_upstream(settings.upstream_url) if settings.upstream_url else None
+    probe = None
+    for url in upstream_urls(settings.upstream_url or ""):  # the first replica that answers
+        probe = probe_upstream(url)
+        if probe.token_ids is not None:
+            break
     capture = CaptureMode(settings.tokenizer, probe)
     if (why := capture.refusal()) is not None:
         raise NoTokenSource(f"CLAW_TOKENIZER: {why}")

@@ -8,7 +8,8 @@ from claw_pipelines.settings import ClawSettings
 from gateway.auth import KeyRing
 from gateway.landing import Landing
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import ProxyService, Upstream
+from gateway.proxy import ProxyService
+from gateway.proxy.replicas import Replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,4 +21,4 @@ class GatewayServices:
     metrics: GatewayMetrics
     landing: Landing
     proxy: ProxyService
-    upstream: Upstream | None = None
+    upstream: Replicas | None = None  # the inference replicas the proxy forwards to

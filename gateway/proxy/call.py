@@ -16,6 +16,7 @@ from gateway.proxy.steps import CallSteps, StepPlace
 from gateway.records import BronzeRecord
 
 if TYPE_CHECKING:
+    from gateway.proxy.dialects.base import DialectCall
     from gateway.proxy.token_in_plan import TokenInPlan
 
 
@@ -37,6 +38,13 @@ class ProxyCall:
     token_in: Literal["off", "auto", "on"] | None = None  # X-Claw-Token-In (None: the default)
     token_in_plan: TokenInPlan | None = None  # when token-in records this call's turns
     client_retry: int = 0  # the client's retry count (OpenAI SDKs: x-stainless-retry-count)
+    # a call in another protocol (Responses, Messages): `body` is its chat translation, and
+    # `audit_json` the client's own body, kept as the step's request
+    dialect: DialectCall | None = None
+    audit_json: bytes | None = None
+    routing_key: str | None = None  # what keeps the call on its trajectory's replica
+    replica: dict[str, Any] | None = None  # which replica served it (and moves), for the step
+    can_move: bool = False  # another replica is left to try should this one be unreachable
 
     @property
     def stream(self) -> bool:
@@ -64,7 +72,7 @@ class ProxyCall:
             "model": self.body.get("model"),
             "stream": self.stream,
             "prompt_uid": self.scope.prompt_uid,
-        }
+        } | ({"replica": self.replica["url"]} if self.replica else {})
 
 
 def parse_request(raw: bytes) -> tuple[dict[str, Any], bytes]:

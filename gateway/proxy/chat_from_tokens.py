@@ -79,20 +79,16 @@ def chat_logprobs(logprobs: Any, top: int) -> dict[str, Any] | None:
     return {"content": content, "refusal": None}
 
 
-def chat_chunks(answer: dict[str, Any], include_usage: bool) -> bytes:
-    """A complete chat answer as the server-sent events of a stream, ending `[DONE]`."""
+def chunk_dicts(answer: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A complete chat answer as the chunks of a stream (role, content, tool calls, finish;
+    usage when asked)."""
     envelope = {
         "id": answer.get("id"),
         "object": "chat.completion.chunk",
         "created": answer.get("created"),
         "model": answer.get("model"),
     }
-    events = []
-
-    def send(choices: list[dict[str, Any]], **extra: Any) -> None:
-        chunk = envelope | {"choices": choices} | extra
-        events.append(b"data: " + pydantic_core.to_json(chunk) + b"\n\n")
-
+    chunks = []
     for choice in answer["choices"]:
         index, message = choice["index"], choice["message"]
         deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
@@ -105,8 +101,17 @@ def chat_chunks(answer: dict[str, Any], include_usage: bool) -> bytes:
         for number, delta in enumerate(deltas):
             last = number == len(deltas) - 1
             part = {"index": index, "delta": delta, "logprobs": logprobs if number == 1 else None}
-            send([part | {"finish_reason": choice["finish_reason"] if last else None}])
+            part["finish_reason"] = choice["finish_reason"] if last else None
+            chunks.append(envelope | {"choices": [part]})
     if include_usage:
-        send([], usage=answer.get("usage"))
+        chunks.append(envelope | {"choices": [], "usage": answer.get("usage")})
+    return chunks
+
+
+def chat_chunks(answer: dict[str, Any], include_usage: bool) -> bytes:
+    """A complete chat answer as the server-sent events of a stream, ending `[DONE]`."""
+    events = [
+        b"data: " + pydantic_core.to_json(c) + b"\n\n" for c in chunk_dicts(answer, include_usage)
+    ]
     events.append(b"data: [DONE]\n\n")
     return b"".join(events)

@@ -43,6 +43,29 @@ class CompletionBody(_Open):
     logprobs: int | None = None
 
 
+class ResponsesBody(_Open):
+    """An OpenAI Responses API request, translated to a chat completion upstream."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    stream: bool = False
+    max_output_tokens: int | None = None
+
+
+class MessagesBody(_Open):
+    """An Anthropic Messages API request, translated to a chat completion upstream."""
+
+    model: str
+    max_tokens: int
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    stream: bool = False
+
+
 class TrajectoryMetadata(_Open):
     """Trajectory metadata; `policy_version` applies to the trajectory's later steps."""
 

@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import pydantic_core
@@ -61,17 +61,24 @@ class StreamRelay:
         self.status = response.status
         self.content_type = response.headers.get("content-type", "text/event-stream")
         self.accumulator = StreamAccumulator(call.endpoint.kind)
+        # a call in another protocol: its events are made from the chat chunks
+        self.translator = call.dialect.stream() if call.dialect is not None else None
         self.recorded = False
+        self.on_close: Callable[[], None] | None = None  # the replica's call ended
+        self.on_failure: Callable[[UpstreamFailure], None] | None = None  # the replica broke
         self.started = time.perf_counter()
         self.body = self._events()
 
     async def _events(self) -> AsyncIterator[bytes]:
         events = sse_data(self.response.aiter_bytes())
+        translator = self.translator
+        if translator is not None:
+            yield translator.start()
         try:
             async for data in events:
                 if data == DONE:
                     await self._record(None)
-                    yield _DONE_EVENT
+                    yield _DONE_EVENT if translator is None else translator.finish()
                     await _drain(events)
                     return
                 try:
@@ -80,15 +87,28 @@ class StreamRelay:
                     chunk = None
                 if isinstance(chunk, dict):
                     self._accumulate(chunk)
-                    if self.added.any:
-                        view = stripped(chunk, self.added)
-                        if view is None:
-                            continue  # a usage chunk only the gateway asked for
+                    view = stripped(chunk, self.added) if self.added.any else chunk
+                    if view is None:
+                        continue  # a usage chunk only the gateway asked for
+                    if translator is not None:
+                        if events_out := translator.chunk(view):
+                            yield events_out
+                        continue
+                    if view is not chunk:
                         data = pydantic_core.to_json(view)
+                elif translator is not None:
+                    continue  # nothing a translated stream can carry
                 yield b"data: " + data + b"\n\n"
             await self._record("upstream_ended")
+            if translator is not None:
+                yield translator.finish()
         except UpstreamFailure as failure:
+            if self.on_failure is not None:
+                self.on_failure(failure)
             await self._record("upstream_error", failure)
+            if translator is not None:
+                yield translator.error(failure)
+                return
             error = envelope(failure.status, failure.message, code=failure.code)
             yield b"data: " + json.dumps(error).encode() + b"\n\n"
 
@@ -104,6 +124,9 @@ class StreamRelay:
             await self.body.aclose()
             await self.response.aclose()
             await self._record("client_disconnected")
+            if self.on_close is not None:
+                self.on_close, on_close = None, self.on_close
+                on_close()
 
     async def _record(self, unfinished: str | None, failure: UpstreamFailure | None = None) -> None:
         """Make the steps durable (once; shielded from cancellation)."""
@@ -113,6 +136,10 @@ class StreamRelay:
         with anyio.CancelScope(shield=True):
             call, service, accumulator = self.call, self.service, self.accumulator
             captured = accumulator.captured(unfinished)
+            if self.translator is not None:
+                answer = self.translator.final()
+                for choice in captured:
+                    choice.response = answer
             model = accumulator.envelope.get("model")
             elapsed_ms = round((time.perf_counter() - self.started) * 1000, 2)
             steps = service.call_steps(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 import pydantic_core
@@ -36,8 +37,11 @@ from gateway.proxy.capture import (
 )
 from gateway.proxy.capture_mode import CaptureMode
 from gateway.proxy.chat_from_tokens import chat_chunks
+from gateway.proxy.dialects import DialectCall, Responses, open_messages
+from gateway.proxy.dialects.response_store import ResponseStore, reply_message
 from gateway.proxy.relay import StreamRelay
-from gateway.proxy.scope import TrajectoryBook
+from gateway.proxy.replicas import Replica, Replicas, routing_key
+from gateway.proxy.scope import Scope, TrajectoryBook
 from gateway.proxy.steps import (
     CallSteps,
     StepPlace,
@@ -54,6 +58,7 @@ from gateway.proxy.upstream import (
     UpstreamReply,
     failure_of_status,
     openai_error_body,
+    upstream_message,
 )
 from gateway.records import BronzeRecord, event_ids
 
@@ -69,7 +74,7 @@ class ProxyService:
         self,
         settings: ClawSettings,
         landing: Landing,
-        upstream: Upstream | None,
+        upstream: Replicas | None,
         registry: CollectorRegistry | None = None,
         capture: CaptureMode | None = None,
     ) -> None:
@@ -79,6 +84,7 @@ class ProxyService:
         self.capture = capture or CaptureMode(settings.tokenizer)
         self.book = TrajectoryBook()
         self.token_in = TokenIn(settings, landing, self.book, self.capture)
+        self.responses = Responses(ResponseStore(settings.resolved_wal_dir, landing.lake))
         self._overloaded_until = 0.0
         self.failures = Counter(
             "claw_gateway_upstream_failures",
@@ -111,8 +117,8 @@ class ProxyService:
         )
 
     # -- admission and failures -------------------------------------------------------------
-    def admit(self, recording: bool = True) -> Upstream:
-        """The upstream, if configured and (for recorded calls) the gateway can record.
+    def admit(self, recording: bool = True) -> Replicas:
+        """The upstream replicas, if configured and (for recorded calls) the gateway can record.
 
         Refusing up front (503) wastes no inference: after the landing reported overload,
         calls are refused for its Retry-After."""
@@ -159,9 +165,22 @@ class ProxyService:
         return True
 
     # -- calls ------------------------------------------------------------------------------
+    async def translate(
+        self, protocol: str, body: dict[str, Any], scope: Scope, headers: Mapping[str, str]
+    ) -> DialectCall:
+        """A call in another protocol (`responses`, `messages`) as a chat completion; a
+        Responses call continuing an earlier response joins its trajectory, after its step."""
+        if protocol == "messages":
+            return open_messages(body, headers, scope)
+        translated = await self.responses.open(body, scope)
+        if translated.previous is not None and translated.scope.via == "previous_response":
+            previous = translated.previous
+            self.book.ensure_next(previous.trajectory_uid, previous.step_index + 1)
+        return translated
+
     async def models(self, tenant: str) -> Answer:
         """The upstream's model list, passed through."""
-        upstream = self.admit(recording=False)
+        upstream = self.admit(recording=False).route(None)[0].upstream
         try:
             reply = await upstream.get("/models")
         except UpstreamFailure as failure:
@@ -171,8 +190,49 @@ class ProxyService:
         return Answer(reply.status, reply.body, reply.content_type or JSON)
 
     async def complete(self, call: ProxyCall) -> Answer | StreamRelay:
-        """Forward a (chat) completion; record its choices; answer as the upstream did."""
-        upstream = self.admit()
+        """Forward a (chat) completion to its replica; record its choices; answer as the
+        upstream did. A replica that cannot be reached is skipped and the call (and its
+        trajectory) moves to another, recorded on the step (`metadata.replica`)."""
+        replicas = self.admit()
+        if len(replicas) == 1:
+            return await self._complete_on(call, replicas.replicas[0].upstream)
+        key = routing_key(call.scope.trajectory_uid, call.body)
+        tried: tuple[Replica, ...] = ()
+        while True:
+            replica, moved_from = replicas.route(key, tried)
+            call.replica = {"url": replica.url}
+            if moved_from is not None:
+                call.replica["moved_from"] = moved_from.url
+            call.can_move = len(tried) + 1 < len(replicas)
+            replica.in_flight += 1
+            try:
+                answer = await self._complete_on(call, replica.upstream)
+            except ReplicaFailed as failed:
+                replica.release()
+                replicas.failed(replica, failed.failure.message)
+                tried += (replica,)
+                continue
+            except BaseException:
+                replica.release()
+                raise
+            replicas.succeeded(replica)
+            if isinstance(answer, StreamRelay):
+                answer.on_close = replica.release
+                answer.on_failure = lambda failure, r=replica: replicas.failed(r, failure.message)
+            else:
+                replica.release()
+            return answer
+
+    async def _upstream_failed(self, failure: UpstreamFailure, call: ProxyCall) -> NoReturn:
+        """A failed upstream call: recorded as an event, then moved to another replica when
+        the replica could not be reached and another is left, else answered as an error."""
+        if call.can_move and failure.status == 502:
+            await self.land([self.failure_record(failure, call.tenant, call)])
+            raise ReplicaFailed(failure)
+        await self.fail(failure, call.tenant, call)
+
+    async def _complete_on(self, call: ProxyCall, upstream: Upstream) -> Answer | StreamRelay:
+        """Forward a call to one upstream replica."""
         call.token_in_plan = plan = await self.token_in.plan(call, upstream.returns_token_ids())
         if plan is not None and not plan.via_chat:
             answer = await self._complete_token_in(call, upstream, plan)
@@ -199,7 +259,7 @@ class ProxyService:
                 self._token_ids_unsupported(upstream, call.stream)
                 ask_token_ids = False
         except UpstreamFailure as failure:
-            await self.fail(failure, call.tenant, call)
+            await self._upstream_failed(failure, call)
         if reply.status >= 400:
             return await self._refused(reply, call)
         seconds = time.perf_counter() - started
@@ -219,10 +279,12 @@ class ProxyService:
             failure = UpstreamFailure(502, "upstream_error", "upstream answered invalid JSON")
             await self.fail(failure, call.tenant, call)
         upstream_ms = upstream_s * 1000
+        body = reply.body if view is answer else pydantic_core.to_json(view)
+        if call.dialect is not None:
+            body = pydantic_core.to_json(self._dialect_answer(call, view, captured))
         steps = self.call_steps(
             call, captured, answer.get("model"), round(upstream_ms, 2), answer.get("usage")
         )
-        body = reply.body if view is answer else pydantic_core.to_json(view)
         headers = {"X-Claw-Step-Keys": step_keys(steps.places)}
         if not await self.land_steps(call, steps):
             headers["X-Claw-Recorded"] = "false"
@@ -240,7 +302,7 @@ class ProxyService:
         try:
             reply = await upstream.post(COMPLETIONS.path, plan.body)
         except UpstreamFailure as failure:
-            await self.fail(failure, call.tenant, call)
+            await self._upstream_failed(failure, call)
         if _refuses_token_ids(reply.status, reply.body):
             self._token_ids_unsupported(upstream, stream=False)
             if self.token_in.mode_of(call) == "auto":
@@ -254,6 +316,9 @@ class ProxyService:
         except (ValueError, AttributeError, TypeError) as exc:
             failure = UpstreamFailure(502, "upstream_error", f"upstream answer unusable: {exc}")
             await self.fail(failure, call.tenant, call)
+        translated = None
+        if call.dialect is not None:
+            translated = self._dialect_answer(call, chat, captured)
         steps = self.call_steps(
             call, captured, chat.get("model"), round(upstream_ms, 2), chat.get("usage")
         )
@@ -263,10 +328,14 @@ class ProxyService:
         if call.stream:
             options = call.body.get("stream_options")
             usage = isinstance(options, dict) and options.get("include_usage") is True
-            body, content_type = chat_chunks(chat, usage), "text/event-stream"
+            if call.dialect is not None:
+                body = call.dialect.burst(chat)
+            else:
+                body = chat_chunks(chat, usage)
+            content_type = "text/event-stream"
             headers["Cache-Control"] = "no-cache"
         else:
-            body, content_type = pydantic_core.to_json(chat), JSON
+            body, content_type = pydantic_core.to_json(translated or chat), JSON
         headers["Server-Timing"] = server_timing(call.received, upstream_ms)
         return Answer(200, body, content_type, headers)
 
@@ -277,6 +346,11 @@ class ProxyService:
         if reply.status >= 500:
             await self.fail(failure_of_status(reply.status, reply.body), call.tenant, call)
         headers = {k: v for k, v in reply.headers.items() if k in _PASSED_HEADERS}
+        if call.dialect is not None:
+            message = f"upstream answered {reply.status}: {upstream_message(reply.body)}"
+            return Answer(
+                reply.status, call.dialect.error_body(reply.status, message), JSON, headers
+            )
         body = openai_error_body(reply.status, reply.body)
         if body is None:
             return Answer(reply.status, reply.body, reply.content_type or JSON, headers)
@@ -312,7 +386,21 @@ class ProxyService:
             return False
         if call.token_in_plan is not None:
             self.token_in.remember(call.token_in_plan, steps.captured, steps.records, steps.places)
+        if call.dialect is not None:
+            for choice, place in zip(steps.captured, steps.places, strict=False):
+                reply = reply_message(choice.output)
+                call.dialect.remember(place.trajectory_uid, place.step_index, reply)
         return True
+
+    def _dialect_answer(
+        self, call: ProxyCall, chat: dict[str, Any], captured: list[CapturedChoice]
+    ) -> dict[str, Any]:
+        """The client's answer in its protocol, also kept as each step's response."""
+        assert call.dialect is not None
+        translated = call.dialect.answer(chat)
+        for choice in captured:
+            choice.response = translated
+        return translated
 
     def call_steps(
         self,
@@ -383,6 +471,12 @@ class ProxyService:
                 metadata["log_probs"] = False  # the upstream gave none for this step
             if call.client_retry:
                 metadata["client_retry"] = call.client_retry
+            extra = None
+            if call.dialect is not None:
+                metadata |= call.dialect.metadata()
+                extra = call.dialect.record_extra(reply_message(choice.output))
+            if call.replica is not None:
+                metadata["replica"] = call.replica
             records.append(
                 step_record(
                     event_id=event_id,
@@ -391,9 +485,10 @@ class ProxyService:
                     place=place,
                     model=model,
                     metadata=metadata,
-                    request_json=call.request_json,
+                    request_json=call.audit_json or call.request_json,
                     choice=choice,
                     tokens=step,
+                    extra=extra,
                 )
             )
             labelled(self.steps, step.token_source).inc()
@@ -441,6 +536,14 @@ class ProxyService:
                 group = groups.setdefault(index // call.n, new_event_id())
             places.append(StepPlace(new_event_id(), 0, group, version, stamped))
         return places
+
+
+class ReplicaFailed(Exception):
+    """A replica could not be reached; the call goes to another."""
+
+    def __init__(self, failure: UpstreamFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 def server_timing(received: float, upstream_ms: float) -> str:

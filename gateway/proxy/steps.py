@@ -58,8 +58,9 @@ def step_record(
     request_json: bytes,
     choice: CapturedChoice,
     tokens: StepTokens,
+    extra: bytes | None = None,
 ) -> BronzeRecord:
-    """The bronze record of one choice of a proxied call."""
+    """The bronze record of one choice of a proxied call (`extra`: more payload members)."""
     fields = {
         "trajectory_uid": place.trajectory_uid,
         "prompt_uid": place.prompt_uid,
@@ -74,7 +75,10 @@ def step_record(
     }
     head = pydantic_core.to_json(fields)
     response = pydantic_core.to_json(choice.response)
-    payload = b"".join((head[:-1], b',"request":', request_json, b',"response":', response, b"}"))
+    parts = [head[:-1], b',"request":', request_json, b',"response":', response]
+    if extra:
+        parts += [b",", extra]
+    payload = b"".join((*parts, b"}"))
     return BronzeRecord(
         event_id,
         kind,

@@ -169,7 +169,7 @@ def _turn_of(
     return key, Turn(step_index, ids, ended)
 
 
-def _wal_records(directory: Path) -> list[BronzeRecord]:
+def wal_records(directory: Path) -> list[BronzeRecord]:
     """The records still in the WAL, read in the order they move (open, sealed): a segment
     sealed or landed while we read is found in the next place we look."""
     records: list[BronzeRecord] = []
@@ -190,7 +190,7 @@ def restore_trajectory(
     restored = TrajectoryTokens()
     seen: set[str] = set()
     needle = trajectory_uid.encode()
-    for record in _wal_records(wal_dir) if wal_dir.is_dir() else ():
+    for record in wal_records(wal_dir) if wal_dir.is_dir() else ():
         if record.kind != CHAT_KIND or needle not in record.payload:
             continue
         payload = pydantic_core.from_json(record.payload)

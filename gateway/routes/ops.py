@@ -44,6 +44,7 @@ async def readyz(incoming: Incoming) -> Answer:
     }
     if incoming.services.upstream is not None:
         body["capture"] = incoming.services.proxy.capture.describe()
+        body["replicas"] = incoming.services.upstream.describe()
     return Answer(200 if ready else 503, json.dumps(body).encode())
 
 

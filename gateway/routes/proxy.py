@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pydantic_core
 from starlette.types import ASGIApp
 
 from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN
@@ -19,7 +20,7 @@ from gateway.errors import ERROR_RESPONSES
 from gateway.incoming import IDEMPOTENCY_HEADER_DOC, Incoming
 from gateway.proxy import ProxyCall, parse_request, scope_of
 from gateway.proxy.capture import CHAT, COMPLETIONS, Endpoint
-from gateway.proxy.protocol import ChatCompletionBody, CompletionBody
+from gateway.proxy.protocol import ChatCompletionBody, CompletionBody, MessagesBody, ResponsesBody
 from gateway.proxy.relay import RelayResponse, StreamRelay
 from gateway.proxy.token_in import TOKEN_IN_HEADER, header_mode
 from gateway.routes.table import Route
@@ -71,6 +72,13 @@ SCOPE_HEADERS_DOC = [
     IDEMPOTENCY_HEADER_DOC,
 ]
 URL_SCOPED_HEADERS_DOC = [POLICY_HEADER_DOC, TOKEN_IN_HEADER_DOC, IDEMPOTENCY_HEADER_DOC]
+ANTHROPIC_VERSION_DOC = {
+    "name": "anthropic-version",
+    "in": "header",
+    "required": False,
+    "description": "Anthropic API version the client speaks (kept on the step)",
+    "schema": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
+}
 
 
 def retry_count(value: str | None) -> int:
@@ -80,17 +88,26 @@ def retry_count(value: str | None) -> int:
     return int(value)
 
 
-async def forward(incoming: Incoming, endpoint: Endpoint, via: str) -> Answer | ASGIApp:
+async def forward(
+    incoming: Incoming, endpoint: Endpoint, via: str, protocol: str | None = None
+) -> Answer | ASGIApp:
     """Authenticate, scope and forward one call; the upstream's answer, or a relay of its
     stream. The scope comes from the path (`via`: url, claw_r1) when it has uids, else from
-    the X-Claw-* headers."""
+    the X-Claw-* headers. `protocol` (`responses`, `messages`): the call is translated to a
+    chat completion, and its answer back."""
     received = time.perf_counter()
     tenant = incoming.tenant()
     idempotency_key = incoming.idempotency_key()
     params = incoming.params
     scope = scope_of(incoming.headers, params.get("trajectory_uid"), params.get("prompt_uid"), via)
     body, request_json = parse_request(await incoming.body())
+    dialect = audit = None
+    if protocol is not None:
+        dialect = await incoming.services.proxy.translate(protocol, body, scope, incoming.headers)
+        scope, audit, body = dialect.scope, request_json, dialect.chat
+        request_json = pydantic_core.to_json(body)
     call = ProxyCall(endpoint, body, request_json, scope, tenant, idempotency_key, received)
+    call.dialect, call.audit_json = dialect, audit
     call.token_in = header_mode(incoming.headers.get(TOKEN_IN_HEADER))
     call.client_retry = retry_count(incoming.headers.get(RETRY_COUNT_HEADER))
     answer = await incoming.services.proxy.complete(call)
@@ -110,6 +127,18 @@ async def chat_completions(incoming: Incoming) -> Answer | ASGIApp:
 async def completions(incoming: Incoming) -> Answer | ASGIApp:
     """OpenAI legacy completions through the gateway; one step per choice."""
     return await forward(incoming, COMPLETIONS, "url")
+
+
+async def responses(incoming: Incoming) -> Answer | ASGIApp:
+    """OpenAI Responses API through the gateway (streamed or not), as the upstream's chat
+    completions; `previous_response_id` resolved from what the gateway recorded; one step."""
+    return await forward(incoming, CHAT, "url", "responses")
+
+
+async def messages(incoming: Incoming) -> Answer | ASGIApp:
+    """Anthropic Messages API through the gateway (streamed or not), as the upstream's chat
+    completions; errors in Anthropic's shape; one step."""
+    return await forward(incoming, CHAT, "url", "messages")
 
 
 def completion_route(path: str, handle, body, headers, tag="proxy", doc=None) -> Route:
@@ -132,6 +161,10 @@ ROUTES = [
     ),
     completion_route("/v1/completions", completions, CompletionBody, SCOPE_HEADERS_DOC),
     models_route("/v1/models"),
+    completion_route("/v1/responses", responses, ResponsesBody, SCOPE_HEADERS_DOC),
+    completion_route(
+        "/v1/messages", messages, MessagesBody, [*SCOPE_HEADERS_DOC, ANTHROPIC_VERSION_DOC]
+    ),
     completion_route(
         URL_PREFIX + "/chat/completions",
         chat_completions,
@@ -147,4 +180,18 @@ ROUTES = [
         doc="Legacy completions scoped by the base URL to a trajectory and prompt group.",
     ),
     models_route(URL_PREFIX + "/models", doc="The upstream's models, under a scoped base URL."),
+    completion_route(
+        URL_PREFIX + "/responses",
+        responses,
+        ResponsesBody,
+        URL_SCOPED_HEADERS_DOC,
+        doc="Responses API calls scoped by the base URL to a trajectory and prompt group.",
+    ),
+    completion_route(
+        URL_PREFIX + "/messages",
+        messages,
+        MessagesBody,
+        [*URL_SCOPED_HEADERS_DOC, ANTHROPIC_VERSION_DOC],
+        doc="Anthropic Messages calls scoped by the base URL to a trajectory and prompt group.",
+    ),
 ]
