@@ -37,6 +37,10 @@ PROXY_RESPONSES: dict[int | str, dict[str, Any]] = ERROR_RESPONSES | {
     },
     504: {"model": ErrorResponse, "description": "Upstream timed out"},
 }
+# the Responses API answers 404 for a `previous_response_id` the gateway never recorded
+RESPONSES_RESPONSES = PROXY_RESPONSES | {
+    404: {"model": ErrorResponse, "description": "previous_response_id names no recorded response"}
+}
 POLICY_HEADER_DOC = {
     "name": "X-Claw-Policy-Version",
     "in": "header",
@@ -141,10 +145,12 @@ async def messages(incoming: Incoming) -> Answer | ASGIApp:
     return await forward(incoming, CHAT, "url", "messages")
 
 
-def completion_route(path: str, handle, body, headers, tag="proxy", doc=None) -> Route:
+def completion_route(
+    path: str, handle, body, headers, tag="proxy", doc=None, responses=PROXY_RESPONSES
+) -> Route:
     """A proxied (chat) completion route."""
     return Route(
-        "POST", path, handle, tag, body=body, responses=PROXY_RESPONSES, headers=headers, doc=doc
+        "POST", path, handle, tag, body=body, responses=responses, headers=headers, doc=doc
     )
 
 
@@ -161,7 +167,13 @@ ROUTES = [
     ),
     completion_route("/v1/completions", completions, CompletionBody, SCOPE_HEADERS_DOC),
     models_route("/v1/models"),
-    completion_route("/v1/responses", responses, ResponsesBody, SCOPE_HEADERS_DOC),
+    completion_route(
+        "/v1/responses",
+        responses,
+        ResponsesBody,
+        SCOPE_HEADERS_DOC,
+        responses=RESPONSES_RESPONSES,
+    ),
     completion_route(
         "/v1/messages", messages, MessagesBody, [*SCOPE_HEADERS_DOC, ANTHROPIC_VERSION_DOC]
     ),
@@ -186,6 +198,7 @@ ROUTES = [
         ResponsesBody,
         URL_SCOPED_HEADERS_DOC,
         doc="Responses API calls scoped by the base URL to a trajectory and prompt group.",
+        responses=RESPONSES_RESPONSES,
     ),
     completion_route(
         URL_PREFIX + "/messages",

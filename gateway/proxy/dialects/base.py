@@ -25,6 +25,18 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
 class DialectStream:
     """Turns the chat chunks of one streamed call into the client protocol's events."""
 
+    model: Any = None  # the upstream's model name, from the first chunk that names it
+    usage: Any = None  # the chunk usage, when the upstream sends it
+
+    def first_choices(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """Note a chat chunk's model and usage; its choices of index 0 (the one the
+        client protocols carry)."""
+        self.model = self.model or chunk.get("model")
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or ()
+        return [c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0]
+
     def start(self) -> bytes:
         """Events sent as the stream opens."""
         return b""

@@ -312,13 +312,8 @@ class MessagesStream(DialectStream):
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
         """The events of one chat chunk."""
-        self.model = self.model or chunk.get("model")
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
         out = []
-        for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
+        for choice in self.first_choices(chunk):
             delta = choice.get("delta") or {}
             if text := delta.get("content"):
                 block = self.blocks[self.open_block] if self.open_block is not None else None
