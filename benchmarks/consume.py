@@ -31,7 +31,7 @@ from claw_pipelines.build.silver import build_silver  # noqa: E402
 from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
-from tests.lakes import completion, land, step  # noqa: E402
+from tests.support.lakes import completion, land, step  # noqa: E402
 
 PRODUCTION_TARGET = 0.5
 COMPUTE_SLACK = 1.25
@@ -105,7 +105,7 @@ def compute(lake: Lake, rounds: int, vocab: int) -> dict:
     from torch.nn.functional import scaled_dot_product_attention
 
     from claw_pipelines.train.block_attention import tree_attention, tree_plan
-    from tests.tiny_transformer import TinyLM
+    from tests.support.tiny_transformer import TinyLM
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

@@ -28,7 +28,7 @@ from claw_pipelines.contracts.specs import DEFAULT_SPEC  # noqa: E402
 from claw_pipelines.contracts.tables import SILVER_STEPS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
 from claw_pipelines.simulation.bulk import write_bulk_bronze  # noqa: E402
-from tests.browser import PAGES, DashboardProcess, browser  # noqa: E402
+from tests.support.browser import PAGES, DashboardProcess, browser  # noqa: E402
 
 WARM_TARGET_S = 2.0
 COLD_TARGET_S = 5.0

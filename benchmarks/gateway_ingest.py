@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.loadgen import LoadResult, encode_post, run_load  # noqa: E402
-from tests.servers import free_port, wait_until  # noqa: E402
+from tests.support.servers import free_port, wait_until  # noqa: E402
 
 TARGET_RATIO = 0.85  # median of the runs
 

@@ -36,8 +36,8 @@ from benchmarks.loadgen import LoadResult, encode_post, run_load  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
 from gateway.wal.layout import STATUS_FILE  # noqa: E402
-from tests.s3 import s3_options, seaweed_server  # noqa: E402
-from tests.servers import GatewayProcess  # noqa: E402
+from tests.support.s3 import s3_options, seaweed_server  # noqa: E402
+from tests.support.servers import GatewayProcess  # noqa: E402
 
 TARGET_RATIO = 1.0
 

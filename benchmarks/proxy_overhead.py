@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.loadgen import LoadResult, encode_post, percentiles_ms, run_load  # noqa: E402
 from claw_pipelines.tokenization import encode_chat  # noqa: E402
-from tests.servers import free_port, wait_until  # noqa: E402
+from tests.support.servers import free_port, wait_until  # noqa: E402
 
 FLOOR_APP = REPO / "benchmarks" / "relay_floor.py"
 TARGET_ADDED_P50_MS = 1.0  # median of the runs

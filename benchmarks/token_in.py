@@ -38,9 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from claw_pipelines.transforms.prefix_tree import build_forest_from_parts  # noqa: E402
-from tests.proxy.test_sim_llm import CALCULATOR  # noqa: E402
-from tests.servers import GatewayProcess, bronze, wait_until  # noqa: E402
-from tests.upstreams import SimProcess, proxy_env  # noqa: E402
+from tests.simulation.test_sim_llm import CALCULATOR  # noqa: E402
+from tests.support.servers import GatewayProcess, bronze, wait_until  # noqa: E402
+from tests.support.upstreams import SimProcess, proxy_env  # noqa: E402
 
 TARGET_ADDED_P50_MS = 0.5
 TURNS = 5

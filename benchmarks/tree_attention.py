@@ -38,7 +38,7 @@ import polars as pl  # noqa: E402
 
 from benchmarks.consume import grpo_lake  # noqa: E402
 from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
-from tests.small_qwen2 import small_qwen2  # noqa: E402
+from tests.support.small_qwen2 import small_qwen2  # noqa: E402
 
 TIME_SLACK = 1.25
 MEMORY_LIMIT = 1.5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.servers import GatewayProcess
+from tests.support.servers import GatewayProcess
 
 TEST_KEY = "claw-test-key-tenant-a"
 OTHER_KEY = "claw-test-key-tenant-b"

@@ -9,7 +9,7 @@ from streamlit.testing.v1 import AppTest
 from tests.conftest import TEST_KEY
 from tests.dashboards.test_dashboard import APP
 from tests.gateway.test_gateway_ingest import post, step
-from tests.servers import GatewayProcess
+from tests.support.servers import GatewayProcess
 
 AUTH = {"Authorization": f"Bearer {TEST_KEY}"}
 

@@ -9,7 +9,7 @@ import httpx
 import polars as pl
 import pytest
 
-from tests.servers import bronze, wait_landed
+from tests.support.servers import bronze, wait_landed
 
 
 def step(trajectory_uid="traj-1", step_index=0, **extra):

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import OTHER_KEY, TEST_KEY
 from tests.gateway.test_gateway_ingest import post, step
-from tests.servers import REPO, GatewayProcess, bronze, wait_landed
+from tests.support.servers import REPO, GatewayProcess, bronze, wait_landed
 
 
 def assert_error(response, status, param=None, words=()):

@@ -92,7 +92,7 @@ def test_matching_exact_templates_and_invalid_uids():
 
 
 def test_in_process_requests_are_served_from_the_table_and_validated(tmp_path):
-    from tests.gateway.inprocess import served
+    from tests.support.inprocess import served
     from tests.gateway.test_gateway_ingest import step
 
     async def scenario():

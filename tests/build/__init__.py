@@ -1,0 +1,1 @@
+"""claw_pipelines.build: silver, gold, increments, the live materializer, re-scoring, writers racing."""
