@@ -28,7 +28,10 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.ops.integrity import SILVER_KEYS as KEYS
-from tests.support.lakes import completion, feedback, group_of, land, step
+from tests.support.lakes import (
+    assert_each_once,
+    fill_bronze,
+)
 from tests.support.racing import (
     BarrierLake,
     race_gold_in_process,
@@ -38,31 +41,8 @@ from tests.support.racing import (
 from tests.support.servers import REPO, wait_until
 
 
-def fill_bronze(lake: Lake, commits: int = 3, tag: str = "") -> None:
-    """Bronze of several commits holding steps (some with inline rewards), completions,
-    feedback, retried duplicates and a conflicting step."""
-    for c in range(commits):
-        rows = []
-        for g in range(4):
-            rows += group_of(f"{tag}c{c}g{g}", [c, g, 7, 7], [1.0, 0.0, 0.5], turns=2)
-        rows.append(step(f"{tag}solo{c}", 0, [c, 1], [2, 3], reward=0.5, is_last=True))
-        rows.append(step(f"{tag}solo{c}", 0, [c, 1], [2, 3], reward=0.5, is_last=True))  # retry
-        rows.append(step(f"{tag}solo{c}", 0, [c, 1], [9, 9], is_last=True))  # a conflict
-        rows.append(feedback({"step_key": f"{tag}c{c}g0-r0:1"}, "rating", 4))
-        rows.append(completion(f"{tag}solo{c}", 1.0))
-        land(lake, rows)
-
-
 def silver_frames(lake: Lake) -> dict[str, pl.DataFrame]:
     return {table: lake.read(table).sort(key) for table, key in KEYS.items()}
-
-
-def assert_each_once(lake: Lake) -> None:
-    for table, key in KEYS.items():
-        column = lake.read(table, columns=[key])[key]
-        assert column.n_unique() == column.len(), f"{table}: a {key} twice"
-    events = lake.read(SILVER_STEPS, columns=["event_id"])["event_id"]
-    assert events.n_unique() == events.len()
 
 
 def assert_same_silver(got: Lake, want: Lake) -> None:

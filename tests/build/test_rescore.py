@@ -30,37 +30,12 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.tokenizers import bundled_fingerprint
-from claw_pipelines.tokenization import IM_END, encode, encode_chat
+from claw_pipelines.tokenization import encode, encode_chat
 from claw_pipelines.transforms.judges import judge_agreement, judge_rewards
-from tests.support.lakes import completion, land, step
+from tests.support.lakes import arithmetic_steps, completion, land, step
 from tests.support.servers import REPO
 
 BUNDLED = bundled_fingerprint()  # the arithmetic steps' ids are the bundled tokenizer's
-
-# (a, b, what the model said): right, wrong, right
-TASKS = [(12, 7, 19), (3, 4, 8), (40, 2, 42)]
-
-
-def arithmetic_steps(offset: int = 0) -> list[dict]:
-    """One two-turn trajectory per task: a tool call, then the final answer."""
-    rows = []
-    for number, (a, b, said) in enumerate(TASKS):
-        trajectory = f"math-{offset + number}"
-        question = [{"role": "user", "content": f"What is {a} + {b}?"}]
-        first = encode_chat(question)
-        call = encode(
-            f'<tool_call>\n{{"name": "calc", "arguments": {{"x": "{a}+{b}"}}}}\n</tool_call>'
-        )
-        rows.append(step(trajectory, 0, first, [*call, *encode(IM_END)], tokenizer=BUNDLED))
-        history = [
-            *question,
-            {"role": "assistant", "content": ""},
-            {"role": "tool", "content": str(a + b)},
-        ]
-        answer = encode(f"The answer is {said}.") + encode(IM_END)
-        rows.append(step(trajectory, 1, encode_chat(history), answer, tokenizer=BUNDLED))
-        rows.append(completion(trajectory))
-    return rows
 
 
 @pytest.fixture
@@ -223,9 +198,7 @@ def test_judges_side_by_side_and_their_agreement(lake):
         for row in judge_agreement(facts).iter_rows(named=True)
     }
     assert agreement[("exact-match v1", "exact-match v2")] == (6, 1.0)
-    assert (
-        agreement[("exact-match v1", "tests.build.test_rescore:response_length v7")][1] == 0.0
-    )
+    assert agreement[("exact-match v1", "tests.build.test_rescore:response_length v7")][1] == 0.0
 
 
 def test_judges_read_each_steps_text_with_its_own_tokenizer(tmp_path):

@@ -19,29 +19,12 @@ import pytest
 from claw_pipelines.build.gold import build_partition
 from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset, subtree_ends
-from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, gold_tree_table
 from claw_pipelines.lake.delta import Lake
+from tests.support.lakes import TRAIN_SPEC as SPEC
 from tests.support.lakes import group_of, land
 from tests.support.servers import REPO
-
-SPEC = CurationSpec(
-    name="train", reward_status=["final", "missing"], merge="prompt_group", advantage="grpo"
-)
-
-
-@pytest.fixture(scope="module")
-def lake(tmp_path_factory) -> Lake:
-    """Six GRPO groups of 3-turn trajectories over two policy versions, curated and merged."""
-    lake = Lake(str(tmp_path_factory.mktemp("consume") / "lake"))
-    rows = []
-    for g in range(6):
-        rows += group_of(f"g{g}", [7, g, 7, g], [1.0, 0.0, 0.5], version=1 + g % 2, turns=3)
-    land(lake, rows)
-    build_silver(lake)
-    for version in (1, 2):
-        build_partition(lake, SPEC, version)
-    return lake
+from tests.support.trees import ancestors_brute_force
 
 
 def sequences(lake: Lake) -> dict[str, list[int]]:
@@ -49,17 +32,6 @@ def sequences(lake: Lake) -> dict[str, list[int]]:
     return {
         k: p + r for k, p, r in steps.select("step_key", "prompt_ids", "response_ids").iter_rows()
     }
-
-
-def ancestors_brute_force(parent: np.ndarray) -> np.ndarray:
-    n = len(parent)
-    mask = np.zeros((n, n), dtype=bool)
-    for q in range(n):
-        k = q
-        while k >= 0:
-            mask[q, k] = True
-            k = parent[k]
-    return mask
 
 
 def test_open_dataset_versions_partitions_and_steps(lake):

@@ -32,8 +32,7 @@ from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.ops.integrity import check_lake, repair_lake
 from tests.support.dagster_runs import materialize_gold_partition
-from tests.support.lakes import land, step
-from tests.build.test_exactly_once import assert_each_once, fill_bronze
+from tests.support.lakes import assert_each_once, fill_bronze, land, step
 from tests.support.servers import REPO
 
 BATCH_FIELDS = ("input_ids", "parent", "position_ids", "loss_mask", "advantages", "token_rewards")

@@ -27,25 +27,8 @@ from claw_pipelines.tokenization import (
     load_tokenizer,
     render_chat,
 )
+from tests.support.upstreams import CALCULATOR
 
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "expression": {"type": "string"},
-                "precision": {"type": "integer"},
-                "exact": {"type": "boolean"},
-                "unit": {"type": "string", "enum": ["none", "cm"]},
-                "note": {"type": "string"},
-            },
-            "required": ["expression", "precision", "exact", "unit"],
-        },
-    },
-}
 QUESTION = [{"role": "user", "content": "What is 12 + 7?"}]
 
 

@@ -6,12 +6,20 @@ from __future__ import annotations
 import json
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.silver import build_silver
+from claw_pipelines.consume.dataset import Dataset, open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.contracts.tables import BRONZE_EVENTS
+from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.tokenizers import bundled_fingerprint
+from claw_pipelines.ops.integrity import SILVER_KEYS as KEYS
+from claw_pipelines.tokenization import IM_END, encode, encode_chat
 
 T0 = datetime(2026, 11, 30, tzinfo=UTC)
 # the spec a live trainer pulls GRPO groups from: complete groups, merged, GRPO advantages
@@ -134,3 +142,112 @@ def rebuilt_sequences(rows: list[dict]) -> list[list[int]]:
             sequence += seg["tokens"][:cut]
         rebuilt.append(sequence)
     return rebuilt
+
+
+# -- lakes and checks several test folders share ----------------------------------------
+
+TRAIN_SPEC = CurationSpec(
+    name="train", reward_status=["final", "missing"], merge="prompt_group", advantage="grpo"
+)
+
+
+def train_lake(root: Path) -> Lake:
+    """Six GRPO groups of 3-turn trajectories over two policy versions, curated and merged
+    (dataset `train`): the lake of the consumption tests, the adapters and tree attention."""
+    lake = Lake(str(root))
+    rows = []
+    for g in range(6):
+        rows += group_of(f"g{g}", [7, g, 7, g], [1.0, 0.0, 0.5], version=1 + g % 2, turns=3)
+    land(lake, rows)
+    build_silver(lake)
+    for version in (1, 2):
+        build_partition(lake, TRAIN_SPEC, version)
+    return lake
+
+
+EQUIVALENCE_VOCAB = 512
+
+
+def equivalence_dataset(root: Path) -> Dataset:
+    """Two GRPO groups of two-turn trajectories; some rollouts share their first response
+    tokens, so a shared token is a trained response token of several steps."""
+    lake = Lake(str(root))
+    rng = np.random.default_rng(0)
+    rows = []
+    for g in range(2):
+        prompt = rng.integers(1, EQUIVALENCE_VOCAB, 40).tolist()
+        opening = rng.integers(1, EQUIVALENCE_VOCAB, 3).tolist()
+        for r, value in enumerate([1.0, 0.0, 0.5, 0.25]):
+            trajectory = f"g{g}-r{r}"
+            response = (opening if r < 2 else []) + rng.integers(
+                1, EQUIVALENCE_VOCAB, 6 + r
+            ).tolist()
+            rows.append(step(trajectory, 0, prompt, response, group=f"g{g}"))
+            follow = [*prompt, *response, *rng.integers(1, EQUIVALENCE_VOCAB, 5).tolist()]
+            rows.append(
+                step(
+                    trajectory,
+                    1,
+                    follow,
+                    rng.integers(1, EQUIVALENCE_VOCAB, 4).tolist(),
+                    group=f"g{g}",
+                )
+            )
+            rows.append(completion(trajectory, value))
+    land(lake, rows)
+    build_silver(lake)
+    spec = CurationSpec(
+        name="eq", reward_status=["final", "missing"], merge="prompt_group", advantage="grpo"
+    )
+    build_partition(lake, spec, 1)
+    return open_dataset("eq", lake.uri)
+
+
+# (a, b, what the model said): right, wrong, right
+ARITHMETIC_TASKS = [(12, 7, 19), (3, 4, 8), (40, 2, 42)]
+
+
+def arithmetic_steps(offset: int = 0) -> list[dict]:
+    """One two-turn trajectory per task: a tool call, then the final answer (the bundled
+    tokenizer's ids)."""
+    bundled, rows = bundled_fingerprint(), []
+    for number, (a, b, said) in enumerate(ARITHMETIC_TASKS):
+        trajectory = f"math-{offset + number}"
+        question = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        first = encode_chat(question)
+        call = encode(
+            f'<tool_call>\n{{"name": "calc", "arguments": {{"x": "{a}+{b}"}}}}\n</tool_call>'
+        )
+        rows.append(step(trajectory, 0, first, [*call, *encode(IM_END)], tokenizer=bundled))
+        history = [
+            *question,
+            {"role": "assistant", "content": ""},
+            {"role": "tool", "content": str(a + b)},
+        ]
+        answer = encode(f"The answer is {said}.") + encode(IM_END)
+        rows.append(step(trajectory, 1, encode_chat(history), answer, tokenizer=bundled))
+        rows.append(completion(trajectory))
+    return rows
+
+
+def fill_bronze(lake: Lake, commits: int = 3, tag: str = "") -> None:
+    """Bronze of several commits holding steps (some with inline rewards), completions,
+    feedback, retried duplicates and a conflicting step."""
+    for c in range(commits):
+        rows = []
+        for g in range(4):
+            rows += group_of(f"{tag}c{c}g{g}", [c, g, 7, 7], [1.0, 0.0, 0.5], turns=2)
+        rows.append(step(f"{tag}solo{c}", 0, [c, 1], [2, 3], reward=0.5, is_last=True))
+        rows.append(step(f"{tag}solo{c}", 0, [c, 1], [2, 3], reward=0.5, is_last=True))  # retry
+        rows.append(step(f"{tag}solo{c}", 0, [c, 1], [9, 9], is_last=True))  # a conflict
+        rows.append(feedback({"step_key": f"{tag}c{c}g0-r0:1"}, "rating", 4))
+        rows.append(completion(f"{tag}solo{c}", 1.0))
+        land(lake, rows)
+
+
+def assert_each_once(lake: Lake) -> None:
+    for table, key in KEYS.items():
+        column = lake.read(table, columns=[key])[key]
+        assert column.n_unique() == column.len(), f"{table}: a {key} twice"
+    events = lake.read(SILVER_STEPS, columns=["event_id"])["event_id"]
+    assert events.n_unique() == events.len()

@@ -9,7 +9,21 @@ import polars as pl
 from claw_pipelines.app.processes import ServiceProcess, free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-__all__ = ["REPO", "GatewayProcess", "bronze", "free_port", "wait_landed", "wait_until"]
+DASHBOARD_APP = str(REPO / "dashboards" / "streamlit_app.py")
+# the API keys of the secured gateway (tests/gateway/conftest.py), mapped to tenants a and b
+TEST_KEY = "claw-test-key-tenant-a"
+OTHER_KEY = "claw-test-key-tenant-b"
+__all__ = [
+    "DASHBOARD_APP",
+    "OTHER_KEY",
+    "REPO",
+    "TEST_KEY",
+    "GatewayProcess",
+    "bronze",
+    "free_port",
+    "wait_landed",
+    "wait_until",
+]
 
 
 class GatewayProcess(ServiceProcess):

@@ -18,6 +18,26 @@ from claw_pipelines.app.processes import ServiceProcess
 from gateway.proxy.capture_mode import PROBE_MODEL
 from tests.support.servers import REPO, free_port, wait_until
 
+# the calculator tool of the sim-llm tests, in the chat completions shape
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "expression": {"type": "string"},
+                "precision": {"type": "integer"},
+                "exact": {"type": "boolean"},
+                "unit": {"type": "string", "enum": ["none", "cm"]},
+                "note": {"type": "string"},
+            },
+            "required": ["expression", "precision", "exact", "unit"],
+        },
+    },
+}
+
 
 def proxy_env(upstream_url: str, api_key: str, tenant: str, **extra: str) -> dict[str, str]:
     """Environment of a test gateway proxying to `upstream_url`, with one API key."""

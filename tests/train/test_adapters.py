@@ -11,11 +11,10 @@ torch = pytest.importorskip("torch")
 
 from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from claw_pipelines.train.adapters import BatchDataset, trl_records, verl_batch  # noqa: E402
-from tests.consume.test_consume import lake  # noqa: E402, F401 (the fixture)
 from tests.support.real_servers import import_or_skip  # noqa: E402
 
 
-def test_verl_batch_holds_each_step_exactly_padded_as_verl_expects(lake):  # noqa: F811
+def test_verl_batch_holds_each_step_exactly_padded_as_verl_expects(lake):
     steps = open_dataset("train", lake.uri).steps(1)
     out = verl_batch(steps, pad_id=0)
     t, uid = out["tensors"], out["non_tensors"]["uid"]
@@ -43,7 +42,7 @@ def test_verl_batch_holds_each_step_exactly_padded_as_verl_expects(lake):  # noq
     assert out["meta_info"]["policy_versions"] == [1]
 
 
-def test_trl_records_are_the_steps(lake):  # noqa: F811
+def test_trl_records_are_the_steps(lake):
     steps = open_dataset("train", lake.uri).steps(1)
     records = trl_records(steps)
     assert [r["step_key"] for r in records] == steps["step_key"].to_list()
@@ -51,7 +50,7 @@ def test_trl_records_are_the_steps(lake):  # noqa: F811
     assert [r["prompt_ids"] for r in records] == steps["prompt_ids"].to_list()
 
 
-def test_the_iterable_dataset_gives_every_batch_once_across_ranks_and_workers(lake):  # noqa: F811
+def test_the_iterable_dataset_gives_every_batch_once_across_ranks_and_workers(lake):
     ds = open_dataset("train", lake.uri)
     everything = [b.step_keys for b in ds.batches(1, batch_size=1)]
     assert len(everything) >= 3
@@ -75,7 +74,7 @@ def test_the_iterable_dataset_gives_every_batch_once_across_ranks_and_workers(la
     assert [single[i] for i in range(len(everything))] == everything
 
 
-def test_verl_takes_the_batch_as_its_own_dataproto_and_agrees_on_grpo_advantages(lake):  # noqa: F811
+def test_verl_takes_the_batch_as_its_own_dataproto_and_agrees_on_grpo_advantages(lake):
     """Against verl itself where it is installed (it imports on CPU): DataProto.from_dict
     accepts the fields, and verl's GRPO outcome advantage over them equals the gold
     dataset's, one step per trajectory (the last turns, which carry the outcome reward)."""
@@ -98,7 +97,7 @@ def test_verl_takes_the_batch_as_its_own_dataproto_and_agrees_on_grpo_advantages
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("uneven", ["repeat", "drop"])
-def test_every_rank_gets_as_many_batches_and_every_group_goes_once(lake, world, uneven):  # noqa: F811
+def test_every_rank_gets_as_many_batches_and_every_group_goes_once(lake, world, uneven):
     """Equal counts per rank (a DDP all-reduce never waits on a rank that ran out): the
     last ranks repeat the first batches (marked), or the last n mod w batches are dropped."""
     ds = open_dataset("train", lake.uri)
@@ -141,7 +140,7 @@ def same_tensors(got: dict, want: dict) -> None:
     ids=["steps", "tokens-seeded", "tokens-flat"],
 )
 def test_each_rank_packs_only_its_share_and_its_batches_are_those_batches_gives(
-    lake,  # noqa: F811
+    lake,
     world,
     uneven,
     sizing,

@@ -9,23 +9,12 @@ import pytest
 
 from claw_pipelines.consume.dataset import open_dataset, subtree_ends
 from claw_pipelines.train.attention import tile_masks, tree_block_mask
-from tests.consume.test_consume import ancestors_brute_force, lake  # noqa: F401 (fixture)
+from tests.support.trees import ancestors_brute_force, random_forest
 
 torch = pytest.importorskip("torch")
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 # eager flex (small T here) materializes scores; trainers compile it
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-
-def random_forest(n: int, rng: np.random.Generator, new_root: float = 0.02) -> np.ndarray:
-    """Parent links of a random forest in depth-first order."""
-    parent = np.full(n, -1, np.int64)
-    for t in range(1, n):
-        path = [t - 1]
-        while parent[path[-1]] >= 0 and rng.random() < 0.7:
-            path.append(int(parent[path[-1]]))
-        parent[t] = -1 if rng.random() < new_root else path[-1]
-    return parent
 
 
 @pytest.mark.parametrize("n", [5, 128, 300, 700])
@@ -61,7 +50,7 @@ def test_flex_attention_through_the_tree_mask_equals_sdpa_with_the_dense_mask():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_gold_tree_batch_feeds_flex_attention(lake):  # noqa: F811 (the fixture)
+def test_a_gold_tree_batch_feeds_flex_attention(lake):
     batch = next(open_dataset("train", lake.uri).batches(1, 9, layout="tree"))
     tensors = batch.to_torch(dense_mask=True)
     torch.manual_seed(1)

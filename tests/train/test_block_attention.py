@@ -10,8 +10,7 @@ torch = pytest.importorskip("torch")
 
 from claw_pipelines.consume.dataset import subtree_ends  # noqa: E402
 from claw_pipelines.train.block_attention import tree_attention, tree_plan  # noqa: E402
-from tests.train.test_attention import random_forest  # noqa: E402
-from tests.consume.test_consume import ancestors_brute_force  # noqa: E402
+from tests.support.trees import ancestors_brute_force, random_forest  # noqa: E402
 
 
 @pytest.mark.parametrize(

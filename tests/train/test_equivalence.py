@@ -8,43 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from claw_pipelines.build.gold import build_partition  # noqa: E402
-from claw_pipelines.build.silver import build_silver  # noqa: E402
-from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
-from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
-from claw_pipelines.lake.delta import Lake  # noqa: E402
-from tests.support.lakes import completion, land, step  # noqa: E402
+from tests.support.lakes import EQUIVALENCE_VOCAB as VOCAB  # noqa: E402
 from tests.support.tiny_transformer import TinyLM, forward_by_path, token_logprobs  # noqa: E402
-
-VOCAB = 512
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """Two GRPO groups of two-turn trajectories; some rollouts share their first response
-    tokens, so a shared token is a trained response token of several steps."""
-    lake = Lake(str(tmp_path_factory.mktemp("equivalence") / "lake"))
-    rng = np.random.default_rng(0)
-    rows = []
-    for g in range(2):
-        prompt = rng.integers(1, VOCAB, 40).tolist()
-        opening = rng.integers(1, VOCAB, 3).tolist()
-        for r, value in enumerate([1.0, 0.0, 0.5, 0.25]):
-            trajectory = f"g{g}-r{r}"
-            response = (opening if r < 2 else []) + rng.integers(1, VOCAB, 6 + r).tolist()
-            rows.append(step(trajectory, 0, prompt, response, group=f"g{g}"))
-            follow = [*prompt, *response, *rng.integers(1, VOCAB, 5).tolist()]
-            rows.append(
-                step(trajectory, 1, follow, rng.integers(1, VOCAB, 4).tolist(), group=f"g{g}")
-            )
-            rows.append(completion(trajectory, value))
-    land(lake, rows)
-    build_silver(lake)
-    spec = CurationSpec(
-        name="eq", reward_status=["final", "missing"], merge="prompt_group", advantage="grpo"
-    )
-    build_partition(lake, spec, 1)
-    return open_dataset("eq", lake.uri)
 
 
 def flat_logprobs(model, tensors, index) -> torch.Tensor:

@@ -14,7 +14,6 @@ transformers = pytest.importorskip("transformers")
 from claw_pipelines.tokenization import load_tokenizer  # noqa: E402
 from claw_pipelines.train.attention import tree_block_mask  # noqa: E402
 from claw_pipelines.train.block_attention import register_hf_tree_attention, tree_plan  # noqa: E402
-from tests.train.test_equivalence import dataset  # noqa: E402, F401 (the fixture)
 from tests.support.small_qwen2 import small_qwen2  # noqa: E402
 
 pytestmark = [
@@ -48,7 +47,7 @@ def flat_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow  # ~25 s: the model, and flex compiling its kernel on first use
-def test_a_qwen2_tree_forward_and_backward_equal_the_flat_steps(dataset):  # noqa: F811
+def test_a_qwen2_tree_forward_and_backward_equal_the_flat_steps(dataset):
     steps = {r["step_key"]: r for r in dataset.steps(1).to_dicts()}
     tree = next(dataset.batches(1, batch_size=100, layout="tree"))
     t = tree.to_torch(dense_mask=True)

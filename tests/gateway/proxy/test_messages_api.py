@@ -16,7 +16,7 @@ import pytest
 from claw_pipelines.build.silver import build_silver
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.tokenization import encode_chat
-from tests.gateway.proxy.test_responses_api import nests, rows, trajectory_rows
+from tests.support.ingest import nests, rows, trajectory_rows
 from tests.support.servers import GatewayProcess, bronze
 from tests.support.upstreams import SimProcess, proxy_env
 

@@ -16,9 +16,8 @@ import polars as pl
 import pytest
 
 from claw_pipelines.tokenization import encode_chat
-from tests.simulation.test_sim_llm import CALCULATOR
 from tests.support.servers import GatewayProcess, bronze, wait_landed, wait_until
-from tests.support.upstreams import SimProcess, proxy_env
+from tests.support.upstreams import CALCULATOR, SimProcess, proxy_env
 
 KEY = "proxy-test-key"
 TENANT = "tenant-proxy"

@@ -16,7 +16,8 @@ import pytest
 from claw_pipelines.build.silver import build_silver
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.tokenization import encode_chat
-from tests.support.servers import GatewayProcess, bronze, wait_landed, wait_until
+from tests.support.ingest import nests, rows, trajectory_rows
+from tests.support.servers import GatewayProcess, bronze
 from tests.support.upstreams import SimProcess, proxy_env
 
 KEY = "responses-test-key"
@@ -67,29 +68,6 @@ def sampled(sim, messages, tools=None) -> dict:
     answer = httpx.post(sim.url + "/chat/completions", json=body, timeout=30)
     answer.raise_for_status()
     return answer.json()
-
-
-def rows(gw, event_ids) -> list[dict]:
-    found = wait_landed(gw.lake, event_ids).to_dicts()
-    by_id = {r["event_id"]: r | {"payload": json.loads(r["payload"])} for r in found}
-    return [by_id[e] for e in event_ids]
-
-
-def trajectory_rows(gw, trajectory: str, count: int) -> list[dict]:
-    def landed():
-        frame = bronze(gw.lake)
-        if frame.is_empty() or "trajectory_uid" not in frame.columns:
-            return None
-        got = frame.filter(pl.col("trajectory_uid") == trajectory).sort("step_index")
-        return got if got.height >= count else None
-
-    found = wait_until(landed, 20, interval=0.1, what=f"{count} steps of {trajectory}")
-    return [r | {"payload": json.loads(r["payload"])} for r in found.to_dicts()]
-
-
-def nests(parent: dict, child: dict) -> bool:
-    sequence = list(parent["prompt_ids"]) + list(parent["response_ids"])
-    return list(child["prompt_ids"])[: len(sequence)] == sequence
 
 
 def test_a_response_is_the_models_answer_and_bronze_holds_its_exact_ids(gw, sim):

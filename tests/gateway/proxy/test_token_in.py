@@ -21,9 +21,8 @@ from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.tokenization import IM_END, decode, encode, load_tokenizer
 from gateway.proxy.token_history import restore_trajectory
-from tests.simulation.test_sim_llm import CALCULATOR
 from tests.support.servers import GatewayProcess, bronze, wait_until
-from tests.support.upstreams import SimProcess, proxy_env
+from tests.support.upstreams import CALCULATOR, SimProcess, proxy_env
 
 KEY = "token-in-key"
 TENANT = "tenant-token-in"

@@ -120,7 +120,7 @@ def test_token_in_requests_and_the_chat_answers_made_of_them_are_vllms(sim):
     from gateway.proxy.scope import Scope, TrajectoryBook
     from gateway.proxy.token_history import Turn
     from gateway.proxy.token_in import TokenIn
-    from tests.simulation.test_sim_llm import CALCULATOR
+    from tests.support.upstreams import CALCULATOR
 
     capture = CaptureMode("bundled")  # the simulated model's own tokenizer
     token_in = TokenIn(ClawSettings(token_in="on"), None, TrajectoryBook(), capture)

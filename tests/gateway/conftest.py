@@ -1,13 +1,10 @@
-"""Shared fixtures: temp lakes and real gateway processes."""
+"""The gateway folder's fixtures: real gateway processes, shared by a module's tests."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.support.servers import GatewayProcess
-
-TEST_KEY = "claw-test-key-tenant-a"
-OTHER_KEY = "claw-test-key-tenant-b"
+from tests.support.servers import OTHER_KEY, TEST_KEY, GatewayProcess
 
 
 @pytest.fixture(scope="module")
