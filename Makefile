@@ -54,4 +54,4 @@ REAL_SERVER_PACKAGES := vllm==0.33.0 cbor2 psutil pyzmq aiohttp aiohappyeyeballs
 real-servers: $(STAMP)
 	$(BIN)/python -m pip install --quiet --no-deps $(REAL_SERVER_PACKAGES)
 	CLAW_REAL_SERVERS=required $(BIN)/python -m pytest -q -m "not soak" \
-	  tests/proxy/test_vllm_conformance.py tests/pipelines/test_adapters.py
+	  tests/gateway/proxy/test_vllm_conformance.py tests/train/test_adapters.py
