@@ -34,7 +34,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	for script in benchmarks/[a-z]*.py; do \
-	  case $$script in */loadgen.py|*/baseline_app.py|*/relay_floor.py) continue;; esac; \
+	  case $$script in */harness.py|*/loadgen.py|*/baseline_app.py|*/relay_floor.py) continue;; esac; \
 	  $(BIN)/python $$script || exit 1; \
 	done
 
@@ -54,4 +54,4 @@ REAL_SERVER_PACKAGES := vllm==0.33.0 cbor2 psutil pyzmq aiohttp aiohappyeyeballs
 real-servers: $(STAMP)
 	$(BIN)/python -m pip install --quiet --no-deps $(REAL_SERVER_PACKAGES)
 	CLAW_REAL_SERVERS=required $(BIN)/python -m pytest -q -m "not soak" \
-	  tests/proxy/test_vllm_conformance.py tests/pipelines/test_adapters.py
+	  tests/gateway/proxy/test_vllm_conformance.py tests/train/test_adapters.py

@@ -30,6 +30,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import emit  # noqa: E402
 from claw_pipelines.app.processes import ServiceProcess, free_port  # noqa: E402
 from claw_pipelines.build.silver import build_silver, watermark  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS  # noqa: E402
@@ -308,20 +309,18 @@ def main() -> None:
     }
     exact = all(r["duplicated"] == 0 and r["lost"] == 0 for r in runs.values())
     fast = ratio.get("4") is not None and ratio["4"] >= TARGET_RATIO
-    result = {
-        "benchmark": "concurrent_writers",
-        "seconds": args.seconds,
-        "rate_steps_per_s": args.rate,
-        "steps_per_request": args.steps_per_request,
-        "writers": runs,
-        "baseline": baseline,
-        "ratio": ratio,
-        "target": TARGET,
-        "target_met": exact and fast,
-        "total_s": round(time.monotonic() - started, 1),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    print(json.dumps(result))
+    emit(
+        "concurrent_writers",
+        target=TARGET,
+        target_met=exact and fast,
+        baseline=baseline,
+        ratio=ratio,
+        seconds=args.seconds,
+        rate_steps_per_s=args.rate,
+        steps_per_request=args.steps_per_request,
+        writers=runs,
+        total_s=round(time.monotonic() - started, 1),
+    )
 
 
 if __name__ == "__main__":

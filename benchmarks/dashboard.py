@@ -12,7 +12,6 @@ Targets: every page's warm p50 <= 2 s, cold <= 5 s; peak RSS <= 1 GiB.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -22,13 +21,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import emit, status_kib  # noqa: E402
 from claw_pipelines.build.gold import build_partition, policy_versions  # noqa: E402
 from claw_pipelines.build.silver import build_silver  # noqa: E402
 from claw_pipelines.contracts.specs import DEFAULT_SPEC  # noqa: E402
 from claw_pipelines.contracts.tables import SILVER_STEPS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
 from claw_pipelines.simulation.bulk import write_bulk_bronze  # noqa: E402
-from tests.browser import PAGES, DashboardProcess, browser  # noqa: E402
+from tests.support.browser import PAGES, DashboardProcess, browser  # noqa: E402
 
 WARM_TARGET_S = 2.0
 COLD_TARGET_S = 5.0
@@ -53,10 +53,7 @@ def fill(lake: Lake, steps: int) -> dict:
 
 def peak_rss(pid: int) -> int:
     """The process's resident-set high-water mark, in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return (status_kib(pid, "VmHWM") or 0) * 1024
 
 
 def time_pages(lake: Path, loads: int, log: Path) -> dict:
@@ -99,26 +96,30 @@ def main() -> None:
         empty = time_pages(root / "empty", args.loads, root / "dashboard-empty.log")
     worst_warm = max(big["warm_p50_s"].values())
     worst_cold = max(big["cold_s"].values())
-    result = {
-        "benchmark": "dashboard",
-        "lake": built,
-        "pages": big,
-        "baseline_empty_lake": empty,
-        "worst_warm_p50_s": worst_warm,
-        "worst_cold_s": worst_cold,
-        "peak_rss_mib": round(big["peak_rss_bytes"] / 2**20, 1),
-        "warm_vs_empty_lake": round(worst_warm / max(empty["warm_p50_s"].values()), 3),
-        "target": {
+    warm_vs_empty = round(worst_warm / max(empty["warm_p50_s"].values()), 3)
+    emit(
+        "dashboard",
+        target=f"every page <= {WARM_TARGET_S} s warm (p50) and <= {COLD_TARGET_S} s cold on the "
+        f"big lake, the dashboard's peak RSS <= {RSS_TARGET_BYTES >> 20} MiB, no exception",
+        targets={
             "warm_p50_s": WARM_TARGET_S,
             "cold_s": COLD_TARGET_S,
             "peak_rss_bytes": RSS_TARGET_BYTES,
         },
-        "target_met": worst_warm <= WARM_TARGET_S
+        target_met=worst_warm <= WARM_TARGET_S
         and worst_cold <= COLD_TARGET_S
         and big["peak_rss_bytes"] <= RSS_TARGET_BYTES
         and big["exceptions"] == 0,
-    }
-    print(json.dumps(result))
+        baseline="baseline_empty_lake",
+        ratio=warm_vs_empty,
+        lake=built,
+        pages=big,
+        baseline_empty_lake=empty,
+        worst_warm_p50_s=worst_warm,
+        worst_cold_s=worst_cold,
+        peak_rss_mib=round(big["peak_rss_bytes"] / 2**20, 1),
+        warm_vs_empty_lake=warm_vs_empty,
+    )
 
 
 if __name__ == "__main__":

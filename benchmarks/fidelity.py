@@ -42,12 +42,13 @@ import polars as pl
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import emit  # noqa: E402
 from benchmarks.token_in import gateway_ms  # noqa: E402
 from claw_pipelines.contracts.tables import EXACT_TOKEN_SOURCES  # noqa: E402
 from claw_pipelines.simulation.model_folders import tiny_model_folder  # noqa: E402
 from claw_pipelines.tokenization import load_chat_tokenizer, server_messages  # noqa: E402
-from tests.servers import GatewayProcess, bronze, wait_until  # noqa: E402
-from tests.upstreams import SimProcess, TransformersServe, proxy_env  # noqa: E402
+from tests.support.servers import GatewayProcess, bronze, wait_until  # noqa: E402
+from tests.support.upstreams import SimProcess, TransformersServe, proxy_env  # noqa: E402
 
 TARGET_ADDED_P50_MS = 5.0
 KEY = "bench-fidelity"
@@ -276,26 +277,28 @@ def main() -> None:
     phantom = sum(a["phantom_steps"] for a in arms.values())
     covered = min(a["exact_or_flagged_share"] for a in arms.values())
     added = max(a["added_p50_ms"] for a in arms.values())
-    result = {
-        "benchmark": "fidelity",
-        "arms": arms,
-        "unflagged_wrong_steps": unflagged,
-        "phantom_steps": phantom,
-        "exact_or_flagged_share": covered,
-        "added_p50_ms": added,
-        "targets": {
+    emit(
+        "fidelity",
+        target="0 unflagged wrong steps, 0 phantom steps, every step exact or flagged, added "
+        f"p50 <= {TARGET_ADDED_P50_MS} ms in every arm",
+        targets={
             "unflagged_wrong_steps": 0,
             "phantom_steps": 0,
             "exact_or_flagged_share": 1.0,
             "added_p50_ms": TARGET_ADDED_P50_MS,
         },
-        "target_met": unflagged == 0
+        target_met=unflagged == 0
         and phantom == 0
         and covered == 1.0
         and added <= TARGET_ADDED_P50_MS,
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    print(json.dumps(result))
+        baseline=None,
+        ratio=None,
+        arms=arms,
+        unflagged_wrong_steps=unflagged,
+        phantom_steps=phantom,
+        exact_or_flagged_share=covered,
+        added_p50_ms=added,
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Prints one JSON line (progress on stderr).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import multiprocessing as mp
@@ -30,7 +29,6 @@ import re
 import signal
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections import Counter
@@ -44,6 +42,22 @@ import polars as pl
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import (  # noqa: E402
+    ROLLOUTS,
+    STEPS_PER_GROUP,
+    TURNS,
+    Acks,
+    Plan,
+    descendants,
+    emit,
+    group_steps,
+    plan_load,
+    seconds_summary,
+    start_load,
+    started_at,
+    status_kib,
+    tree_cpu_s,
+)
 from claw_pipelines.app.instance import DAGSTER_YAML  # noqa: E402
 from claw_pipelines.app.processes import ServiceProcess, free_port  # noqa: E402
 from claw_pipelines.build.live import materializer_running  # noqa: E402
@@ -74,12 +88,8 @@ SPEC = CurationSpec(
     advantage="grpo",
 )
 CONSUMER = "bench"
-ROLLOUTS, TURNS = 8, 3
-STEPS_PER_GROUP = ROLLOUTS * TURNS
 POLICY_VERSION = 1
-VOCAB = 150_000
 WARM_GROUP = "warm"
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 ROUND_LINE = re.compile(r"^(\d+\.\d+) s  ")
 PROBLEM = re.compile(r"Traceback|ERROR|CRITICAL|round failed|Exception", re.IGNORECASE)
 
@@ -92,132 +102,9 @@ def log(message: str) -> None:
 # -- agents -------------------------------------------------------------------------------
 
 
-@dataclass
-class Plan:
-    """Every step to post: (due offset in s, group, body), in due order; each group's ids."""
-
-    sends: list[tuple[float, str, bytes]]
-    event_ids: dict[str, list[str]]
-    ramp_s: float  # the first and last this many seconds are ramps, not steady load
-
-
-def group_steps(rng: np.random.Generator, group: str) -> list[list[dict]]:
-    """One GRPO group: 8 rollouts of one shared prompt, 3 turns each; turn t+1's prompt is
-    turn t's prompt + response + a tool answer; the last turn ends it with a reward."""
-    prompt = rng.integers(1, VOCAB, int(rng.integers(150, 250))).tolist()
-    rollouts = []
-    for r in range(ROLLOUTS):
-        history, turns = prompt, []
-        for turn in range(TURNS):
-            response = rng.integers(1, VOCAB, int(rng.integers(40, 120)))
-            last = turn == TURNS - 1
-            step = {
-                "event_id": uuid.uuid4().hex,
-                "trajectory_uid": f"{group}-r{r}",
-                "prompt_uid": group,
-                "step_index": turn,
-                "prompt_ids": history,
-                "response_ids": response.tolist(),
-                "rollout_log_probs": np.round(-rng.random(len(response)) * 4, 4).tolist(),
-                "policy_version": POLICY_VERSION,
-                "is_last": last,
-            }
-            if last:
-                step["reward"] = round(float(rng.random()), 3)
-            turns.append(step)
-            tool = rng.integers(1, VOCAB, int(rng.integers(10, 30))).tolist()
-            history = [*history, *step["response_ids"], *tool]
-        rollouts.append(turns)
-    return rollouts
-
-
-def plan_load(seconds: float, rate: float, turn_gap: float, seed: int, prefix: str = "") -> Plan:
-    """A new group every 24/rate s for `seconds`; turn t of each rollout due t x turn_gap
-    (plus up to half a gap of jitter) after its group starts: the rollouts of ~2.5 x
-    turn_gap x rate / 24 groups interleave, at `rate` steps/s once the ramp is over."""
-    rng = np.random.default_rng(seed)
-    interval = STEPS_PER_GROUP / rate
-    sends, event_ids = [], {}
-    for g in range(max(1, int(seconds / interval))):
-        group, start = f"{prefix}g{g:05d}", g * interval
-        rollouts = group_steps(rng, group)
-        event_ids[group] = [s["event_id"] for turns in rollouts for s in turns]
-        for turns in rollouts:
-            for turn, step in enumerate(turns):
-                due = start + turn * turn_gap + float(rng.uniform(0, turn_gap / 2))
-                sends.append((due, group, json.dumps({"steps": [step]}).encode()))
-    sends.sort(key=lambda send: send[0])
-    return Plan(sends, event_ids, ramp_s=TURNS * turn_gap)
-
-
-@dataclass
-class Acks:
-    """What the agents sent and when each group's steps were acknowledged (200)."""
-
-    posted: int = 0
-    acked: Counter = field(default_factory=Counter)  # group -> steps acknowledged
-    last_ack: dict[str, float] = field(default_factory=dict)  # group -> time.time()
-    ack_times: list[float] = field(default_factory=list)
-    statuses: Counter = field(default_factory=Counter)
-    errors: Counter = field(default_factory=Counter)
-    retries: int = 0
-    started: float = 0.0
-    finished: float = 0.0
-
-    def complete_groups(self) -> set[str]:
-        """Groups whose every step was acknowledged."""
-        return {g for g, n in self.acked.items() if n == STEPS_PER_GROUP}
-
-
-async def _post(client: httpx.AsyncClient, url: str, group: str, body: bytes, acks: Acks) -> None:
-    """Post one step; retry (same event_id) on 429/503/transport errors; record the ack."""
-    for attempt in range(6):
-        try:
-            answer = await client.post(url, content=body)
-        except httpx.HTTPError as exc:
-            acks.errors[type(exc).__name__] += 1
-        else:
-            acks.statuses[answer.status_code] += 1
-            if answer.status_code == 200:
-                now = time.time()
-                acks.acked[group] += 1
-                acks.last_ack[group] = max(acks.last_ack.get(group, 0.0), now)
-                acks.ack_times.append(now)
-                return
-            if answer.status_code not in (429, 503):
-                return
-        acks.retries += 1
-        await asyncio.sleep(0.1 * 2**attempt)
-
-
-async def _paced(url: str, plan: Plan, acks: Acks) -> None:
-    """Post every step of the plan at its due time by the clock; await the last answers."""
-    pending: set[asyncio.Task] = set()
-    headers = {"content-type": "application/json"}
-    async with httpx.AsyncClient(timeout=60.0, headers=headers) as client:
-        started = time.monotonic()
-        acks.started = time.time()
-        for due, group, body in plan.sends:
-            await asyncio.sleep(max(0.0, started + due - time.monotonic()))
-            task = asyncio.create_task(_post(client, url + "/v1/steps", group, body, acks))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-            acks.posted += 1
-        await asyncio.gather(*pending)
-    acks.finished = time.time()
-
-
-def start_load(url: str, plan: Plan) -> tuple[threading.Thread, Acks]:
-    """The paced agents on their own thread (with their own event loop)."""
-    acks = Acks()
-    thread = threading.Thread(target=asyncio.run, args=(_paced(url, plan, acks),), daemon=True)
-    thread.start()
-    return thread, acks
-
-
 def warm_group_body(seed: int, name: str = WARM_GROUP) -> bytes:
     """The warm-up group, all 24 steps in one request."""
-    rollouts = group_steps(np.random.default_rng(seed), name)
+    rollouts = group_steps(np.random.default_rng(seed), name, POLICY_VERSION)
     return json.dumps({"steps": [s for turns in rollouts for s in turns]}).encode()
 
 
@@ -328,36 +215,6 @@ def stop_trainer(proc, stop, out, deliveries: Deliveries) -> int | None:
 # -- processes ----------------------------------------------------------------------------
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds of the process and its reaped children) from /proc."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
-    return int(fields[1]), ticks / CLOCK_TICKS
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (children, their children, ...)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
-            children.setdefault(stat[0], []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds used by `pid` and all its descendants so far."""
-    return sum(stat[1] for p in [pid, *descendants(pid)] if (stat := _stat(p)) is not None)
-
-
 def gateway_service(lake: str, workdir: Path, flush_ms: int) -> ServiceProcess:
     """A real `claw gateway` on a free loopback port (with its bronze flusher child)."""
     env = {
@@ -401,14 +258,6 @@ def daemon_service(lake: str, workdir: Path) -> ServiceProcess:
     )
 
 
-def started_at(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (tells a reused pid apart)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def stop_service(service: ServiceProcess) -> int | None:
     """Stop gracefully, then SIGKILL any descendant it left behind (by pid and start time)."""
     if service.proc is None:
@@ -432,20 +281,6 @@ def log_problems(path: Path) -> dict:
 
 
 # -- measurement --------------------------------------------------------------------------
-
-
-def percentiles(values: list[float]) -> dict:
-    """p50/p90/p99/max/mean in seconds (None when empty)."""
-    if not values:
-        return {"p50_s": None, "p90_s": None, "p99_s": None, "max_s": None, "mean_s": None}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {
-        "p50_s": round(float(p50), 3),
-        "p90_s": round(float(p90), 3),
-        "p99_s": round(float(p99), 3),
-        "max_s": round(float(max(values)), 3),
-        "mean_s": round(float(np.mean(values)), 3),
-    }
 
 
 def bronze_commit_times(lake: Lake) -> dict[str, float]:
@@ -501,7 +336,7 @@ def breakdown(lake: Lake, plan: Plan, groups: list[str], acks: Acks, got: Delive
         deliver.append(got.at[group] - gold_at[group])
     stages = {"ack_to_bronze": flush, "bronze_to_gold": build, "gold_to_delivery": deliver}
     split = {
-        name: {k: v for k, v in percentiles(values).items() if k in ("p50_s", "p90_s", "max_s")}
+        name: {k: v for k, v in seconds_summary(values).items() if k in ("p50_s", "p90_s", "max_s")}
         for name, values in stages.items()
     }
     return split | {"gold_versions": versions}
@@ -514,7 +349,7 @@ def materializer_rounds(path: Path) -> dict:
         for line in path.read_text(errors="replace").splitlines()
         if (m := ROUND_LINE.match(line))
     ]
-    figures = percentiles([seconds for seconds, _ in rounds])
+    figures = seconds_summary([seconds for seconds, _ in rounds])
     slowest = [line for _, line in sorted(rounds, reverse=True)[:3]]
     return {
         "count": len(rounds),
@@ -552,12 +387,8 @@ def warm_up(url: str, got: Deliveries, out, timeout: float, warm: str = WARM_GRO
 
 def peak_rss_gib(pid: int) -> float | None:
     """The peak resident memory of a running process (VmHWM), in GiB."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
-    return round(int(found.group(1)) / 2**20, 3) if found else None
+    kib = status_kib(pid, "VmHWM")
+    return round(kib / 2**20, 3) if kib is not None else None
 
 
 def measure(
@@ -595,7 +426,14 @@ def measure(
             warm_s = warm_up(gateway.url, got, out, args.warmup_timeout, warm)
             log(f"{path}: warm-up group delivered after {warm_s:.1f} s")
             prefix = f"{tag}-" if tag else ""
-            plan = plan_load(seconds, args.rate, args.turn_gap, seed=11, prefix=prefix)
+            plan = plan_load(
+                seconds,
+                args.rate,
+                args.turn_gap,
+                seed=11,
+                prefix=prefix,
+                policy_version=POLICY_VERSION,
+            )
             pids = {"builder": builder.proc.pid, "gateway": gateway.proc.pid}
             pids["trainer"] = trainer_proc.pid
             cpu0, t0 = {k: tree_cpu_s(p) for k, p in pids.items()}, time.monotonic()
@@ -626,7 +464,7 @@ def measure(
         problems = {s.verb: log_problems(s.log_path) for s in services}
         rounds = materializer_rounds(builder.log_path) if path == "live" else None
     latencies = [got.at[g] - acks.last_ack[g] for g in measured]
-    figures = percentiles(latencies)
+    figures = seconds_summary(latencies)
     delivered_keys = got.at.keys() - {warm}
     duplicates = sum(n - 1 for n in got.times.values() if n > 1)
     partial = sum(1 for g in measured if 0 <= got.steps[g] < STEPS_PER_GROUP)
@@ -664,7 +502,7 @@ def measure(
         "breakdown": split,
         "trainer": {
             "batches": len(got.batches),
-            "call_p50_s": percentiles(calls)["p50_s"],
+            "call_p50_s": seconds_summary(calls)["p50_s"],
             **got.summary,
             "exit_code": trainer_code,
         },
@@ -724,31 +562,29 @@ def main() -> None:
             log(f"dagster path failed: {type(exc).__name__}: {exc}")
             dagster = {"p50_s": None, "p99_s": None, "error": f"{type(exc).__name__}: {exc}"}
     theirs = (dagster or {}).get("p50_s")
-    result = {
-        "benchmark": "freshness",
-        "seconds": args.seconds,
-        "dagster_seconds": args.dagster_seconds,
-        "rate_steps_per_s": args.rate,
-        "groups": live["groups_planned"],
-        "rollouts_per_group": ROLLOUTS,
-        "turns": TURNS,
-        "flush_interval_ms": args.flush_ms,
-        "materializer_poll_s": args.poll_s,
-        "trainer_groups_per_batch": None if args.trainer_max_tokens else args.trainer_groups,
-        "trainer_max_tokens": args.trainer_max_tokens,
-        "trainer_poll_s": args.trainer_poll_s,
-        "live": live,
-        "dagster_sensors": dagster,
-        "baseline": "dagster_sensors",
-        "ratio": {
+    emit(
+        "freshness",
+        target=TARGET,
+        target_met=verdict(live, args.rate),
+        baseline="dagster_sensors",
+        ratio={
             "p50": round(live["p50_s"] / theirs, 4) if theirs and live["p50_s"] else None,
         },
-        "target": TARGET,
-        "target_met": verdict(live, args.rate),
-        "total_s": round(time.monotonic() - started, 1),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    print(json.dumps(result))
+        seconds=args.seconds,
+        dagster_seconds=args.dagster_seconds,
+        rate_steps_per_s=args.rate,
+        groups=live["groups_planned"],
+        rollouts_per_group=ROLLOUTS,
+        turns=TURNS,
+        flush_interval_ms=args.flush_ms,
+        materializer_poll_s=args.poll_s,
+        trainer_groups_per_batch=None if args.trainer_max_tokens else args.trainer_groups,
+        trainer_max_tokens=args.trainer_max_tokens,
+        trainer_poll_s=args.trainer_poll_s,
+        live=live,
+        dagster_sensors=dagster,
+        total_s=round(time.monotonic() - started, 1),
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from benchmarks.harness import percentiles
+
 
 @dataclass
 class LoadResult:
@@ -47,10 +49,8 @@ class LoadResult:
 
 def percentiles_ms(values) -> tuple[float, float]:
     """p50 and p99 of millisecond values, rounded to the microsecond (0 when empty)."""
-    if not len(values):
-        return 0.0, 0.0
-    p50, p99 = np.percentile(values, [50, 99])
-    return round(float(p50), 3), round(float(p99), 3)
+    found = percentiles(values, (50, 99), digits=3, empty=0.0)
+    return found["p50"], found["p99"]
 
 
 def encode_post(host: str, port: int, path: str, body: bytes, headers: dict | None = None) -> bytes:

@@ -25,19 +25,19 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.gateway_ingest import step_body  # noqa: E402
+from benchmarks.harness import emit  # noqa: E402
 from benchmarks.loadgen import LoadResult, encode_post, run_load  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
 from gateway.wal.layout import STATUS_FILE  # noqa: E402
-from tests.s3 import s3_options, seaweed_server  # noqa: E402
-from tests.servers import GatewayProcess  # noqa: E402
+from tests.support.s3 import s3_options, seaweed_server  # noqa: E402
+from tests.support.servers import GatewayProcess  # noqa: E402
 
 TARGET_RATIO = 1.0
 
@@ -134,26 +134,27 @@ def main() -> None:
     failed = sum(r["failed"] + r["failures"] for r in every)
     lost = sum(max(0, r["lost"]) for r in every)
     extra = sum(r["unacknowledged_in_bronze"] for r in every)
-    result = {
-        "benchmark": "multi_gateway",
-        "store": "SeaweedFS (enforces If-None-Match)",
-        "connections": args.connections,
-        "seconds_per_run": args.seconds,
-        "one_replica_steps_per_s": one,
-        "three_replicas_steps_per_s": three,
-        "ratio_by_round": ratios,
-        "ratio": ratio,
-        "failed": failed,
-        "lost": lost,
-        "unacknowledged_in_bronze": extra,
-        "bronze_commits": {k: sum(r["commits"] for r in runs[k]) for k in runs},
-        "commit_conflicts_retried": {k: sum(r["commit_conflicts"] for r in runs[k]) for k in runs},
-        "runs": every,
-        "target": {"ratio": TARGET_RATIO, "failed": 0, "lost": 0},
-        "target_met": ratio >= TARGET_RATIO and failed == 0 and lost == 0 and extra == 0,
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    print(json.dumps(result))
+    emit(
+        "multi_gateway",
+        target=f"three replicas' steps/s >= {TARGET_RATIO} x one replica's (median of the rounds); "
+        "0 failed, 0 lost, nothing unacknowledged in bronze",
+        targets={"ratio": TARGET_RATIO, "failed": 0, "lost": 0},
+        target_met=ratio >= TARGET_RATIO and failed == 0 and lost == 0 and extra == 0,
+        baseline="one_replica_steps_per_s",
+        ratio=ratio,
+        store="SeaweedFS (enforces If-None-Match)",
+        connections=args.connections,
+        seconds_per_run=args.seconds,
+        one_replica_steps_per_s=one,
+        three_replicas_steps_per_s=three,
+        ratio_by_round=ratios,
+        failed=failed,
+        lost=lost,
+        unacknowledged_in_bronze=extra,
+        bronze_commits={k: sum(r["commits"] for r in runs[k]) for k in runs},
+        commit_conflicts_retried={k: sum(r["commit_conflicts"] for r in runs[k]) for k in runs},
+        runs=every,
+    )
 
 
 if __name__ == "__main__":

@@ -53,9 +53,10 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import children_cpu_s, cpu_s, emit  # noqa: E402
 from benchmarks.loadgen import LoadResult, encode_post, percentiles_ms, run_load  # noqa: E402
 from claw_pipelines.tokenization import encode_chat  # noqa: E402
-from tests.servers import free_port, wait_until  # noqa: E402
+from tests.support.servers import free_port, wait_until  # noqa: E402
 
 FLOOR_APP = REPO / "benchmarks" / "relay_floor.py"
 TARGET_ADDED_P50_MS = 1.0  # median of the runs
@@ -194,25 +195,6 @@ def wal_syncs(metrics_url: str) -> dict[str, int]:
     }
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_seconds(pid: int) -> float:
-    """CPU seconds so far of a process's live children (the gateway's syncer and flusher)."""
-    found = Path(f"/proc/{pid}/task/{pid}/children")
-    kids = found.read_text().split() if found.exists() else []
-    total = 0.0
-    for kid in kids:
-        try:
-            total += cpu_seconds(int(kid))
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
-
-
 def fdatasync_ms(directory: Path, writes: int = 500, size: int = 8192) -> tuple[float, float]:
     """p50 and p99 ms of an append + fdatasync on this file system: what a durable
     acknowledgement costs at least, beside any relay."""
@@ -334,11 +316,9 @@ def main() -> None:
             this_round = {}
             for name, (port, path, payload) in order:
                 request = encode_post("127.0.0.1", port, path, payload)
-                cpu_before = cpu_seconds(sim.pid)
-                gw_before = {g: cpu_seconds(proc.pid) for g, (_, proc) in gateways.items()}
-                kids_before = {
-                    g: children_cpu_seconds(proc.pid) for g, (_, proc) in gateways.items()
-                }
+                cpu_before = cpu_s(sim.pid)
+                gw_before = {g: cpu_s(proc.pid) for g, (_, proc) in gateways.items()}
+                kids_before = {g: children_cpu_s(proc.pid) for g, (_, proc) in gateways.items()}
                 started = time.perf_counter()
                 run = asyncio.run(
                     run_load(
@@ -351,14 +331,14 @@ def main() -> None:
                     )
                 )
                 wall = time.perf_counter() - started
-                sim_busy[name] += (cpu_seconds(sim.pid) - cpu_before) / wall / args.rounds
+                sim_busy[name] += (cpu_s(sim.pid) - cpu_before) / wall / args.rounds
                 if name.startswith("gateway_") and name[8:] in protocols:  # the chat gateway's
-                    used = cpu_seconds(gateways["gateway"][1].pid) - gw_before["gateway"]
+                    used = cpu_s(gateways["gateway"][1].pid) - gw_before["gateway"]
                     gateway_busy[name] += used / wall / args.rounds
                 elif name in gateways:
-                    used = cpu_seconds(gateways[name][1].pid) - gw_before[name]
+                    used = cpu_s(gateways[name][1].pid) - gw_before[name]
                     gateway_busy[name] += used / wall / args.rounds
-                    kids = children_cpu_seconds(gateways[name][1].pid) - kids_before[name]
+                    kids = children_cpu_s(gateways[name][1].pid) - kids_before[name]
                     children_busy[name] += kids / wall / args.rounds
                 results[name].merge(run)
                 this_round[name] = run.summary()["p50_ms"]
@@ -455,80 +435,83 @@ def main() -> None:
                 3,
             ),
         }
-    print(
-        json.dumps(
-            {
-                "benchmark": "proxy_overhead",
-                "payload": f"chat, {prompt_tokens} prompt tokens, non-streamed",
-                "sim_latency_ms": args.latency_ms,
-                "connections": args.connections,
-                "seconds_per_round": args.seconds,
-                "rounds": args.rounds,
-                "warmup_seconds": args.warmup_seconds,
-                "cpus": os.cpu_count(),
-                "direct": direct,
-                "through_gateway": through,
-                "added_p50_ms": added_p50,
-                "added_p50_ms_worst_run": worst_run,
-                "added_p50_ms_pooled": round(through["p50_ms"] - direct["p50_ms"], 3),
-                "added_p99_ms": round(through["p99_ms"] - direct["p99_ms"], 3),
-                "added_p50_ms_by_round": by_round,
-                "throughput_ratio": ratio,
-                "sim_cpu_utilization": {k: round(v, 2) for k, v in sim_busy.items()},
-                # A saturated model queues requests: latency then measures that queue.
-                "sim_saturated": max(sim_busy.values()) > SATURATED,
-                # The same work in every run: how fast this machine is right now (a shared VM
-                # varies by a quarter or more between hours; the added ms vary with it).
-                "sim_cpu_ms_per_call_direct": round(
-                    sim_busy["direct"] * 1000 / direct["rps"] if direct["rps"] else 0.0, 3
-                ),
-                "gateway_cpu_utilization": round(gateway_busy["gateway"], 2),
-                "gateway_cpu_ms_per_call": cpu_ms,
-                # The gateway's own share, from its Server-Timing header: receiving the call,
-                # recording it durably, building the answer. The rest of the added latency is
-                # the extra loopback hop and the machine's contention (see the docstring).
-                "gateway_own_ms": dict(zip(("p50", "p99"), percentiles_ms(own_ms), strict=True)),
-                "wal_syncs": syncs,  # by the event loop (lone writes) or the syncer process
-                # The same JSON relay recording nothing: what no recording proxy can go below.
-                "relay_floor": {
-                    "added_p50_ms": floor_added,
-                    "cpu_ms_per_call": floor_cpu_ms,
-                },
-                # The gateway's syncer and flusher (other processes, on the same cores).
-                "children_cpu_ms_per_call": cpu_per_call(children_busy["gateway"], through),
-                # A 2xx waits for an fdatasync (docs/DESIGN.md §4): measured on the WAL's
-                # file system after the rounds. The relay floor plus its p50 is as low as a
-                # durable proxy's added p50 can go on this machine.
-                "fdatasync_ms": {"p50": sync_p50, "p99": sync_p99},
-                "durable_floor_added_p50_ms": round(floor_added + sync_p50, 3),
-                "recording_costs": {
-                    "added_p50_ms": round(added_p50 - floor_added, 3),
-                    "cpu_ms_per_call": round(cpu_ms - floor_cpu_ms, 3),
-                },
-                "target": {
-                    "added_p50_ms": TARGET_ADDED_P50_MS,
-                    "added_p50_ms_worst_run": TARGET_WORST_RUN_MS,
-                    "gateway_cpu_ms_per_call": TARGET_CPU_MS_PER_CALL,
-                    "throughput_ratio": TARGET_RATIO,
-                    "protocol_added_p50_vs_chat": TARGET_PROTOCOL_ADDED_FACTOR,
-                    "protocol_throughput_ratio_to_chat": TARGET_PROTOCOL_RATIO,
-                    "sticky_share_on_first_replica": TARGET_STICKY_SHARE,
-                },
-                "protocols": protocol_arms,
-                "sticky_replicas": sticky,
-                "target_met": added_p50 <= TARGET_ADDED_P50_MS
-                and all(arm["target_met"] for arm in protocol_arms.values())
-                and sticky["target_met"]
-                and worst_run <= TARGET_WORST_RUN_MS
-                and cpu_ms <= TARGET_CPU_MS_PER_CALL
-                and ratio >= TARGET_RATIO
-                and landed >= acked,
-                "bronze_steps_landed": landed,
-                "every_answer_recorded": landed >= acked,
-                "httpx_client": httpx_arm,
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
-        )
+    emit(
+        "proxy_overhead",
+        target=f"added p50 over direct <= {TARGET_ADDED_P50_MS} ms (median of the runs, every run "
+        f"<= {TARGET_WORST_RUN_MS} ms), gateway CPU <= {TARGET_CPU_MS_PER_CALL} ms per call, "
+        f"throughput >= {TARGET_RATIO} x direct, every answer recorded; Responses and Messages "
+        f"added p50 <= {TARGET_PROTOCOL_ADDED_FACTOR} x the chat arm's and throughput >= "
+        f"{TARGET_PROTOCOL_RATIO} x it; >= {TARGET_STICKY_SHARE} of each trajectory's calls on "
+        "its first replica",
+        baseline="direct",
+        ratio=ratio,
+        payload=f"chat, {prompt_tokens} prompt tokens, non-streamed",
+        sim_latency_ms=args.latency_ms,
+        connections=args.connections,
+        seconds_per_round=args.seconds,
+        rounds=args.rounds,
+        warmup_seconds=args.warmup_seconds,
+        cpus=os.cpu_count(),
+        direct=direct,
+        through_gateway=through,
+        added_p50_ms=added_p50,
+        added_p50_ms_worst_run=worst_run,
+        added_p50_ms_pooled=round(through["p50_ms"] - direct["p50_ms"], 3),
+        added_p99_ms=round(through["p99_ms"] - direct["p99_ms"], 3),
+        added_p50_ms_by_round=by_round,
+        throughput_ratio=ratio,
+        sim_cpu_utilization={k: round(v, 2) for k, v in sim_busy.items()},
+        # A saturated model queues requests: latency then measures that queue.
+        sim_saturated=max(sim_busy.values()) > SATURATED,
+        # The same work in every run: how fast this machine is right now (a shared VM
+        # varies by a quarter or more between hours; the added ms vary with it).
+        sim_cpu_ms_per_call_direct=round(
+            sim_busy["direct"] * 1000 / direct["rps"] if direct["rps"] else 0.0, 3
+        ),
+        gateway_cpu_utilization=round(gateway_busy["gateway"], 2),
+        gateway_cpu_ms_per_call=cpu_ms,
+        # The gateway's own share, from its Server-Timing header: receiving the call,
+        # recording it durably, building the answer. The rest of the added latency is
+        # the extra loopback hop and the machine's contention (see the docstring).
+        gateway_own_ms=dict(zip(("p50", "p99"), percentiles_ms(own_ms), strict=True)),
+        wal_syncs=syncs,  # by the event loop (lone writes) or the syncer process
+        # The same JSON relay recording nothing: what no recording proxy can go below.
+        relay_floor={
+            "added_p50_ms": floor_added,
+            "cpu_ms_per_call": floor_cpu_ms,
+        },
+        # The gateway's syncer and flusher (other processes, on the same cores).
+        children_cpu_ms_per_call=cpu_per_call(children_busy["gateway"], through),
+        # A 2xx waits for an fdatasync (docs/DESIGN.md §4): measured on the WAL's
+        # file system after the rounds. The relay floor plus its p50 is as low as a
+        # durable proxy's added p50 can go on this machine.
+        fdatasync_ms={"p50": sync_p50, "p99": sync_p99},
+        durable_floor_added_p50_ms=round(floor_added + sync_p50, 3),
+        recording_costs={
+            "added_p50_ms": round(added_p50 - floor_added, 3),
+            "cpu_ms_per_call": round(cpu_ms - floor_cpu_ms, 3),
+        },
+        targets={
+            "added_p50_ms": TARGET_ADDED_P50_MS,
+            "added_p50_ms_worst_run": TARGET_WORST_RUN_MS,
+            "gateway_cpu_ms_per_call": TARGET_CPU_MS_PER_CALL,
+            "throughput_ratio": TARGET_RATIO,
+            "protocol_added_p50_vs_chat": TARGET_PROTOCOL_ADDED_FACTOR,
+            "protocol_throughput_ratio_to_chat": TARGET_PROTOCOL_RATIO,
+            "sticky_share_on_first_replica": TARGET_STICKY_SHARE,
+        },
+        protocols=protocol_arms,
+        sticky_replicas=sticky,
+        target_met=added_p50 <= TARGET_ADDED_P50_MS
+        and all(arm["target_met"] for arm in protocol_arms.values())
+        and sticky["target_met"]
+        and worst_run <= TARGET_WORST_RUN_MS
+        and cpu_ms <= TARGET_CPU_MS_PER_CALL
+        and ratio >= TARGET_RATIO
+        and landed >= acked,
+        bronze_steps_landed=landed,
+        every_answer_recorded=landed >= acked,
+        httpx_client=httpx_arm,
     )
 
 

@@ -13,7 +13,6 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -23,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.consume import grpo_lake  # noqa: E402
+from benchmarks.harness import emit  # noqa: E402
 from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from claw_pipelines.train.adapters import BatchDataset  # noqa: E402
 
@@ -69,21 +69,21 @@ def main() -> None:
             packed = [n for _, n in timed]
     ratio = min(new) / min(old)
     target = 2 / args.world
-    print(
-        json.dumps(
-            {
-                "benchmark": "ranks",
-                "steps": steps,
-                "batches": batches,
-                "world_size": args.world,
-                "baseline_s": round(min(old), 3),
-                "slowest_rank_s": round(min(new), 3),
-                "packed_steps_per_rank": packed,
-                "rank_vs_baseline": round(ratio, 3),
-                "target": {"rank_vs_baseline": round(target, 3)},
-                "target_met": ratio <= target and max(packed) < steps,
-            }
-        )
+    emit(
+        "ranks",
+        target=f"the slowest of {args.world} ranks <= 2/world x the time of packing the whole "
+        "partition (every rank alike, the baseline); no rank packs every step",
+        targets={"rank_vs_baseline": round(target, 3)},
+        target_met=ratio <= target and max(packed) < steps,
+        baseline="baseline_s",
+        ratio=round(ratio, 3),
+        steps=steps,
+        batches=batches,
+        world_size=args.world,
+        baseline_s=round(min(old), 3),
+        slowest_rank_s=round(min(new), 3),
+        packed_steps_per_rank=packed,
+        rank_vs_baseline=round(ratio, 3),
     )
 
 

@@ -40,12 +40,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.freshness import (  # noqa: E402
-    SPEC,
-    materializer_service,
-    plan_load,
-    stop_service,
-)
+from benchmarks.freshness import SPEC, materializer_service, stop_service  # noqa: E402
+from benchmarks.harness import emit, plan_load  # noqa: E402
 from claw_pipelines.app.processes import ServiceProcess, free_port  # noqa: E402
 from claw_pipelines.build.live import HEARTBEAT  # noqa: E402
 from claw_pipelines.build.silver import WATERMARK_TABLE, silver_state  # noqa: E402
@@ -249,26 +245,24 @@ def main() -> None:
         and drained is not None
         and not any(v for k, v in exact.items() if k != "acked")
     )
-    result = {
-        "benchmark": "recovery",
-        "rate_steps_per_s": args.rate,
-        "hold_s": args.hold,
-        "faults": faults,
-        "baseline": {"no_fault_current_after_s": baseline},
-        "ratio": {
+    emit(
+        "recovery",
+        target=TARGET,
+        target_met=met,
+        baseline={"no_fault_current_after_s": baseline},
+        ratio={
             f: round(v["current_after_s"] / baseline, 2)
             for f, v in faults.items()
             if v["current_after_s"] and baseline
         },
-        "drained_after_s": drained,
-        "exactly_once": exact,
-        "posts_given_up": sum(a.failed for a in agents),
-        "target": TARGET,
-        "target_met": met,
-        "total_s": round(time.monotonic() - started, 1),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    print(json.dumps(result))
+        rate_steps_per_s=args.rate,
+        hold_s=args.hold,
+        faults=faults,
+        drained_after_s=drained,
+        exactly_once=exact,
+        posts_given_up=sum(a.failed for a in agents),
+        total_s=round(time.monotonic() - started, 1),
+    )
 
 
 class Stack:

@@ -33,6 +33,7 @@ import pyarrow as pa
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import emit  # noqa: E402
 from claw_pipelines.build.rescore import JUDGE_INPUT_COLUMNS, load_judge, rescore  # noqa: E402
 from claw_pipelines.build.silver import build_silver  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS  # noqa: E402
@@ -167,28 +168,33 @@ def main() -> None:
             build_silver(lake)
             rounds.append(rescore(lake, judge))
         incremental = sorted(rounds, key=lambda run: run.seconds)[len(rounds) // 2]
-    result = {
-        "benchmark": "rescore",
-        "steps": args.steps,
-        "prompt_tokens_mean": round(prompt_tokens, 1),
-        "judge": f"{judge.name} v{judge.version}",
-        "floor_s": round(floor, 3),
-        "full_s": full.seconds,
-        "full_scored": full.scored,
-        "incremental_steps": extra,
-        "incremental_s": incremental.seconds,
-        "incremental_runs_s": [run.seconds for run in rounds],
-        "incremental_scored": incremental.scored,
-        "incremental_already_scored": incremental.already_scored,
-        "full_vs_floor": round(full.seconds / floor, 3),
-        "incremental_vs_full": round(incremental.seconds / full.seconds, 4),
-        "target": {"full_vs_floor": FULL_TARGET, "incremental_vs_full": INCREMENTAL_TARGET},
-        "target_met": full.seconds <= FULL_TARGET * floor
+    emit(
+        "rescore",
+        target=f"a full run <= {FULL_TARGET} x the floor; an incremental run <= "
+        f"{INCREMENTAL_TARGET} x the full one, scoring exactly the new steps",
+        targets={"full_vs_floor": FULL_TARGET, "incremental_vs_full": INCREMENTAL_TARGET},
+        target_met=full.seconds <= FULL_TARGET * floor
         and incremental.seconds <= INCREMENTAL_TARGET * full.seconds
         and all(run.scored == extra and run.incremental for run in rounds),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    print(json.dumps(result))
+        baseline="floor_s",
+        ratio={
+            "full_vs_floor": round(full.seconds / floor, 3),
+            "incremental_vs_full": round(incremental.seconds / full.seconds, 4),
+        },
+        steps=args.steps,
+        prompt_tokens_mean=round(prompt_tokens, 1),
+        judge=f"{judge.name} v{judge.version}",
+        floor_s=round(floor, 3),
+        full_s=full.seconds,
+        full_scored=full.scored,
+        incremental_steps=extra,
+        incremental_s=incremental.seconds,
+        incremental_runs_s=[run.seconds for run in rounds],
+        incremental_scored=incremental.scored,
+        incremental_already_scored=incremental.already_scored,
+        full_vs_floor=round(full.seconds / floor, 3),
+        incremental_vs_full=round(incremental.seconds / full.seconds, 4),
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ the materializer's memory at 2 M <= 4 GiB; next_batch <= 0.5 s; every dashboard 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import queue
 import resource
@@ -40,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import dashboard, freshness  # noqa: E402
+from benchmarks.harness import emit  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
 from claw_pipelines.simulation.bulk import (  # noqa: E402
@@ -308,18 +308,16 @@ def main() -> None:
             and max(pages["cold_s"].values()) <= dashboard.COLD_TARGET_S
             and pages["exceptions"] == 0
         )
-    print(
-        json.dumps(
-            {
-                "benchmark": "scale",
-                "lakes": lakes,
-                "increment_ratio": round(ratio, 3),
-                "materializer_peak_rss_gib": rss,
-                "target": TARGET,
-                "targets_met": met,
-                "target_met": all(met.values()),
-            }
-        )
+    emit(
+        "scale",
+        target=TARGET,
+        target_met=all(met.values()),
+        baseline=f"lakes.{min(args.sizes)}.increment_median_s",
+        ratio=round(ratio, 3),
+        lakes=lakes,
+        increment_ratio=round(ratio, 3),
+        materializer_peak_rss_gib=rss,
+        targets_met=met,
     )
 
 

@@ -27,6 +27,7 @@ from deltalake import write_deltalake
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import emit  # noqa: E402
 from claw_pipelines.build.silver import SilverOptions, build_silver, silver_findings  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
@@ -177,28 +178,34 @@ def main() -> None:
         land(lake, increment, args.batch, seq, args.seed + 1)
         incremental, inc_run = silver_seconds(lake, options)
         silver_steps = lake.read(SILVER_STEPS, columns=["step_key"]).height
-    result = {
-        "benchmark": "silver_incremental",
-        "steps": len(initial),
-        "tokens": tokens,
-        "unscoped_share": args.unscoped_share,
-        "floor_s": round(floor, 3),
-        "floor_runs_s": [round(f, 3) for f in floors],
-        "full_s": round(full, 3),
-        "incremental_s": round(incremental, 3),
-        "incremental_steps": len(increment),
-        "full_steps_per_s": round(len(initial) / full),
-        "full_tokens_per_s": round(tokens / full),
-        "floor_tokens_per_s": round(tokens / floor),
-        "full_vs_floor": round(full / floor, 3),
-        "incremental_vs_full": round(incremental / full, 4),
-        "silver_steps": silver_steps,
-        "full_run": full_run,
-        "incremental_run": inc_run,
-        "target": {"full_vs_floor": FULL_TARGET, "incremental_vs_full": INCREMENTAL_TARGET},
-        "target_met": full / floor <= FULL_TARGET and incremental / full <= INCREMENTAL_TARGET,
-    }
-    print(json.dumps(result))
+    emit(
+        "silver_incremental",
+        target=f"a full silver run <= {FULL_TARGET} x the floor; an incremental one <= "
+        f"{INCREMENTAL_TARGET} x the full one",
+        targets={"full_vs_floor": FULL_TARGET, "incremental_vs_full": INCREMENTAL_TARGET},
+        target_met=full / floor <= FULL_TARGET and incremental / full <= INCREMENTAL_TARGET,
+        baseline="floor_s",
+        ratio={
+            "full_vs_floor": round(full / floor, 3),
+            "incremental_vs_full": round(incremental / full, 4),
+        },
+        steps=len(initial),
+        tokens=tokens,
+        unscoped_share=args.unscoped_share,
+        floor_s=round(floor, 3),
+        floor_runs_s=[round(f, 3) for f in floors],
+        full_s=round(full, 3),
+        incremental_s=round(incremental, 3),
+        incremental_steps=len(increment),
+        full_steps_per_s=round(len(initial) / full),
+        full_tokens_per_s=round(tokens / full),
+        floor_tokens_per_s=round(tokens / floor),
+        full_vs_floor=round(full / floor, 3),
+        incremental_vs_full=round(incremental / full, 4),
+        silver_steps=silver_steps,
+        full_run=full_run,
+        incremental_run=inc_run,
+    )
 
 
 if __name__ == "__main__":

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -37,10 +35,14 @@ import polars as pl
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import emit  # noqa: E402
 from claw_pipelines.transforms.prefix_tree import build_forest_from_parts  # noqa: E402
-from tests.proxy.test_sim_llm import CALCULATOR  # noqa: E402
-from tests.servers import GatewayProcess, bronze, wait_until  # noqa: E402
-from tests.upstreams import SimProcess, proxy_env  # noqa: E402
+from tests.support.servers import GatewayProcess, bronze, wait_until  # noqa: E402
+from tests.support.upstreams import (  # noqa: E402
+    CALCULATOR,
+    SimProcess,
+    proxy_env,
+)
 
 TARGET_ADDED_P50_MS = 0.5
 TURNS = 5
@@ -178,27 +180,29 @@ def main() -> None:
     added = [round(on - off, 3) for on, off in zip(p50["on"], p50["off"], strict=True)]
     headline = round(statistics.median(added), 3)
     on, off = arms["on"], arms["off"]
-    result = {
-        "benchmark": "token_in",
-        "turns": TURNS,
-        "agents_per_arm": args.agents * args.rounds,
-        "sim_drift": args.drift,
-        "token_in_off": off | {"drift_rate": round(1 - off["nest_rate"], 4)},
-        "token_in_on": on,
-        "gateway_p50_ms": p50,
-        "added_p50_ms_by_round": added,
-        "added_p50_ms": headline,
-        "targets": {
+    emit(
+        "token_in",
+        target="token-in on: every turn nests, the tree tokens equal the optimum, added p50 "
+        f"<= {TARGET_ADDED_P50_MS} ms over token-in off (median of the rounds)",
+        targets={
             "on_nest_rate": 1.0,
             "on_tree_tokens_equal_optimum": True,
             "added_p50_ms": TARGET_ADDED_P50_MS,
         },
-        "target_met": on["nest_rate"] == 1.0
+        target_met=on["nest_rate"] == 1.0
         and on["tree_tokens"] == on["optimum_tokens"]
         and headline <= TARGET_ADDED_P50_MS,
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    print(json.dumps(result))
+        baseline="token_in_off",
+        ratio=None,
+        turns=TURNS,
+        agents_per_arm=args.agents * args.rounds,
+        sim_drift=args.drift,
+        token_in_off=off | {"drift_rate": round(1 - off["nest_rate"], 4)},
+        token_in_on=on,
+        gateway_p50_ms=p50,
+        added_p50_ms_by_round=added,
+        added_p50_ms=headline,
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ sys.path.insert(0, str(REPO))
 import polars as pl  # noqa: E402
 
 from benchmarks.consume import grpo_lake  # noqa: E402
+from benchmarks.harness import emit, reset_peak_rss, status_kib  # noqa: E402
 from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
-from tests.small_qwen2 import small_qwen2  # noqa: E402
+from tests.support.small_qwen2 import small_qwen2  # noqa: E402
 
 TIME_SLACK = 1.25
 MEMORY_LIMIT = 1.5
@@ -47,15 +48,10 @@ VOCAB = 4096
 
 def rss_mib(field: str) -> float:
     """This process's VmRSS or VmHWM (peak), in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise LookupError(field)
-
-
-def reset_peak_rss() -> None:
-    """Start VmHWM afresh from the current RSS (Linux: write 5 to clear_refs)."""
-    Path("/proc/self/clear_refs").write_text("5")
+    kib = status_kib("self", field)
+    if kib is None:
+        raise LookupError(field)
+    return kib / 1024
 
 
 # Layer shapes. "qwen2.5-0.5b" is that model's layer (hidden 896, MLP 4864, 14 query heads of
@@ -281,36 +277,34 @@ def main() -> None:
     time_ratio = tree["seconds"] / flat["seconds"]
     memory_ratio = tree["peak_rss_increase_mib"] / flat["peak_rss_increase_mib"]
     no_dense = tree["largest_tensor_elements"] < tree["dense_mask_elements"]
-    print(
-        json.dumps(
-            {
-                "benchmark": "tree_attention",
-                "model": {
-                    "shape": args.shape,
-                    "layers": LAYERS,
-                    "vocab": VOCAB,
-                    **SHAPES[args.shape],
-                },
-                "tree": tree,
-                "flat": flat,
-                "token_ratio": round(token_ratio, 4),
-                "time_ratio": round(time_ratio, 4),
-                "memory_ratio": round(memory_ratio, 3),
-                "attention_pairs_ratio": round(
-                    tree["attention_pairs"] / flat["attention_pairs"], 4
-                ),
-                "no_dense_mask": no_dense,
-                "target": {
-                    "time_ratio": round(TIME_SLACK * token_ratio, 4),
-                    "memory_ratio": MEMORY_LIMIT,
-                    "largest_tensor_elements_below": tree["dense_mask_elements"],
-                },
-                "target_met": time_ratio <= TIME_SLACK * token_ratio
-                and memory_ratio <= MEMORY_LIMIT
-                and no_dense
-                and tree["tree_tokens"] >= 16_000,
-            }
-        )
+    emit(
+        "tree_attention",
+        target=f"tree/flat step time <= {TIME_SLACK} x the token ratio, peak memory increase "
+        f"<= {MEMORY_LIMIT} x flat's, no tensor as large as the dense mask, >= 16,000 tree tokens",
+        targets={
+            "time_ratio": round(TIME_SLACK * token_ratio, 4),
+            "memory_ratio": MEMORY_LIMIT,
+            "largest_tensor_elements_below": tree["dense_mask_elements"],
+        },
+        target_met=time_ratio <= TIME_SLACK * token_ratio
+        and memory_ratio <= MEMORY_LIMIT
+        and no_dense
+        and tree["tree_tokens"] >= 16_000,
+        baseline="flat",
+        ratio={"time": round(time_ratio, 4), "memory": round(memory_ratio, 3)},
+        model={
+            "shape": args.shape,
+            "layers": LAYERS,
+            "vocab": VOCAB,
+            **SHAPES[args.shape],
+        },
+        tree=tree,
+        flat=flat,
+        token_ratio=round(token_ratio, 4),
+        time_ratio=round(time_ratio, 4),
+        memory_ratio=round(memory_ratio, 3),
+        attention_pairs_ratio=round(tree["attention_pairs"] / flat["attention_pairs"], 4),
+        no_dense_mask=no_dense,
     )
 
 

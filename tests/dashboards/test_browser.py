@@ -16,8 +16,8 @@ from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_specs
 from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
-from tests.browser import PAGES, DashboardProcess, browser, chromium_path
-from tests.servers import REPO
+from tests.support.browser import PAGES, DashboardProcess, browser, chromium_path
+from tests.support.servers import REPO
 
 pytestmark = [
     pytest.mark.browser,

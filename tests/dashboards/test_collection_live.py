@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from tests.conftest import TEST_KEY
-from tests.dashboards.test_dashboard import APP
-from tests.gateway.test_gateway_ingest import post, step
-from tests.servers import GatewayProcess
+from tests.support.ingest import post, step
+from tests.support.servers import DASHBOARD_APP as APP
+from tests.support.servers import TEST_KEY, GatewayProcess
 
 AUTH = {"Authorization": f"Bearer {TEST_KEY}"}
 

@@ -18,11 +18,9 @@ from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec, Readmission
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_specs, save_spec
-from tests.lakes import feedback, group_of, land
-from tests.pipelines.test_rescore import arithmetic_steps
-from tests.servers import REPO
+from tests.support.lakes import arithmetic_steps, feedback, group_of, land
+from tests.support.servers import DASHBOARD_APP as APP
 
-APP = str(REPO / "dashboards" / "streamlit_app.py")
 PAGES = ["overview", "collection", "representation", "curation", "optimization", "consumption"]
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import TEST_KEY
-from tests.servers import GatewayProcess
+from tests.support.servers import TEST_KEY, GatewayProcess
 
 WITH_KEY = {"Authorization": f"Bearer {TEST_KEY}"}
 # (method, path, status without a key, status with one); /metrics's open status is its setting's

@@ -11,8 +11,8 @@ import httpx
 import polars as pl
 import pytest
 
-from tests.crash_load import client
-from tests.servers import GatewayProcess, bronze, wait_until
+from tests.support.crash_load import client
+from tests.support.servers import GatewayProcess, bronze, wait_until
 
 CLIENTS = 6
 KILLS = 3

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import GatewayProcess, wait_landed
+from tests.support.servers import GatewayProcess, wait_landed
 
 
 def step_body(tokens: int) -> dict:

@@ -16,8 +16,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.servers import GatewayProcess
-from tests.upstreams import SimProcess, proxy_env
+from tests.support.servers import GatewayProcess
+from tests.support.upstreams import SimProcess, proxy_env
 
 KEY = "fuzz-key"
 EXAMPLES = 20

@@ -9,29 +9,8 @@ import httpx
 import polars as pl
 import pytest
 
-from tests.servers import bronze, wait_landed
-
-
-def step(trajectory_uid="traj-1", step_index=0, **extra):
-    body = {
-        "trajectory_uid": trajectory_uid,
-        "prompt_uid": "group-1",
-        "step_index": step_index,
-        "prompt_ids": [101, 7, 8, 9],
-        "response_ids": [11, 12, 13],
-        "rollout_log_probs": [-0.5, -0.25, -1.5],
-        "response_mask": [1, 1, 0],
-        "policy_version": 3,
-    }
-    body.update(extra)
-    return body
-
-
-def post(gateway, path, body, **headers):
-    """POST JSON; out-of-range floats are sent as the overflowing literal 1e999."""
-    text = json.dumps(body).replace("Infinity", "1e999")
-    headers = {"content-type": "application/json", **headers}
-    return httpx.post(gateway.url + path, content=text, headers=headers, timeout=10)
+from tests.support.ingest import post, step
+from tests.support.servers import bronze, wait_landed
 
 
 def test_steps_land_in_bronze_with_typed_token_columns(gateway):

@@ -9,9 +9,8 @@ import httpx
 import polars as pl
 import pytest
 
-from tests.conftest import OTHER_KEY, TEST_KEY
-from tests.gateway.test_gateway_ingest import post, step
-from tests.servers import REPO, GatewayProcess, bronze, wait_landed
+from tests.support.ingest import post, step
+from tests.support.servers import OTHER_KEY, REPO, TEST_KEY, GatewayProcess, bronze, wait_landed
 
 
 def assert_error(response, status, param=None, words=()):

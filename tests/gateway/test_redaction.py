@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.redaction import redact, redact_payload
-from tests.servers import GatewayProcess, wait_landed
+from tests.support.servers import GatewayProcess, wait_landed
 
 SECRETS = {
     "openai_key": "sk-proj-Abcdefghijklmnopqrstuvwxyz0123456789",

@@ -92,8 +92,8 @@ def test_matching_exact_templates_and_invalid_uids():
 
 
 def test_in_process_requests_are_served_from_the_table_and_validated(tmp_path):
-    from tests.gateway.inprocess import served
-    from tests.gateway.test_gateway_ingest import step
+    from tests.support.ingest import step
+    from tests.support.inprocess import served
 
     async def scenario():
         async with served(ClawSettings(lake_uri=str(tmp_path / "lake"))) as (client, landing):

@@ -10,7 +10,7 @@ import pytest
 
 from claw_pipelines.app.cli import build_parser
 from claw_pipelines.lake.delta import Lake
-from tests.conftest import TEST_KEY
+from tests.support.servers import TEST_KEY
 
 OPEN = {"/healthz", "/readyz"}  # /metrics too only with CLAW_METRICS_PUBLIC (test_access.py)
 

@@ -1,5 +1,5 @@
 """deploy/compose.yaml starts, without a container runtime: every service's command runs as a
-local process with its environment, volumes and ports mapped (tests/compose_local.py), in
+local process with its environment, volumes and ports mapped (tests/support/compose_local.py), in
 dependency order. Then chat calls go through each gateway replica with the official OpenAI
 client and a key from the mounted keys file; one replica is killed with SIGKILL mid-traffic
 and restarted on its WAL volume; every acknowledged step reaches silver and a gold dataset
@@ -24,8 +24,8 @@ from claw_pipelines.contracts.tables import SILVER_STEPS, gold_dataset_table
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
 from gateway.auth import create_key
-from tests.compose_local import LocalCompose
-from tests.servers import wait_until
+from tests.support.compose_local import LocalCompose
+from tests.support.servers import wait_until
 
 SPEC = CurationSpec(name="compose", reward_status=["pending", "missing", "final"])
 CALLS_PER_REPLICA = 6  # before the kill, and again after the restart

@@ -16,8 +16,8 @@ from claw_pipelines.app.demo import demo_summary
 from claw_pipelines.build.silver import SILVER_TABLES
 from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
-from tests.lakes import rebuilt_sequences
-from tests.servers import REPO
+from tests.support.lakes import rebuilt_sequences
+from tests.support.servers import REPO
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ from dagster_webserver.cli import dagster_webserver
 from claw_pipelines.app.cli import build_parser
 from claw_pipelines.app.instance import DAGSTER_YAML
 from claw_pipelines.settings import ClawSettings
-from tests.compose_local import claw_image, load_compose
-from tests.servers import REPO
+from tests.support.compose_local import claw_image, load_compose
+from tests.support.servers import REPO
 
 DEPLOY = REPO / "deploy"
 # Dagster's Helm chart 1.13 (helm/dagster in dagster-io/dagster at a 1.13.x tag): its

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 
-from tests.servers import REPO
+from tests.support.servers import REPO
 
 DESIGN = REPO / "docs" / "DESIGN.md"
 CITATION = re.compile(r"(\S*)DESIGN(?:\.md)?\)? §(\d+)")

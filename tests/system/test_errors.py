@@ -20,8 +20,8 @@ from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import NotFound, open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.lake.delta import Lake
-from tests.lakes import group_of, land
-from tests.servers import REPO, free_port
+from tests.support.lakes import group_of, land
+from tests.support.servers import REPO, free_port
 
 SPEC = CurationSpec(name="train", reward_status=["final", "missing"], merge="prompt_group")
 INTERNALS = ("Traceback", "DeltaError", "Kernel", "OverflowError", "pyarrow", "LogSegment")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import REPO
+from tests.support.servers import REPO
 
 BIN = Path(sys.executable).parent
 

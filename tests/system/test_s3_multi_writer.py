@@ -38,9 +38,9 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
-from tests.crash_load import make_request
-from tests.s3 import s3_options, seaweed_server
-from tests.servers import REPO, GatewayProcess
+from tests.support.crash_load import make_request
+from tests.support.s3 import s3_options, seaweed_server
+from tests.support.servers import REPO, GatewayProcess
 
 CHAOS_S = float(os.environ.get("CLAW_SOAK_S", "90"))
 REPLICAS = ("gw-a", "gw-b", "gw-c")

@@ -23,7 +23,7 @@ from claw_pipelines.contracts.tables import BRONZE_EVENTS, gold_dataset_table
 from claw_pipelines.defs.runs import RETRY_TAG
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import read_specs, save_spec
-from tests.lakes import feedback, group_of, land
+from tests.support.lakes import feedback, group_of, land
 
 pytestmark = pytest.mark.soak
 TORN = b'{"commitInfo": {"timestamp": 1, "operation": "WRITE"'  # a commit cut mid-write

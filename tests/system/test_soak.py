@@ -19,10 +19,10 @@ import pytest
 
 from claw_pipelines.build.silver import SILVER_TABLES, build_silver, watermark
 from claw_pipelines.lake.delta import Lake
-from tests.crash_load import client as white_box_client
-from tests.lakes import group_of, land
-from tests.servers import REPO, GatewayProcess
-from tests.upstreams import SimProcess, proxy_env
+from tests.support.crash_load import client as white_box_client
+from tests.support.lakes import group_of, land
+from tests.support.servers import REPO, GatewayProcess
+from tests.support.upstreams import SimProcess, proxy_env
 
 KEY, TENANT = "soak-key", "tenant-soak"
 KILLS = 5

@@ -35,7 +35,7 @@ from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_specs, save_spec
 from claw_pipelines.ops.integrity import check_lake
 from dashboards.dagster_graphql import launch_gold, run_status
-from tests.servers import REPO, free_port, wait_until
+from tests.support.servers import REPO, free_port, wait_until
 
 SOAK_S = 150
 SPEC_AFTER_S = 75

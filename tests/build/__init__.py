@@ -1,0 +1,2 @@
+"""claw_pipelines.build: silver, gold, increments, the live materializer, re-scoring, and
+writers racing."""

@@ -1,0 +1,1 @@
+"""claw_pipelines.defs: the Dagster asset graph."""

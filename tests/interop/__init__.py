@@ -1,0 +1,1 @@
+"""claw_pipelines.interop: chat logs in, SFT and preference exports out, in the model's own ids."""

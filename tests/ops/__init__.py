@@ -1,0 +1,1 @@
+"""claw_pipelines.ops: claw check and claw repair."""

@@ -1,1 +1,0 @@
-"""Silver, gold, the lake, live materialization, consumption, integrity."""

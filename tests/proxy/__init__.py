@@ -1,1 +1,0 @@
-"""The OpenAI-compatible proxy and the simulated model it is tested against."""

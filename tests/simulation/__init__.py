@@ -1,0 +1,1 @@
+"""claw_pipelines.simulation: the simulated model, served for real."""

@@ -1,0 +1,253 @@
+"""Build small lakes for tests through the lake module: bronze records as the gateway writes
+them (envelope, canonical JSON payload, typed token columns), then real silver runs."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.silver import build_silver
+from claw_pipelines.consume.dataset import Dataset, open_dataset
+from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.tokenizers import bundled_fingerprint
+from claw_pipelines.ops.integrity import SILVER_KEYS as KEYS
+from claw_pipelines.tokenization import IM_END, encode, encode_chat
+
+T0 = datetime(2026, 11, 30, tzinfo=UTC)
+# the spec a live trainer pulls GRPO groups from: complete groups, merged, GRPO advantages
+LIVE = CurationSpec(
+    name="live",
+    reward_status=["final", "missing"],
+    trajectory_status=["complete"],
+    complete_groups_only=True,
+    merge="prompt_group",
+    advantage="grpo",
+)
+_clock = iter(range(10**9))
+
+
+def _envelope(kind: str, payload: dict, tenant: str) -> dict:
+    event_id = payload.setdefault("event_id", uuid.uuid4().hex)
+    received = T0 + timedelta(milliseconds=next(_clock))
+    return {
+        "event_id": event_id,
+        "kind": kind,
+        "tenant": tenant,
+        "received_at": received,
+        "ingest_date": received.date(),
+        "gateway_id": "gw-test",
+        "batch_seq": 0,
+        "schema_version": 1,
+        "payload": json.dumps(payload),
+    }
+
+
+def step(
+    trajectory: str,
+    index: int,
+    prompt: list[int],
+    response: list[int],
+    *,
+    group: str | None = None,
+    version: int | None = 1,
+    reward: float | None = None,
+    is_last: bool = False,
+    tenant: str = "t",
+    tokenizer: str | None = None,
+    **extra,
+) -> dict:
+    """One white-box step record (`tokenizer`: the fingerprint its metadata names)."""
+    metadata = {} if tokenizer is None else {"tokenizer": {"fingerprint": tokenizer}}
+    payload = {
+        "trajectory_uid": trajectory,
+        "prompt_uid": group,
+        "step_index": index,
+        "policy_version": version,
+        "reward": reward,
+        "is_last": is_last,
+        "metadata": metadata,
+        **extra,
+    }
+    row = _envelope("step", payload, tenant)
+    return row | {
+        "trajectory_uid": trajectory,
+        "prompt_uid": group,
+        "step_index": index,
+        "policy_version": version,
+        "token_source": "client",
+        "prompt_ids": prompt,
+        "response_ids": response,
+        "rollout_log_probs": [-0.5] * len(response),
+        "reward": reward,
+        "is_last": is_last,
+        "finish_reason": extra.get("finish_reason"),
+    }
+
+
+def completion(trajectory: str, reward: float | None = None, tenant: str = "t") -> dict:
+    """A trajectory_complete record."""
+    payload = {"trajectory_uid": trajectory, "reward": reward, "status": "complete", "metadata": {}}
+    return _envelope("trajectory_complete", payload, tenant)
+
+
+def feedback(target: dict, kind: str, value, tenant: str = "t", source: str = "human") -> dict:
+    """A feedback record."""
+    payload = {"target": target, "kind": kind, "value": value, "source": source, "metadata": {}}
+    return _envelope("feedback", payload, tenant)
+
+
+def land(lake: Lake, rows: list[dict]) -> int:
+    """Append records to bronze in one commit; return its version."""
+    return lake.append(BRONZE_EVENTS, pa.Table.from_pylist(rows))
+
+
+def group_of(
+    group: str, prompt: list[int], returns: list[float], version: int = 1, turns: int = 1
+) -> list[dict]:
+    """A GRPO group: one trajectory per return, `turns` nested steps each, then completions."""
+    rows = []
+    for n, value in enumerate(returns):
+        trajectory = f"{group}-r{n}"
+        history = list(prompt)
+        for turn in range(turns):
+            response = [1000 + n, 2000 + turn]
+            rows.append(step(trajectory, turn, history, response, group=group, version=version))
+            history = [*history, *response, 3000 + turn]
+        rows.append(completion(trajectory, value))
+    return rows
+
+
+def rebuilt_sequences(rows: list[dict]) -> list[list[int]]:
+    """Each gold/trees row's token sequence, rebuilt from the stored rows alone (of one
+    policy version): the segments along its path, each cut where the next one starts."""
+    by_segment = {(r["tree_id"], r["segment"]): r for r in rows}
+    rebuilt = []
+    for row in rows:
+        sequence: list[int] = []
+        for here, below in zip(row["path"], [*row["path"][1:], None], strict=True):
+            seg = by_segment[row["tree_id"], here]
+            cut = (
+                None
+                if below is None
+                else by_segment[row["tree_id"], below]["start_depth"] - seg["start_depth"]
+            )
+            sequence += seg["tokens"][:cut]
+        rebuilt.append(sequence)
+    return rebuilt
+
+
+# -- lakes and checks several test folders share ----------------------------------------
+
+TRAIN_SPEC = CurationSpec(
+    name="train", reward_status=["final", "missing"], merge="prompt_group", advantage="grpo"
+)
+
+
+def train_lake(root: Path) -> Lake:
+    """Six GRPO groups of 3-turn trajectories over two policy versions, curated and merged
+    (dataset `train`): the lake of the consumption tests, the adapters and tree attention."""
+    lake = Lake(str(root))
+    rows = []
+    for g in range(6):
+        rows += group_of(f"g{g}", [7, g, 7, g], [1.0, 0.0, 0.5], version=1 + g % 2, turns=3)
+    land(lake, rows)
+    build_silver(lake)
+    for version in (1, 2):
+        build_partition(lake, TRAIN_SPEC, version)
+    return lake
+
+
+EQUIVALENCE_VOCAB = 512
+
+
+def equivalence_dataset(root: Path) -> Dataset:
+    """Two GRPO groups of two-turn trajectories; some rollouts share their first response
+    tokens, so a shared token is a trained response token of several steps."""
+    lake = Lake(str(root))
+    rng = np.random.default_rng(0)
+    rows = []
+    for g in range(2):
+        prompt = rng.integers(1, EQUIVALENCE_VOCAB, 40).tolist()
+        opening = rng.integers(1, EQUIVALENCE_VOCAB, 3).tolist()
+        for r, value in enumerate([1.0, 0.0, 0.5, 0.25]):
+            trajectory = f"g{g}-r{r}"
+            response = (opening if r < 2 else []) + rng.integers(
+                1, EQUIVALENCE_VOCAB, 6 + r
+            ).tolist()
+            rows.append(step(trajectory, 0, prompt, response, group=f"g{g}"))
+            follow = [*prompt, *response, *rng.integers(1, EQUIVALENCE_VOCAB, 5).tolist()]
+            rows.append(
+                step(
+                    trajectory,
+                    1,
+                    follow,
+                    rng.integers(1, EQUIVALENCE_VOCAB, 4).tolist(),
+                    group=f"g{g}",
+                )
+            )
+            rows.append(completion(trajectory, value))
+    land(lake, rows)
+    build_silver(lake)
+    spec = CurationSpec(
+        name="eq", reward_status=["final", "missing"], merge="prompt_group", advantage="grpo"
+    )
+    build_partition(lake, spec, 1)
+    return open_dataset("eq", lake.uri)
+
+
+# (a, b, what the model said): right, wrong, right
+ARITHMETIC_TASKS = [(12, 7, 19), (3, 4, 8), (40, 2, 42)]
+
+
+def arithmetic_steps(offset: int = 0) -> list[dict]:
+    """One two-turn trajectory per task: a tool call, then the final answer (the bundled
+    tokenizer's ids)."""
+    bundled, rows = bundled_fingerprint(), []
+    for number, (a, b, said) in enumerate(ARITHMETIC_TASKS):
+        trajectory = f"math-{offset + number}"
+        question = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        first = encode_chat(question)
+        call = encode(
+            f'<tool_call>\n{{"name": "calc", "arguments": {{"x": "{a}+{b}"}}}}\n</tool_call>'
+        )
+        rows.append(step(trajectory, 0, first, [*call, *encode(IM_END)], tokenizer=bundled))
+        history = [
+            *question,
+            {"role": "assistant", "content": ""},
+            {"role": "tool", "content": str(a + b)},
+        ]
+        answer = encode(f"The answer is {said}.") + encode(IM_END)
+        rows.append(step(trajectory, 1, encode_chat(history), answer, tokenizer=bundled))
+        rows.append(completion(trajectory))
+    return rows
+
+
+def fill_bronze(lake: Lake, commits: int = 3, tag: str = "") -> None:
+    """Bronze of several commits holding steps (some with inline rewards), completions,
+    feedback, retried duplicates and a conflicting step."""
+    for c in range(commits):
+        rows = []
+        for g in range(4):
+            rows += group_of(f"{tag}c{c}g{g}", [c, g, 7, 7], [1.0, 0.0, 0.5], turns=2)
+        rows.append(step(f"{tag}solo{c}", 0, [c, 1], [2, 3], reward=0.5, is_last=True))
+        rows.append(step(f"{tag}solo{c}", 0, [c, 1], [2, 3], reward=0.5, is_last=True))  # retry
+        rows.append(step(f"{tag}solo{c}", 0, [c, 1], [9, 9], is_last=True))  # a conflict
+        rows.append(feedback({"step_key": f"{tag}c{c}g0-r0:1"}, "rating", 4))
+        rows.append(completion(f"{tag}solo{c}", 1.0))
+        land(lake, rows)
+
+
+def assert_each_once(lake: Lake) -> None:
+    for table, key in KEYS.items():
+        column = lake.read(table, columns=[key])[key]
+        assert column.n_unique() == column.len(), f"{table}: a {key} twice"
+    events = lake.read(SILVER_STEPS, columns=["event_id"])["event_id"]
+    assert events.n_unique() == events.len()

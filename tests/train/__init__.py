@@ -1,0 +1,1 @@
+"""claw_pipelines.train: tree attention and the adapters, checked against flat training."""

@@ -1,0 +1,1 @@
+"""claw_pipelines.transforms: the pure frame functions on crafted frames."""
