@@ -32,8 +32,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "open_dataset": "claw_pipelines.consume.dataset",
     "Dataset": "claw_pipelines.consume.dataset",
-    "Batch": "claw_pipelines.consume.dataset",
-    "BatchPlan": "claw_pipelines.consume.dataset",
+    "Batch": "claw_pipelines.consume.batch",
+    "BatchPlan": "claw_pipelines.consume.offline",
     "publish_policy_version": "claw_pipelines.consume.dataset",
     "current_policy_version": "claw_pipelines.consume.dataset",
     "ClawSettings": "claw_pipelines.settings",
@@ -68,14 +68,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # what type checkers and editors see
+    from claw_pipelines.consume.batch import Batch
     from claw_pipelines.consume.dataset import (
-        Batch,
-        BatchPlan,
         Dataset,
         current_policy_version,
         open_dataset,
         publish_policy_version,
     )
+    from claw_pipelines.consume.offline import BatchPlan
     from claw_pipelines.contracts.errors import (
         ChatLogError,
         ClawError,
