@@ -6,7 +6,6 @@ nest, and silver holds the trajectory whole."""
 from __future__ import annotations
 
 import itertools
-import json
 import uuid
 
 import polars as pl
@@ -14,7 +13,8 @@ import pytest
 
 from claw_pipelines.build.silver import build_silver
 from claw_pipelines.lake.delta import Lake
-from tests.support.servers import GatewayProcess, bronze, wait_until
+from tests.support.ingest import trajectory_rows
+from tests.support.servers import GatewayProcess
 from tests.support.upstreams import SimProcess, proxy_env
 
 agents = pytest.importorskip("agents")
@@ -31,18 +31,6 @@ def gw(tmp_path_factory):
         env = proxy_env(sim.url, KEY, TENANT, CLAW_TOKEN_IN="auto")
         with GatewayProcess(lake, **env) as server:
             yield server
-
-
-def steps_of(gw, trajectory: str, count: int) -> list[dict]:
-    def landed():
-        frame = bronze(gw.lake)
-        if frame.is_empty() or "trajectory_uid" not in frame.columns:
-            return None
-        got = frame.filter(pl.col("trajectory_uid") == trajectory).sort("step_index")
-        return got if got.height >= count else None
-
-    found = wait_until(landed, 20, interval=0.1, what=f"{count} steps of {trajectory}")
-    return [r | {"payload": json.loads(r["payload"])} for r in found.to_dicts()]
 
 
 def test_a_two_tool_agent_runs_unchanged_and_lands_one_whole_trajectory(gw):
@@ -87,7 +75,7 @@ def test_a_two_tool_agent_runs_unchanged_and_lands_one_whole_trajectory(gw):
     model_calls = len(result.raw_responses)
     assert model_calls >= 2  # a tool call, then the answer with the tool's output
 
-    steps = steps_of(gw, trajectory, model_calls)
+    steps = trajectory_rows(gw, trajectory, model_calls)
     assert [s["step_index"] for s in steps] == list(range(model_calls))
     assert [s["payload"]["response"]["id"] for s in steps] == [
         r.response_id for r in result.raw_responses
