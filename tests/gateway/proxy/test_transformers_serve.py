@@ -4,7 +4,9 @@ class, which pre-tokenizes otherwise than the folder's tokenizer.json), the offi
 SDK talks through the gateway. The server returns no token ids and no log-probs, answers
 one choice for n=2 and never sends `[DONE]`: every call lands once, prompt ids equal
 AutoTokenizer's, each step's label says whether its local ids match the server's own
-counts, no phantom step, and the gateway refuses to start without the model's tokenizer."""
+counts, no phantom step, and the gateway refuses to start without the model's tokenizer.
+The OpenAI Responses and Anthropic Messages dialects, translated to this server's chat
+completions, land the same ids and labels (plain and streamed)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import json
 import subprocess
 import sys
 import uuid
+from types import SimpleNamespace
 
+import anthropic
 import openai
 import polars as pl
 import pytest
@@ -241,3 +245,71 @@ def _export_a_conversation(gateway, served, tmp_path) -> None:
         record = records[f"{trajectory}:{turn}"]
         assert record["messages"] == conversation  # what was sent, and the reply received
         assert record["decoded_with"]["name"] == served.model
+
+
+def _server_counts(input_tokens: int, output_tokens: int) -> SimpleNamespace:
+    """A Responses or Messages usage in the chat shape `_check_labels` reads."""
+    return SimpleNamespace(prompt_tokens=input_tokens, completion_tokens=output_tokens)
+
+
+def test_a_responses_call_reaches_the_real_server_and_lands_its_ids(gateway, served, truth):
+    keys, usages = [f"responses-{uuid.uuid4().hex}", f"responses-{uuid.uuid4().hex}"], []
+    answer = _client(gateway).responses.create(
+        model=served.model,
+        instructions="Be brief.",
+        input=QUESTION[0]["content"],
+        max_output_tokens=12,
+        extra_headers={"Idempotency-Key": keys[0]},
+    )
+    assert answer.output_text  # the server's reply, translated into Responses items
+    usages.append(_server_counts(answer.usage.input_tokens, answer.usage.output_tokens))
+    with _client(gateway).responses.stream(
+        model=served.model,
+        instructions="Be brief.",
+        input=QUESTION[0]["content"],
+        max_output_tokens=12,
+        extra_headers={"Idempotency-Key": keys[1]},
+    ) as stream:
+        events = list(stream)
+    # a reply cut at max_output_tokens ends `response.incomplete`, as OpenAI's does
+    assert events[0].type == "response.created"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1].response
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert final.output_text == "".join(deltas)  # the streamed text is the final text
+    usages.append(_server_counts(final.usage.input_tokens, final.usage.output_tokens))
+    rows = _rows(gateway, keys)
+    assert rows.height == 2  # once each, no phantom step
+    system_and_user = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    expected = truth.apply_chat_template(
+        system_and_user, add_generation_prompt=True, return_dict=False
+    )
+    for row, usage in zip(rows.iter_rows(named=True), usages, strict=True):
+        assert row["prompt_ids"] == list(expected)
+        assert json.loads(row["payload"])["metadata"]["protocol"] == "responses"
+        _check_labels(row, usage)
+
+
+def test_a_messages_call_reaches_the_real_server_and_lands_its_ids(gateway, served, truth):
+    agent = anthropic.Anthropic(base_url=gateway.url, api_key=KEY, max_retries=0)
+    keys, usages = [f"messages-{uuid.uuid4().hex}", f"messages-{uuid.uuid4().hex}"], []
+    body = {"model": served.model, "max_tokens": 12, "system": "Be brief.", "messages": QUESTION}
+    answer = agent.messages.create(**body, extra_headers={"Idempotency-Key": keys[0]})
+    assert answer.type == "message" and answer.content[0].text
+    usages.append(_server_counts(answer.usage.input_tokens, answer.usage.output_tokens))
+    with agent.messages.stream(**body, extra_headers={"Idempotency-Key": keys[1]}) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.stop_reason in ("end_turn", "max_tokens")
+    usages.append(_server_counts(final.usage.input_tokens, final.usage.output_tokens))
+    rows = _rows(gateway, keys)
+    assert rows.height == 2  # once each, no phantom step
+    system_and_user = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    expected = truth.apply_chat_template(
+        system_and_user, add_generation_prompt=True, return_dict=False
+    )
+    for row, usage in zip(rows.iter_rows(named=True), usages, strict=True):
+        assert row["prompt_ids"] == list(expected)
+        assert json.loads(row["payload"])["metadata"]["protocol"] == "messages"
+        _check_labels(row, usage)
