@@ -171,6 +171,9 @@ class Lake:
         self._latest_tables: dict[str, DeltaTable] = {}  # kept current by update_incremental
         self._refreshed_at: dict[str, float] = {}
         self._ensured: set[str] = set()
+        # per table: the newest commit this lake made and its claw metadata (a writer that
+        # reads back its own marker, e.g. silver's run marker, need not read the log for it)
+        self._own_commits: dict[str, tuple[int, dict[str, Any]]] = {}
         self._lock = threading.RLock()
         # per table: appends of this lake whose first version was taken by another writer
         # (the store refused that conditional put and delta-rs committed at a later version)
@@ -289,6 +292,17 @@ class Lake:
         """This lake committed to `name`: its next read refreshes the kept handle."""
         self._refreshed_at.pop(name, None)
 
+    def _remember(self, name: str, version: int, commit: CommitProperties) -> None:
+        """Keep the claw metadata of the commit this lake just made to `name` at `version`."""
+        raw = (commit.custom_metadata or {}).get(COMMIT_METADATA_KEY)
+        with self._lock:
+            self._own_commits[name] = (version, json.loads(raw) if raw else {})
+
+    def _own_commit(self, name: str, version: int) -> dict[str, Any] | None:
+        """The claw metadata of version `version` of `name` if this lake made that commit."""
+        kept = self._own_commits.get(name)
+        return dict(kept[1]) if kept is not None and kept[0] == version else None
+
     def version(self, name: str) -> int | None:
         """Current version of table `name`, or None when it does not exist."""
         try:
@@ -358,6 +372,9 @@ class Lake:
     def commit_metadata(self, name: str, version: int | None = None) -> dict[str, Any]:
         """The claw metadata stored with a commit (the latest one by default)."""
         target = self._latest(name).version() if version is None else version
+        own = self._own_commit(name, target)
+        if own is not None:
+            return own
         for entry in self._commits(name, target, target):
             return _claw_metadata(entry)
         return {}
@@ -401,6 +418,9 @@ class Lake:
         """(version, claw metadata) of the newest commit at or before `at` whose metadata holds
         `key` (commits without it, e.g. compactions, are passed over); None if there is none."""
         newest = self._latest(name).version() if at is None else at
+        own = self._own_commit(name, newest)
+        if own is not None and key in own:
+            return newest, own
         for entry in self._commits(name, newest):
             metadata = _claw_metadata(entry)
             if key in metadata:
@@ -408,8 +428,15 @@ class Lake:
         return None
 
     # -- writes -----------------------------------------------------------------------------
-    def _guarded(self, spec: TableSpec, guard: Guard, write: Callable[[DeltaTable], None]) -> int:
-        """Run `write` on the table as the guard's writer read it; the new version."""
+    def _guarded(
+        self,
+        spec: TableSpec,
+        guard: Guard,
+        write: Callable[[DeltaTable], None],
+        commit: CommitProperties,
+    ) -> int:
+        """Run `write` (committing with `commit`) on the table as the guard's writer read
+        it; the new version."""
         base = guard.read_versions[spec.name]
         self.verify_store()
         with self._lock:
@@ -423,6 +450,7 @@ class Lake:
                 self._wrote(spec.name)  # someone else did: look again next time
                 raise WriteConflict(f"{spec.name}: {exc}".splitlines()[0]) from None
             self._wrote(spec.name)
+            self._remember(spec.name, table.version(), commit)
             return table.version()  # the table object now stands at its own commit
 
     def append(
@@ -459,7 +487,7 @@ class Lake:
             )
 
         if guard is not None:
-            return self._guarded(spec, guard, write)
+            return self._guarded(spec, guard, write, commit)
         table = self._writers.get(spec.name)
         if table is None:
             table = self._writers[spec.name] = self.ensure(spec)
@@ -467,6 +495,7 @@ class Lake:
         write(table)
         self._wrote(spec.name)
         version = table.version()
+        self._remember(spec.name, version, commit)
         if version > base + 1:  # another writer committed the version this one tried first
             self.commit_conflicts[spec.name] = self.commit_conflicts.get(spec.name, 0) + 1
         return version  # the handle stands at its own commit: the next append starts there
@@ -520,10 +549,11 @@ class Lake:
             )
 
         if guard is not None:
-            return self._guarded(spec, guard, write)
+            return self._guarded(spec, guard, write, commit)
         table = self.ensure(spec)
         written = _retry_conflicts(table, lambda: write(table))
         self._wrote(spec.name)
+        self._remember(spec.name, written, commit)
         return written
 
     def maintain(self, name: str, retention_hours: int = 168) -> dict[str, Any]:
