@@ -48,12 +48,24 @@ UNIT_COLUMNS = [
 # the orders a rank's units may be offered in (among units used equally often)
 Order = Literal["oldest", "newest", "reward_variance"]
 ORDERS: tuple[str, ...] = get_args(Order)
-# per order, its sort keys after the units' use counts: (column, descending, nulls last); the
-# unit key breaks the remaining ties, so an order is a total order (deterministic)
-ORDER_KEYS: dict[str, list[tuple[str, bool, bool]]] = {
-    "oldest": [("landed_at", False, False)],
-    "newest": [("landed_at", True, True)],
-    "reward_variance": [("reward_variance", True, True), ("landed_at", False, False)],
+
+
+def _first(column: str, nulls_first: bool, descending: bool) -> list[tuple[pl.Expr, bool]]:
+    """Sort keys for `column`, its nulls placed explicitly (first or last)."""
+    missing = pl.col(column).is_null()
+    return [(~missing if nulls_first else missing, False), (pl.col(column), descending)]
+
+
+# per order, its sort keys (expression, descending) after the units' use counts; the unit
+# key breaks the remaining ties, so an order is a total order (deterministic). Nulls are
+# placed by keys of their own, so a partial selection (bottom_k) and a sort agree.
+ORDER_KEYS: dict[str, list[tuple[pl.Expr, bool]]] = {
+    "oldest": _first("landed_at", nulls_first=True, descending=False),
+    "newest": _first("landed_at", nulls_first=False, descending=True),
+    "reward_variance": [
+        *_first("reward_variance", nulls_first=False, descending=True),
+        *_first("landed_at", nulls_first=True, descending=False),
+    ],
 }
 
 
@@ -266,9 +278,9 @@ def available_units(
     world: int,
     selection: Selection = EXACTLY_ONCE,
 ) -> pl.DataFrame:
-    """Units (`unit_table`'s) this rank may be given now, in the order `selection` offers
-    them: (unit, policy_version, steps, tokens, landed_at, reward_variance, used: its
-    deliveries to this rank so far)."""
+    """Units (`unit_table`'s) this rank may be given now under `selection`, in no order:
+    (unit, policy_version, steps, tokens, landed_at, reward_variance, used: its deliveries
+    to this rank so far)."""
     if min_policy_version is not None:
         units = units.filter(pl.col("policy_version") >= min_policy_version)
     mine = units.filter((pl.col("digest") % world) == rank).drop("digest")
@@ -278,33 +290,41 @@ def available_units(
         & (used < selection.max_uses)
         & (pl.col("last_batch") + selection.cooldown < book.next_index)
     )
-    keys = [("used", False, False), *ORDER_KEYS[selection.order], ("unit", False, False)]
     return (
         mine.join(book.units, on="unit", how="left")
         .filter(used.is_null() | again)
         .with_columns(used.fill_null(0))
         .drop("last_batch", "refused")
-        .sort(
-            [k for k, _, _ in keys],
-            descending=[d for _, d, _ in keys],
-            nulls_last=[n for _, _, n in keys],
-        )
     )
 
 
-def choose(units: pl.DataFrame, groups: int | None, max_tokens: int | None) -> pl.DataFrame | None:
-    """The units of the next batch (rows of `units`), in order: the first `groups` of them
-    (all that fit within `max_tokens` when given, at least one); None when fewer than
-    `groups` are available."""
+def in_order(units: pl.DataFrame, order: str, count: int) -> pl.DataFrame:
+    """The first `count` of `units` (`available_units`') in the order they are offered:
+    fewer uses first, then `order`, then the unit key; only those are sorted (a partial
+    selection first: the rest of a large offer is never sorted)."""
+    keys = [(pl.col("used"), False), *ORDER_KEYS[order], (pl.col("unit"), False)]
+    by, descending = [k for k, _ in keys], [d for _, d in keys]
+    first = units if count >= units.height else units.bottom_k(count, by=by, reverse=descending)
+    return first.sort(by, descending=descending)
+
+
+def choose(
+    units: pl.DataFrame, groups: int | None, max_tokens: int | None, order: str = "oldest"
+) -> pl.DataFrame | None:
+    """The units of the next batch (rows of `available_units`), in order: the first `groups`
+    of them (all that fit within `max_tokens` when given, at least one); None when fewer
+    than `groups` are available."""
     wanted = groups if groups is not None else 1
     if units.height < wanted:
         return None
     if max_tokens is None:
-        return units.head(wanted)
-    within = units.filter(pl.col("tokens").cum_sum() <= max_tokens)
-    limit = groups if groups is not None else units.height
-    chosen = within.head(limit)
-    return chosen if chosen.height else units.head(1)  # a unit over budget goes alone
+        return in_order(units, order, wanted)
+    # no prefix of any order holds more units than the smallest ones that fit the budget
+    fit = int((units["tokens"].sort().cum_sum() <= max_tokens).sum())
+    limit = min(groups if groups is not None else units.height, max(fit, 1))
+    first = in_order(units, order, limit)
+    within = first.filter(pl.col("tokens").cum_sum() <= max_tokens)
+    return within if within.height else first.head(1)  # a unit over budget goes alone
 
 
 def record_delivery(

@@ -140,7 +140,7 @@ class Live:
         self.newest = live = self.newest.at(self.lake, self.table, version, LIVE_COLUMNS)
         floor = self.judge.staleness_floor() if min_policy_version is None else min_policy_version
         units = available_units(live.units, book, floor, rank, world_size, selection)
-        picked = choose(units, groups, max_tokens)
+        picked = choose(units, groups, max_tokens, selection.order)
         if picked is None:
             return None
         chosen, uses = picked["unit"].to_list(), (picked["used"] + 1).to_list()

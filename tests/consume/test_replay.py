@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from functools import partial
 from itertools import pairwise
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pytest
@@ -25,7 +26,7 @@ from claw_pipelines.build.increments import update_dataset
 from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.batch import Batch
 from claw_pipelines.consume.dataset import Dataset
-from claw_pipelines.consume.delivery import consumer_positions
+from claw_pipelines.consume.delivery import choose, consumer_positions, in_order
 from claw_pipelines.contracts.errors import ContractViolation
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_CONSUMPTION_SPEC
 from claw_pipelines.lake.delta import Lake
@@ -194,6 +195,54 @@ def test_each_order_does_what_it_says(tmp_path):
             (g, 2) for g in ["1:narrow", "1:newcomer", "1:flat", "1:unscored"]
         ),
     ]
+
+
+def test_the_first_units_of_an_order_are_its_head_whatever_the_ties_and_nulls():
+    rng = np.random.default_rng(7)
+    n = 3_000
+    landed = rng.integers(0, 40, n).astype(float)  # many ties
+    variance = rng.integers(0, 5, n) / 4
+    units = pl.DataFrame(
+        {
+            "unit": [f"{i % 3}:g{i}" for i in range(n)],
+            "used": rng.integers(0, 3, n),
+            "landed_at": np.where(rng.random(n) < 0.1, np.nan, landed),
+            "reward_variance": np.where(rng.random(n) < 0.2, np.nan, variance),
+            "tokens": rng.integers(1, 200, n),
+        }
+    ).fill_nan(None)
+    rows = units.to_dicts()
+
+    def later(value, descending: bool):  # a key: nulls by their own flag, then the value
+        return (value if value is not None else 0) * (-1 if descending else 1)
+
+    keys = {  # each order as its docstring states it, in plain Python
+        "oldest": lambda r: (r["landed_at"] is not None, later(r["landed_at"], False)),
+        "newest": lambda r: (r["landed_at"] is None, later(r["landed_at"], True)),
+        "reward_variance": lambda r: (
+            r["reward_variance"] is None,
+            later(r["reward_variance"], True),
+            r["landed_at"] is not None,
+            later(r["landed_at"], False),
+        ),
+    }
+    for order, key in keys.items():
+        expected = [r["unit"] for r in sorted(rows, key=lambda r: (r["used"], *key(r), r["unit"]))]
+        assert in_order(units, order, n)["unit"].to_list() == expected, order
+        for count in (1, 16, 700):
+            assert in_order(units, order, count)["unit"].to_list() == expected[:count], order
+        tokens = dict(zip(units["unit"], units["tokens"], strict=True))
+        for budget in (1, 150, 2_000, 40_000):
+            total, fits = 0, []
+            for unit in expected:
+                total += tokens[unit]
+                if total > budget:
+                    break
+                fits.append(unit)
+            chosen = choose(units, None, budget, order)
+            assert chosen is not None
+            assert chosen["unit"].to_list() == (fits or expected[:1]), (order, budget)
+            assert choose(units, 3, budget, order)["unit"].to_list() == (fits or expected[:1])[:3]
 
 
 def test_ranks_stay_disjoint_and_each_reuses_its_own_share(grown):
