@@ -353,9 +353,10 @@ def test_a_trainer_killed_mid_run_resumes_with_its_counts(grown):
 
 @pytest.mark.slow
 def test_two_processes_of_one_rank_racing_deliver_no_group_more_than_max_uses(grown):
-    racer = partial(race_next_batch_in_process, max_uses=2)
+    racer = partial(race_next_batch_in_process, train_s=0.05, max_uses=2)
     answers = race_in_processes(racer, grown.uri)  # both chose from the same ledger first
     delivered = sorted(d for answer in answers for d in answer)
+    assert all(answers)  # interleaved: each delivered some batches of the rank
     assert [index for index, _, _ in delivered] == list(range(24))  # each batch by one of them
     assert_reused(delivered, every_unit(Dataset(grown, "live")), 2, 0)
     assert recorded(grown, "racer") == delivered

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -81,14 +82,17 @@ def race_gold_in_process(uri: str, barrier: Any, results: Any) -> None:
     results.put(build_partition(BarrierLake(uri, barrier), DEFAULT_SPEC, 1).write_conflicts)
 
 
-def race_next_batch_in_process(uri: str, barrier: Any, results: Any, **selection: Any) -> None:
+def race_next_batch_in_process(
+    uri: str, barrier: Any, results: Any, train_s: float = 0.0, **selection: Any
+) -> None:
     """A racer for multiprocessing (spawn): a trainer of consumer `racer` rank 0 pulling one
-    group per `next_batch` of dataset `live` (with `selection`: max_uses, cooldown, order)
-    until none is left, its first delivery committed after the others chose theirs; puts
-    its deliveries, [(batch index, group, use number)], on `results`."""
+    group per `next_batch` of dataset `live` (with `selection`: max_uses, cooldown, order),
+    `train_s` seconds between pulls, until none is left, its first delivery committed after
+    the others chose theirs; puts its deliveries, [(batch index, group, use)], on `results`."""
     dataset, delivered = Dataset(BarrierLake(uri, barrier), "live"), []
     while (batch := dataset.next_batch(1, consumer="racer", timeout=0, **selection)) is not None:
         delivered.append((batch.batch_index, batch.groups[0], batch.uses[0]))
+        time.sleep(train_s)
     results.put(delivered)
 
 
