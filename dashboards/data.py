@@ -694,8 +694,9 @@ def freshness(at: Where, name: str, version: int) -> pl.DataFrame:
 
 @frame_cache(ttl=5)
 def consumers(at: Where, name: str, version: int) -> pl.DataFrame:
-    """Each consumer rank's position in a dataset: batches and groups taken, the newest policy
-    version taken, when, and (live consumers) how many groups it has not been given yet."""
+    """Each consumer rank's position in a dataset: batches, distinct groups taken and their
+    deliveries (reuses included), the newest policy version taken, when, and (live
+    consumers) how many groups it has not been given yet."""
     lake = at.lake()
     positions = consumer_positions(lake, name)
     if positions.is_empty():

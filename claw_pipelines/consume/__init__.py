@@ -9,8 +9,9 @@
 - `offline`: `BatchPlan`, a partition's batches planned without a token read, then packed
   only for the batches asked for; the consumption rows `batches` writes;
 - `live`: `next_batch` and `replay`, and what delivery keeps between calls;
-- `delivery`: live delivery: which prompt groups a consumer rank gets next, each once,
-  recorded in `gold/consumption`;
+- `delivery`: live delivery: which prompt groups a consumer rank gets next, each once or,
+  with a `Selection`, up to `max_uses` times, a cooldown apart, in an order; recorded in
+  `gold/consumption` with each group's use number;
 - `judge`: what a batch's contract is judged against (spec, staleness floor, rejections);
 - `report`: a batch's contract report, computed as it is handed out;
 - `lineage`: which spec wrote each partition, read by `gold/lineage`'s change feed;

@@ -49,6 +49,7 @@ class Batch:
     step_starts: np.ndarray  # per step: the depth where its own tokens start (0 when flat)
     step_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     groups: list[str] = field(default_factory=list)  # next_batch: the units it delivers
+    uses: list[int] = field(default_factory=list)  # next_batch: each unit's use number (1: first)
     batch_index: int | None = None  # batches: its index in the plan; next_batch: in the record
     max_tokens: int | None = None  # the token budget it was packed to, if any
     # its contract report, or what makes it on first use (see `contract`)

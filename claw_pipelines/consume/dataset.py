@@ -12,6 +12,8 @@ for batch in plan.batches(range(rank, len(plan), world_size)): ...
 
 # asynchronous RL: block for fresh whole groups, each delivered once per consumer rank
 batch = ds.next_batch(groups=16, consumer="run-7", min_policy_version=4, timeout=60)
+# or reuse: each group up to twice, 8 batches apart, fresh ones first, high reward variance first
+batch = ds.next_batch(16, consumer="run-8", max_uses=2, cooldown=8, order="reward_variance")
 publish_policy_version(5, lake_uri="./lake")             # agents move on to policy 5
 ```
 
@@ -29,7 +31,7 @@ from typing import Any
 import polars as pl
 
 from claw_pipelines.consume.batch import Batch, subtree_ends
-from claw_pipelines.consume.delivery import LiveRows
+from claw_pipelines.consume.delivery import LiveRows, Order, Selection
 from claw_pipelines.consume.judge import Judge
 from claw_pipelines.consume.lineage import LINEAGE_COLUMNS, Lineage
 from claw_pipelines.consume.live import Live
@@ -180,14 +182,25 @@ class Dataset:
         timeout: float | None = None,
         layout: Layout = "tree",
         poll_s: float = 0.2,
+        max_uses: int = 1,
+        cooldown: int = 0,
+        order: Order = "oldest",
     ) -> Batch | None:
         """The next `groups` whole prompt groups (default 1; with `max_tokens`, as many as
-        fit, at least one) that `consumer` rank `rank` of `world_size` has not been given,
-        from the newest version of the dataset, oldest landed first. Blocks until they exist;
-        None when `timeout` seconds pass first. Policy versions below `min_policy_version`
-        (default: the newest published minus the spec's `max_policy_staleness`) are left out.
-        Each batch is recorded in `gold/consumption` before it is returned: a group is
-        delivered once per consumer rank, across restarts (`replay` re-reads a batch)."""
+        fit, at least one) that `consumer` rank `rank` of `world_size` may be given, from the
+        newest version of the dataset. Blocks until they exist; None when `timeout` seconds
+        pass first. Policy versions below `min_policy_version` (default: the newest published
+        minus the spec's `max_policy_staleness`) are left out. A group goes to a consumer rank
+        at most `max_uses` times (default once), with at least `cooldown` of that rank's
+        batches between two deliveries of it (by batch index: from batch b, again at
+        b + cooldown + 1 at the earliest; nothing else to give waits for fresh groups). Order:
+        groups used fewer times by the rank first (a fresh group before any reuse), then
+        `order`: "oldest" landed first, "newest" landed first, or "reward_variance" (the
+        highest variance of `reward` over the group's steps first, groups without rewards
+        last, then oldest), the group key breaking ties. Each batch is recorded in
+        `gold/consumption` (its groups and their use numbers, `batch.uses`) before it is
+        returned, so the counts hold across restarts and processes of a rank (`replay`
+        re-reads a batch)."""
         return self._live.next_batch(
             groups,
             consumer,
@@ -198,6 +211,7 @@ class Dataset:
             timeout,
             layout,
             poll_s,
+            Selection(max_uses, cooldown, order),
         )
 
     def follow(
@@ -210,7 +224,7 @@ class Dataset:
         **options: Any,
     ) -> Iterator[Batch]:
         """`next_batch` after `next_batch` as the dataset grows, until `stop()` says so (or for
-        ever); the same options."""
+        ever); the same options (`max_uses`, `cooldown` and `order` too)."""
         while stop is None or not stop():
             batch = self.next_batch(groups, consumer=consumer, timeout=poll_s, **options)
             if batch is not None:

@@ -1,15 +1,19 @@
-"""Live delivery: which prompt groups a trainer gets next, each once per consumer, recorded.
+"""Live delivery: which prompt groups a trainer gets next, each once per consumer (or up to
+`max_uses` times), recorded.
 
 A unit of delivery is a prompt group within a policy-version partition of a gold dataset
 (the same unit incremental gold writes: `"<policy_version>:<group>"`). A consumer pulls
-units through `Dataset.next_batch`: whole groups only, oldest landed first, within a
-staleness bound, split between data-parallel ranks by a stable hash of the unit (disjoint,
-deterministic, covering every unit). Every delivered batch is one `gold/consumption` row
-(consumer, rank, batch index, dataset version, its units and steps), appended before the
-batch is handed over and guarded per (consumer, rank), so two processes of the same rank
-never deliver the same unit twice and a restarted trainer resumes where the record says:
-later calls skip every unit recorded, and `Dataset.replay` rebuilds any recorded batch
-exactly (time travel to its dataset version).
+units through `Dataset.next_batch`: whole groups only, within a staleness bound, split
+between data-parallel ranks by a stable hash of the unit (disjoint, deterministic, covering
+every unit). Which units a rank is offered, and in which order, is a `Selection`: at most
+`max_uses` deliveries of a unit to the rank (1: exactly once), `cooldown` of the rank's
+batches between two of them, units used fewer times first, then by `order` (oldest landed,
+newest landed, or highest reward variance). Every batch is one `gold/consumption` row
+(consumer, rank, batch index, dataset version, its units with the use number of each, and
+steps), appended before the batch is handed over and guarded per (consumer, rank), so two
+processes of the same rank never deliver a unit more than `max_uses` times and a restarted
+trainer resumes where the record says (the `Ledger`, read back from it), and
+`Dataset.replay` rebuilds any recorded batch exactly (time travel to its dataset version).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Literal, get_args
 
 import numpy as np
 import polars as pl
@@ -38,7 +43,30 @@ UNIT_COLUMNS = [
     "prompt_len",
     "response_len",
     "landed_at",
+    "reward",
 ]
+# the orders a rank's units may be offered in (among units used equally often)
+Order = Literal["oldest", "newest", "reward_variance"]
+ORDERS: tuple[str, ...] = get_args(Order)
+
+
+def _first(column: str, nulls_first: bool, descending: bool) -> list[tuple[pl.Expr, bool]]:
+    """Sort keys for `column`, its nulls placed explicitly (first or last)."""
+    missing = pl.col(column).is_null()
+    return [(~missing if nulls_first else missing, False), (pl.col(column), descending)]
+
+
+# per order, its sort keys (expression, descending) after the units' use counts; the unit
+# key breaks the remaining ties, so an order is a total order (deterministic). Nulls are
+# placed by keys of their own, so a partial selection (bottom_k) and a sort agree.
+ORDER_KEYS: dict[str, list[tuple[pl.Expr, bool]]] = {
+    "oldest": _first("landed_at", nulls_first=True, descending=False),
+    "newest": _first("landed_at", nulls_first=False, descending=True),
+    "reward_variance": [
+        *_first("reward_variance", nulls_first=False, descending=True),
+        *_first("landed_at", nulls_first=True, descending=False),
+    ],
+}
 
 
 def delivery_writer(dataset: str, consumer: str, rank: int) -> str:
@@ -62,16 +90,64 @@ def _digests(units: list[str]) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class Selection:
+    """Which units a consumer rank is offered, and in which order: a unit at most `max_uses`
+    times (1: exactly once), with at least `cooldown` of the rank's batches between two
+    deliveries of it (batch indexes: a unit of batch b comes again at b + cooldown + 1 at the
+    earliest); the units used fewer times first (a fresh unit before any reuse), then by
+    `order`: "oldest" (landed first), "newest" (landed last first) or "reward_variance"
+    (highest variance of `reward` over the group's steps first, groups without rewards last,
+    then oldest landed); the unit key breaks ties."""
+
+    max_uses: int = 1
+    cooldown: int = 0
+    order: Order = "oldest"
+
+    def __post_init__(self) -> None:
+        if self.max_uses < 1:
+            raise ValueError(f"max_uses must be at least 1, not {self.max_uses}")
+        if self.cooldown < 0:
+            raise ValueError(f"cooldown must be at least 0, not {self.cooldown}")
+        if self.order not in ORDERS:
+            known = ", ".join(map(repr, ORDERS))
+            raise ValueError(f"order must be one of {known}, not {self.order!r}")
+
+
+EXACTLY_ONCE = Selection()
+# a ledger's units: each unit delivered (or refused) to the rank, how often it was delivered,
+# the batch index of its last delivery, and whether a batch holding it was refused
+LEDGER_SCHEMA = {"unit": pl.String, "used": pl.Int64, "last_batch": pl.Int64, "refused": pl.Boolean}
+
+
+@dataclass(frozen=True)
 class Ledger:
-    """What one consumer rank has been delivered, as of consumption version `version`."""
+    """What one consumer rank has been delivered, as of consumption version `version`:
+    `units` (LEDGER_SCHEMA) and the rank's next batch index."""
 
     version: int
-    units: set[str]
+    units: pl.DataFrame
     next_index: int
+
+    def after(self, version: int, units: list[str], uses: list[int], refused: bool) -> Ledger:
+        """This ledger once batch `next_index` (`units`, their use numbers `uses`) is recorded
+        at consumption version `version`: delivered, or refused (never offered again)."""
+        used = [use - 1 for use in uses] if refused else uses
+        batch = pl.DataFrame(
+            {
+                "unit": units,
+                "used": used,
+                "last_batch": [self.next_index] * len(units),
+                "refused": [refused] * len(units),
+            },
+            schema=LEDGER_SCHEMA,
+        )
+        kept = self.units.filter(~pl.col("unit").is_in(pl.Series(units, dtype=pl.String).implode()))
+        return Ledger(version, pl.concat([kept, batch]), self.next_index + 1)
 
 
 def ledger(lake: Lake, dataset: str, consumer: str, rank: int) -> Ledger:
-    """The consumer rank's deliveries so far (the table is created if missing)."""
+    """The consumer rank's deliveries so far (the table is created if missing): a unit's
+    uses are the delivered batches naming it (refused ones aside)."""
     lake.ensure(GOLD_CONSUMPTION_SPEC)
     version = lake.version(GOLD_CONSUMPTION)
     rows = (
@@ -82,22 +158,34 @@ def ledger(lake: Lake, dataset: str, consumer: str, rank: int) -> Ledger:
             & pl.col("kind").is_in([NEXT, REFUSED])
             & (pl.col("rank") == rank)
         )
-        .select("groups", "batch_index")
+        .select("groups", "batch_index", "kind")
         .collect()
     )
-    units = set(rows["groups"].explode().drop_nulls().to_list()) if rows.height else set()
+    units = (
+        rows.explode("groups")
+        .drop_nulls("groups")
+        .group_by(unit=pl.col("groups"))
+        .agg(
+            used=(pl.col("kind") == NEXT).sum(),
+            last_batch=pl.col("batch_index").max(),
+            refused=(pl.col("kind") == REFUSED).any(),
+        )
+        .cast(LEDGER_SCHEMA)  # type: ignore[arg-type]
+    )
     top = rows["batch_index"].max() if rows.height else None
     return Ledger(version, units, 0 if top is None else int(top) + 1)
 
 
 def unit_table(rows: pl.DataFrame) -> pl.DataFrame:
-    """Per unit of `rows` (with `unit`): policy_version, steps, tokens, landed_at and the
-    64-bit digest its rank is drawn from (the digest modulo the world size)."""
+    """Per unit of `rows` (with `unit`): policy_version, steps, tokens, landed_at, the
+    (population) variance of its steps' `reward` (null when none has one) and the 64-bit
+    digest its rank is drawn from (the digest modulo the world size)."""
     units = rows.group_by("unit").agg(
         pl.col("policy_version").first(),
         steps=pl.len(),
         tokens=(pl.col("prompt_len") + pl.col("response_len")).sum(),
         landed_at=pl.col("landed_at").min(),
+        reward_variance=pl.col("reward").cast(pl.Float64).var(ddof=0),
     )
     return units.with_columns(digest=pl.Series(_digests(units["unit"].to_list()), dtype=pl.UInt64))
 
@@ -183,36 +271,60 @@ def _partitions(rows: pl.DataFrame) -> dict[int, pl.DataFrame]:
 
 
 def available_units(
-    units: pl.DataFrame, taken: set[str], min_policy_version: int | None, rank: int, world: int
+    units: pl.DataFrame,
+    book: Ledger,
+    min_policy_version: int | None,
+    rank: int,
+    world: int,
+    selection: Selection = EXACTLY_ONCE,
 ) -> pl.DataFrame:
-    """Units (`unit_table`'s) this rank may be given now, oldest landed first: (unit,
-    policy_version, steps, tokens, landed_at)."""
+    """Units (`unit_table`'s) this rank may be given now under `selection`, in no order:
+    (unit, policy_version, steps, tokens, landed_at, reward_variance, used: its deliveries
+    to this rank so far)."""
     if min_policy_version is not None:
         units = units.filter(pl.col("policy_version") >= min_policy_version)
-    mine = (pl.col("digest") % world) == rank
+    mine = units.filter((pl.col("digest") % world) == rank).drop("digest")
+    used = pl.col("used")
+    again = (
+        ~pl.col("refused")
+        & (used < selection.max_uses)
+        & (pl.col("last_batch") + selection.cooldown < book.next_index)
+    )
     return (
-        units.filter(
-            mine & ~pl.col("unit").is_in(pl.Series(list(taken), dtype=pl.String).implode())
-        )
-        .sort("landed_at", "unit", nulls_last=False)
-        .drop("digest")
+        mine.join(book.units, on="unit", how="left")
+        .filter(used.is_null() | again)
+        .with_columns(used.fill_null(0))
+        .drop("last_batch", "refused")
     )
 
 
-def choose(units: pl.DataFrame, groups: int | None, max_tokens: int | None) -> list[str] | None:
-    """The units of the next batch, in order: `groups` of them (all that fit within
-    `max_tokens` when given, at least one); None when fewer than `groups` are available."""
+def in_order(units: pl.DataFrame, order: str, count: int) -> pl.DataFrame:
+    """The first `count` of `units` (`available_units`') in the order they are offered:
+    fewer uses first, then `order`, then the unit key; only those are sorted (a partial
+    selection first: the rest of a large offer is never sorted)."""
+    keys = [(pl.col("used"), False), *ORDER_KEYS[order], (pl.col("unit"), False)]
+    by, descending = [k for k, _ in keys], [d for _, d in keys]
+    first = units if count >= units.height else units.bottom_k(count, by=by, reverse=descending)
+    return first.sort(by, descending=descending)
+
+
+def choose(
+    units: pl.DataFrame, groups: int | None, max_tokens: int | None, order: str = "oldest"
+) -> pl.DataFrame | None:
+    """The units of the next batch (rows of `available_units`), in order: the first `groups`
+    of them (all that fit within `max_tokens` when given, at least one); None when fewer
+    than `groups` are available."""
     wanted = groups if groups is not None else 1
     if units.height < wanted:
         return None
     if max_tokens is None:
-        return units["unit"].head(wanted).to_list()
-    within = units.with_columns(total=pl.col("tokens").cum_sum()).filter(
-        pl.col("total") <= max_tokens
-    )
-    limit = groups if groups is not None else units.height
-    chosen = within["unit"].head(limit).to_list()
-    return chosen or units["unit"].head(1).to_list()  # a unit over budget goes alone
+        return in_order(units, order, wanted)
+    # no prefix of any order holds more units than the smallest ones that fit the budget
+    fit = int((units["tokens"].sort().cum_sum() <= max_tokens).sum())
+    limit = min(groups if groups is not None else units.height, max(fit, 1))
+    first = in_order(units, order, limit)
+    within = first.filter(pl.col("tokens").cum_sum() <= max_tokens)
+    return within if within.height else first.head(1)  # a unit over budget goes alone
 
 
 def record_delivery(
@@ -224,13 +336,14 @@ def record_delivery(
     world_size: int,
     book: Ledger,
     units: list[str],
+    uses: list[int],
     step_keys: list[str],
     policy_version: int,
     kind: str = NEXT,
 ) -> int:
-    """Append the batch's consumption row (`kind`: delivered, or REFUSED), guarded by the
-    ledger it was chosen from (another process of this rank that delivered first makes this
-    raise WriteConflict)."""
+    """Append the batch's consumption row (`kind`: delivered, or REFUSED; `uses`: each
+    unit's use number, 1 = first), guarded by the ledger it was chosen from (another process
+    of this rank that delivered first makes this raise WriteConflict)."""
     row = {
         "consumer": consumer,
         "dataset": dataset,
@@ -242,6 +355,7 @@ def record_delivery(
         "rank": rank,
         "world_size": world_size,
         "groups": units,
+        "uses": uses,
         "kind": kind,
     }
     guard = Guard(
@@ -253,8 +367,9 @@ def record_delivery(
 
 
 def consumer_positions(lake: Lake, dataset: str) -> pl.DataFrame:
-    """Per consumer and rank of a dataset: batches and groups delivered, the newest policy
-    version delivered, and when it last pulled."""
+    """Per consumer and rank of a dataset: batches, steps, distinct groups delivered and
+    deliveries of groups (more than the groups when groups were delivered again, `max_uses`),
+    the newest policy version delivered, and when it last pulled."""
     if not lake.exists(GOLD_CONSUMPTION):
         return pl.DataFrame(schema={"consumer": pl.String, "rank": pl.Int64})
     return (
@@ -264,7 +379,8 @@ def consumer_positions(lake: Lake, dataset: str) -> pl.DataFrame:
         .agg(
             batches=pl.len(),
             steps=pl.col("step_keys").list.len().sum(),
-            groups=pl.col("groups").list.len().sum(),
+            groups=pl.col("groups").explode().drop_nulls().n_unique(),
+            deliveries=pl.col("groups").list.len().sum(),
             newest_policy_version=pl.col("policy_version").max(),
             last_pulled_at=pl.col("consumed_at").max(),
         )

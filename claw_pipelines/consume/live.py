@@ -1,7 +1,7 @@
 """Live delivery of one dataset (`Dataset.next_batch`, which `follow` repeats, and
-`replay`): fresh whole groups from its newest version, each once per consumer rank, recorded
-(`consume.delivery` chooses and records); and the batches recorded, rebuilt exactly at their
-dataset versions.
+`replay`): fresh whole groups from its newest version, each once per consumer rank (or as a
+`delivery.Selection` reuses them), recorded (`consume.delivery` chooses and records); and the
+batches recorded, rebuilt exactly at their dataset versions.
 
 It keeps, while the tables they came from have not moved, the newest rows (brought up to date
 by the dataset's change feed, `delivery.LiveRows`) and each consumer rank's ledger.
@@ -23,6 +23,7 @@ from claw_pipelines.consume.delivery import (
     UNIT_COLUMNS,
     Ledger,
     LiveRows,
+    Selection,
     available_units,
     choose,
     ledger,
@@ -63,6 +64,7 @@ class Live:
         timeout: float | None,
         layout: Layout,
         poll_s: float,
+        selection: Selection,
     ) -> Batch | None:
         """`Dataset.next_batch`: a delivery attempt until one delivers or `timeout` passes."""
         check_delivery(groups, max_tokens, rank, world_size, layout)
@@ -70,7 +72,14 @@ class Live:
         while True:
             batch, _ = until_landed(
                 lambda: self.deliver(
-                    groups, consumer, max_tokens, min_policy_version, rank, world_size, layout
+                    groups,
+                    consumer,
+                    max_tokens,
+                    min_policy_version,
+                    rank,
+                    world_size,
+                    layout,
+                    selection,
                 ),
                 f"delivery to {consumer}",
             )
@@ -82,7 +91,8 @@ class Live:
 
     def replay(self, consumer: str, rank: int, after_batch: int, layout: Layout) -> Iterator[Batch]:
         """`Dataset.replay`: the batches recorded for `consumer` rank `rank` after batch
-        `after_batch`, each rebuilt at its recorded dataset version."""
+        `after_batch`, each rebuilt at its recorded dataset version, with its groups' use
+        numbers (rows recorded before they were kept: first uses, as delivery then was)."""
         if not self.lake.exists(GOLD_CONSUMPTION):
             return
         rows = (
@@ -107,6 +117,8 @@ class Live:
             batch = self.pack(frame, row["dataset_version"], layout)
             batch.contract = self.judge.report(batch, frame, row["dataset_version"])
             batch.groups, batch.batch_index = list(row["groups"]), row["batch_index"]
+            uses = row.get("uses")
+            batch.uses = [1] * len(batch.groups) if uses is None else list(uses)
             yield batch
 
     def deliver(
@@ -118,6 +130,7 @@ class Live:
         rank: int,
         world_size: int,
         layout: Layout,
+        selection: Selection,
     ) -> Batch | None:
         """One attempt: choose from the newest version, pack, record (guarded), or None."""
         book = self.ledger(consumer, rank)
@@ -126,10 +139,11 @@ class Live:
             self.newest = LiveRows.read(self.lake, self.table, version, LIVE_COLUMNS)
         self.newest = live = self.newest.at(self.lake, self.table, version, LIVE_COLUMNS)
         floor = self.judge.staleness_floor() if min_policy_version is None else min_policy_version
-        units = available_units(live.units, book.units, floor, rank, world_size)
-        chosen = choose(units, groups, max_tokens)
-        if chosen is None:
+        units = available_units(live.units, book, floor, rank, world_size, selection)
+        picked = choose(units, groups, max_tokens, selection.order)
+        if picked is None:
             return None
+        chosen, uses = picked["unit"].to_list(), (picked["used"] + 1).to_list()
         frame = live.rows_of(chosen).drop("unit")
         batch = self.pack(frame.select(BATCH_READ_COLUMNS), version, layout)
         batch.contract = self.judge.report(batch, frame, version)
@@ -144,15 +158,15 @@ class Live:
             world_size,
             book,
             chosen,
+            uses,
             batch.step_keys,
             newest,
             REFUSED if failed else NEXT,
         )
-        after = Ledger(written, book.units | set(chosen), book.next_index + 1)
-        self._books[consumer, rank].put(written, after)
+        self._books[consumer, rank].put(written, book.after(written, chosen, uses, bool(failed)))
         if failed:  # recorded as refused (never offered again), never returned
             raise ContractViolation(batch.contract, failed)
-        batch.groups, batch.batch_index = chosen, book.next_index
+        batch.groups, batch.uses, batch.batch_index = chosen, uses, book.next_index
         return batch
 
     def ledger(self, consumer: str, rank: int) -> Ledger:

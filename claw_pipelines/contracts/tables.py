@@ -282,10 +282,14 @@ GOLD_CONSUMPTION_SPEC = TableSpec(
             ("world_size", pa.int64()),
             ("groups", pa.list_(pa.string())),
             ("kind", pa.string()),
+            # aligned with `groups`: each group's use number in this batch (1 = its first
+            # delivery to the rank); added with reuse: rows written before hold null
+            ("uses", pa.list_(pa.int64())),
         ]
     ),
     description="One batch pulled by a trainer, with the exact dataset version: `batches` "
-    "(a partition, in order) or `next` (live delivery: its groups, once per consumer rank).",
+    "(a partition, in order) or `next` (live delivery: its groups, each once per consumer "
+    "rank, or up to `max_uses` times, with each group's use number in `uses`).",
 )
 
 GOLD_POLICY_VERSIONS_SPEC = TableSpec(

@@ -83,8 +83,10 @@ if positions.is_empty():
 else:
     st.dataframe(positions, hide_index=True, width="stretch")
     st.caption(
-        "live consumers (`next_batch`) get each group once per rank; `not_yet_given` counts "
-        "the groups of this rank's share that are available but not delivered yet"
+        "live consumers (`next_batch`) get each group once per rank, or up to `max_uses` "
+        "times: `groups` counts the distinct groups a rank was given, `deliveries` every "
+        "delivery (more than `groups` when groups were reused); `not_yet_given` counts the "
+        "groups of this rank's share that are available but not delivered yet"
     )
 
 st.subheader("Lineage of each version")

@@ -5,7 +5,6 @@ equal to what one uninterrupted writer makes."""
 
 from __future__ import annotations
 
-import multiprocessing
 import shutil
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from tests.support.lakes import (
 from tests.support.racing import (
     BarrierLake,
     race_gold_in_process,
+    race_in_processes,
     race_silver_in_process,
     race_silver_in_threads,
 )
@@ -75,22 +75,6 @@ def test_silver_builds_in_threads_from_one_watermark_land_each_step_once(source,
     build_silver(clean)
     assert_each_once(source)
     assert_same_silver(source, clean)
-
-
-def race_in_processes(target, uri: str, racers: int = 2) -> list:
-    """`racers` processes running `target(uri, barrier, results)`; what each put."""
-    context = multiprocessing.get_context("spawn")  # delta-rs runtimes do not survive fork
-    barrier, results = context.Barrier(racers), context.Queue()
-    processes = [
-        context.Process(target=target, args=(uri, barrier, results)) for _ in range(racers)
-    ]
-    for process in processes:
-        process.start()
-    answers = [results.get(timeout=120) for _ in processes]
-    for process in processes:
-        process.join(30)
-        assert process.exitcode == 0
-    return answers
 
 
 def test_silver_builds_in_separate_processes_from_one_watermark_land_each_step_once(

@@ -36,7 +36,7 @@ from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.policy import publish_policy_version
 from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.settings import ClawSettings
-from tests.support.lakes import LIVE, completion, feedback, group_of, land, step
+from tests.support.lakes import LIVE, completion, feedback, group_of, grown_lake, land, step
 from tests.support.servers import REPO, wait_until
 
 
@@ -115,12 +115,7 @@ def test_a_straggler_group_is_released_or_skipped_at_its_deadline(tmp_path):
 
 @pytest.fixture
 def grown(tmp_path) -> Lake:
-    lake = Lake(str(tmp_path / "lake"))
-    for i in range(12):
-        land(lake, group_of(f"g{i:02d}", [i, 5], [1.0, 0.0, 0.5], version=1 + i % 3))
-    build_silver(lake)
-    update_dataset(lake, LIVE)
-    return lake
+    return grown_lake(tmp_path / "lake")
 
 
 def test_ranks_get_disjoint_shards_that_cover_every_group_once(grown):

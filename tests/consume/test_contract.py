@@ -16,7 +16,7 @@ from claw_pipelines.contracts.tables import GOLD_CONSUMPTION
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.policy import publish_policy_version
 from claw_pipelines.lake.specs import save_spec
-from tests.support.lakes import completion, group_of, land, step
+from tests.support.lakes import completion, drifted, group_of, land, step
 
 SPEC = CurationSpec(
     name="grpo",
@@ -26,17 +26,6 @@ SPEC = CurationSpec(
     merge="prompt_group",
     advantage="grpo",
 )
-
-
-def drifted() -> list[dict]:
-    """A two-turn trajectory whose second prompt re-renders the first turn (token 7 split)."""
-    return [
-        step("drift", 0, [1, 2], [7, 8], group="d"),
-        step("drift", 1, [1, 2, 70, 71, 8, 9], [10], group="d"),
-        completion("drift", 1.0),
-        step("steady", 0, [1, 2], [5], group="d"),
-        completion("steady", 0.0),
-    ]
 
 
 @pytest.fixture

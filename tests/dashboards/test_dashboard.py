@@ -26,7 +26,8 @@ PAGES = ["overview", "collection", "representation", "curation", "optimization",
 
 @pytest.fixture(scope="module")
 def filled(tmp_path_factory) -> Lake:
-    """Bronze, silver, a gold dataset over two policy versions and a consumption record."""
+    """Bronze, silver, a gold dataset over two policy versions and a consumption record (a
+    consumer of `batches`, a live one, and a live one that reused every group once)."""
     lake = Lake(str(tmp_path_factory.mktemp("dash") / "lake"))
     rows = []
     for g in range(4):
@@ -38,6 +39,9 @@ def filled(tmp_path_factory) -> Lake:
         build_partition(lake, DEFAULT_SPEC, version)
     next(open_dataset("default", lake.uri).batches(1, 8, consumer="trainer-1"))
     open_dataset("default", lake.uri).next_batch(2, consumer="live-trainer", timeout=0)
+    reusing = open_dataset("default", lake.uri)
+    for _ in range(2):  # every group, then every group again
+        reusing.next_batch(4, consumer="reusing-trainer", max_uses=2, timeout=0)
     return lake
 
 
@@ -139,6 +143,9 @@ def test_collection_shows_the_live_lag_and_consumption_the_consumers(filled, mon
     positions = next(d.value for d in consumption.dataframe if "not_yet_given" in d.value.columns)
     live = positions[positions["consumer"] == "live-trainer"].iloc[0]
     assert live["groups"] == 2 and live["not_yet_given"] == 2  # of four groups
+    assert live["deliveries"] == 2
+    reusing = positions[positions["consumer"] == "reusing-trainer"].iloc[0]
+    assert (reusing["groups"], reusing["deliveries"], reusing["not_yet_given"]) == (4, 8, 0)
 
 
 def test_representation_shows_judges_side_by_side(tmp_path, monkeypatch):

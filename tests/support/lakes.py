@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.increments import update_dataset
 from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import Dataset, open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
@@ -125,6 +126,18 @@ def group_of(
     return rows
 
 
+def drifted() -> list[dict]:
+    """Prompt group `d`: a two-turn trajectory whose second prompt re-renders the first turn
+    (token 7 split: `turns_nest` fails on it), and a steady one-turn rollout."""
+    return [
+        step("drift", 0, [1, 2], [7, 8], group="d"),
+        step("drift", 1, [1, 2, 70, 71, 8, 9], [10], group="d"),
+        completion("drift", 1.0),
+        step("steady", 0, [1, 2], [5], group="d"),
+        completion("steady", 0.0),
+    ]
+
+
 def rebuilt_sequences(rows: list[dict]) -> list[list[int]]:
     """Each gold/trees row's token sequence, rebuilt from the stored rows alone (of one
     policy version): the segments along its path, each cut where the next one starts."""
@@ -145,6 +158,18 @@ def rebuilt_sequences(rows: list[dict]) -> list[list[int]]:
 
 
 # -- lakes and checks several test folders share ----------------------------------------
+
+
+def grown_lake(root: Path) -> Lake:
+    """Twelve GRPO groups of three rollouts (g00..g11) over policy versions 1-3, landed and
+    curated into dataset `live` by one increment: the lake of the live delivery tests."""
+    lake = Lake(str(root))
+    for i in range(12):
+        land(lake, group_of(f"g{i:02d}", [i, 5], [1.0, 0.0, 0.5], version=1 + i % 3))
+    build_silver(lake)
+    update_dataset(lake, LIVE)
+    return lake
+
 
 TRAIN_SPEC = CurationSpec(
     name="train", reward_status=["final", "missing"], merge="prompt_group", advantage="grpo"

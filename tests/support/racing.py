@@ -2,18 +2,23 @@
 
 `BarrierLake` holds a writer at its first commit until every racer has reached its own (so
 all of them computed from the same state); `KillingLake` SIGKILLs its own process right
-after one table's commit. Both are the real `Lake`, only timed.
+after one table's commit. Both are the real `Lake`, only timed. The `race_*` functions are
+racers: silver runs, gold builds, trainers of one consumer rank.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from claw_pipelines.build.gold import build_partition
 from claw_pipelines.build.silver import build_silver
+from claw_pipelines.consume.dataset import Dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.lake.delta import Lake
 
@@ -75,6 +80,36 @@ def race_gold_in_process(uri: str, barrier: Any, results: Any) -> None:
     """A racer for multiprocessing (spawn): one build of `default` policy version 1 that
     commits after the others computed; puts how often it lost on `results`."""
     results.put(build_partition(BarrierLake(uri, barrier), DEFAULT_SPEC, 1).write_conflicts)
+
+
+def race_next_batch_in_process(
+    uri: str, barrier: Any, results: Any, train_s: float = 0.0, **selection: Any
+) -> None:
+    """A racer for multiprocessing (spawn): a trainer of consumer `racer` rank 0 pulling one
+    group per `next_batch` of dataset `live` (with `selection`: max_uses, cooldown, order),
+    `train_s` seconds between pulls, until none is left, its first delivery committed after
+    the others chose theirs; puts its deliveries, [(batch index, group, use)], on `results`."""
+    dataset, delivered = Dataset(BarrierLake(uri, barrier), "live"), []
+    while (batch := dataset.next_batch(1, consumer="racer", timeout=0, **selection)) is not None:
+        delivered.append((batch.batch_index, batch.groups[0], batch.uses[0]))
+        time.sleep(train_s)
+    results.put(delivered)
+
+
+def race_in_processes(target: Callable[..., None], uri: str, racers: int = 2) -> list:
+    """`racers` processes running `target(uri, barrier, results)`; what each put."""
+    context = multiprocessing.get_context("spawn")  # delta-rs runtimes do not survive fork
+    barrier, results = context.Barrier(racers), context.Queue()
+    processes = [
+        context.Process(target=target, args=(uri, barrier, results)) for _ in range(racers)
+    ]
+    for process in processes:
+        process.start()
+    answers = [results.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join(30)
+        assert process.exitcode == 0
+    return answers
 
 
 def race_silver_in_threads(uri: str, racers: int) -> list[dict]:
