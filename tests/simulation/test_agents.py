@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 
 import dagster as dg
+import numpy as np
 import polars as pl
 import pytest
 
@@ -91,14 +92,39 @@ def agents(tmp_path_factory) -> Agents:
 
 def trajectory(lake: Lake, uid: str) -> pl.DataFrame:
     steps = lake.read(SILVER_STEPS).filter(pl.col("trajectory_uid") == uid)
-    return steps.sort("step_index").with_columns(
-        token_in=pl.col("metadata").str.json_path_match("$.token_in").str.json_decode()
-    )
+    return steps.sort("step_index")
+
+
+def token_in(steps: pl.DataFrame) -> list[dict]:
+    """Each step's `metadata.token_in`."""
+    return [json.loads(m)["token_in"] for m in steps["metadata"]]
 
 
 def nests(earlier: dict, later: dict) -> bool:
     whole = [*earlier["prompt_ids"], *earlier["response_ids"]]
     return list(later["prompt_ids"][: len(whole)]) == whole
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens two sequences share."""
+    same = np.asarray(a[: len(b)]) == np.asarray(b[: len(a)])
+    return int(same.argmin()) if not same.all() else int(same.size)
+
+
+def shared_depth(trees: pl.DataFrame, a: str, b: str) -> int:
+    """How many first tokens the gold tree stores once for steps `a` and `b` (one tree):
+    where their paths from the root part."""
+    rows = {r["segment"]: r for r in trees.to_dicts()}
+    path = {r["step_key"]: r["path"] for r in rows.values()}
+    first, second = path[a], path[b]
+    common = next(
+        (k for k, (x, y) in enumerate(zip(first, second, strict=False)) if x != y),
+        min(len(first), len(second)),
+    )
+    if common == 0:
+        return 0
+    below = [rows[p[common]]["start_depth"] for p in (first, second) if len(p) > common]
+    return min(below) if below else rows[first[-1]]["end_depth"]
 
 
 @pytest.mark.slow
@@ -120,7 +146,7 @@ def test_a_compacting_agent_is_one_trajectory_of_fragments_with_their_reasons(ag
 def test_token_in_sends_a_compacted_turn_as_text_and_says_so(agents):
     modes = [
         (t["mode"], t["parent_step"], t["sent_as"])
-        for t in trajectory(agents.lake, agents.compacting)["token_in"].to_list()
+        for t in token_in(trajectory(agents.lake, agents.compacting))
     ]
     assert modes == [
         ("start", None, "text"),
@@ -137,12 +163,18 @@ def test_trees_share_only_true_prefixes_and_returns_cover_every_fragment(agents)
     lake, compacting = agents.lake, agents.compacting
     part = build_partition(lake, SPEC, 1)
     assert all(f.passed for f in partition_findings(lake, part).values())
-    trees = lake.read(gold_tree_table(SPEC.name))
-    segment = dict(zip(trees["step_key"], trees["segment"], strict=True))
-    paths = dict(zip(trees["step_key"], trees["path"], strict=True))
-    for start in (2, 4):  # a fragment hangs off no turn of the history it dropped
-        dropped = {segment[f"{compacting}:{i}"] for i in range(1, start)}
-        assert not dropped & set(paths[f"{compacting}:{start}"])
+    trees = lake.read(gold_tree_table(SPEC.name)).filter(
+        pl.col("step_key").str.starts_with(compacting)
+    )
+    steps = trajectory(lake, compacting)
+    for start in (2, 4):  # a fragment shares with the turn before it its true prefix only
+        before, after = steps.row(start - 1, named=True), steps.row(start, named=True)
+        lcp = common_prefix(
+            [*before["prompt_ids"], *before["response_ids"]],
+            [*after["prompt_ids"], *after["response_ids"]],
+        )
+        assert 0 < lcp < before["prompt_len"]  # it diverges inside the dropped history
+        assert shared_depth(trees, f"{compacting}:{start - 1}", f"{compacting}:{start}") == lcp
     group = part.steps.filter(pl.col("trajectory_uid").is_in([compacting, agents.plain]))
     whole = group.group_by("trajectory_uid").agg(
         pl.len(), pl.col("trajectory_return").n_unique(), pl.col("advantage").n_unique()
