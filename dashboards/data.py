@@ -560,16 +560,17 @@ def trajectory_fragments(turns: pl.DataFrame) -> pl.DataFrame:
 def fragments_per_trajectory(steps: pl.DataFrame) -> pl.DataFrame:
     """How many trajectories have 1, 2, ... fragments, and the reasons their fragments
     started for (from `step_table`)."""
-    per = steps.group_by("trajectory_uid").agg(
-        fragments=pl.col("fragment").max() + 1,
-        reasons=pl.col("fragment_reason").drop_nulls().unique().sort(),
+    counts = steps.group_by("trajectory_uid").agg(fragments=pl.col("fragment").max() + 1)
+    reasons = (
+        steps.filter(pl.col("fragment_reason").is_not_null())
+        .join(counts, on="trajectory_uid")
+        .group_by("fragments")
+        .agg(reasons=pl.col("fragment_reason").unique().sort())
     )
     return (
-        per.group_by("fragments")
-        .agg(
-            trajectories=pl.len(),
-            reasons=pl.col("reasons").flatten().drop_nulls().unique().sort(),
-        )
+        counts.group_by("fragments")
+        .agg(trajectories=pl.len())
+        .join(reasons, on="fragments", how="left")
         .sort("fragments")
     )
 
