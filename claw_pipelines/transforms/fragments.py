@@ -206,8 +206,10 @@ def _slices_match(
     unique, local = np.unique(rows, return_inverse=True)
     if isinstance(lists, pa.ChunkedArray):
         lists = lists.combine_chunks()
-    if len(unique) < len(lists):
+    if len(unique) * 4 < len(lists):  # a few rows: copied apart, so a pass skips the rest
         lists = lists.take(pa.array(unique))
+    else:  # most rows: read in place (a copy would cost what the hashing does)
+        unique, local = np.arange(len(lists)), rows
     order = np.argsort(local, kind="stable")
     firsts = np.r_[0, np.flatnonzero(np.diff(local[order])) + 1]
     rank = np.empty(len(rows), dtype=np.int64)
