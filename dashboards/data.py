@@ -533,7 +533,45 @@ def _step_table(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFra
             "prompt_len",
             "response_len",
             "created_at",
+            pl.col("fragment").fill_null(0),
+            "fragment_reason",
         )
+    )
+
+
+def trajectory_fragments(turns: pl.DataFrame) -> pl.DataFrame:
+    """One row per fragment of a trajectory (its steps from `step_table`): where it starts,
+    why (null for the first), and its steps and tokens."""
+    return (
+        turns.sort("step_index")
+        .group_by("fragment", maintain_order=True)
+        .agg(
+            reason=pl.col("fragment_reason").first(),
+            first_step=pl.col("step_index").min(),
+            last_step=pl.col("step_index").max(),
+            steps=pl.len(),
+            prompt_tokens_at_start=pl.col("prompt_len").first(),
+            response_tokens=pl.col("response_len").sum(),
+        )
+        .sort("fragment")
+    )
+
+
+def fragments_per_trajectory(steps: pl.DataFrame) -> pl.DataFrame:
+    """How many trajectories have 1, 2, ... fragments, and the reasons their fragments
+    started for (from `step_table`)."""
+    counts = steps.group_by("trajectory_uid").agg(fragments=pl.col("fragment").max() + 1)
+    reasons = (
+        steps.filter(pl.col("fragment_reason").is_not_null())
+        .join(counts, on="trajectory_uid")
+        .group_by("fragments")
+        .agg(reasons=pl.col("fragment_reason").unique().sort())
+    )
+    return (
+        counts.group_by("fragments")
+        .agg(trajectories=pl.len())
+        .join(reasons, on="fragments", how="left")
+        .sort("fragments")
     )
 
 

@@ -70,7 +70,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
 def _cmd_demo(args: argparse.Namespace) -> None:
     from claw_pipelines.app.demo import run_demo
 
-    run_demo(_settings(args), workdir=args.workdir)
+    run_demo(_settings(args), workdir=args.workdir, compact_every=args.compact_every)
 
 
 def _cmd_materialize(args: argparse.Namespace) -> None:
@@ -503,6 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = verb("demo", _cmd_demo, "one end-to-end run on simulated agents, then a summary")
     demo.add_argument("--workdir", help="where to keep logs (default: a temp dir)")
+    demo.add_argument(
+        "--compact-every",
+        type=int,
+        metavar="N",
+        help="the black-box agents compact their context: after every N calls they replace "
+        "their earlier turns with a summary (silver records the trajectory's fragments)",
+    )
     return parser
 
 

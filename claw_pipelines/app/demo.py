@@ -51,6 +51,7 @@ POLICY_VERSIONS = (1, 2, 3)
 TASKS_PER_VERSION = 4
 ROLLOUTS = 4
 DEMO_KEY = "claw-demo-key"
+COMPACTING_TURNS = 6  # calls of a black-box session that compacts its context
 
 
 def say(message: str) -> None:
@@ -67,8 +68,14 @@ class DemoTally(Tally):
     black_box_rollouts: int = 0
 
 
-def run_demo(settings: ClawSettings, workdir: str | None = None, seed: int = 7) -> DemoSummary:
-    """Start the simulated model and the gateway, run the agents, stop, summarize."""
+def run_demo(
+    settings: ClawSettings,
+    workdir: str | None = None,
+    seed: int = 7,
+    compact_every: int | None = None,
+) -> DemoSummary:
+    """Start the simulated model and the gateway, run the agents, stop, summarize.
+    `compact_every`: the black-box agents compact their context (see `drive_agents`)."""
     logs = Path(workdir or tempfile.mkdtemp(prefix="claw-demo-"))
     lake = Lake.from_settings(settings)
     say(f"claw demo: lake {lake.uri}; logs in {logs}")
@@ -87,7 +94,9 @@ def run_demo(settings: ClawSettings, workdir: str | None = None, seed: int = 7) 
             say(f"  simulated model {sim.url} (a test double, not a language model)")
             say(f"  gateway {gateway.url}")
             rng = random.Random(seed)
-            drive_agents(sim.url, gateway.url, rng, tally, progress=True)
+            drive_agents(
+                sim.url, gateway.url, rng, tally, progress=True, compact_every=compact_every
+            )
             say("  the online loop: agents -> live gold -> trainer -> next policy version")
             rounds = online_loop(lake, sim.url, gateway.url, rng, tally)
             say("  stopping the gateway: it lands every acknowledged record in bronze")
@@ -106,9 +115,12 @@ def drive_agents(
     rng: random.Random,
     tally: DemoTally | None = None,
     progress: bool = False,
+    compact_every: int | None = None,
 ) -> DemoTally:
     """One round of every simulated agent against a gateway (and its inference server);
-    `progress`: a progress bar on stderr, when it is a terminal."""
+    `progress`: a progress bar on stderr, when it is a terminal. `compact_every`: the
+    black-box agents hold longer sessions (COMPACTING_TURNS calls) and compact their context
+    after every that many calls (`agents.black_box_rollout`)."""
     tally = tally if tally is not None else DemoTally()
     auth = {"Authorization": f"Bearer {DEMO_KEY}"}
     with (
@@ -133,7 +145,9 @@ def drive_agents(
                 session_event(gateway, "session_started", None, tally)
                 finished += white_box_group(llm, gateway, task, ROLLOUTS, version, tally)
                 if proxy:  # half the black-box groups send unscoped calls
-                    _black_box_group(gateway_url, task, version, rng, tally, index % 2 == 0)
+                    _black_box_group(
+                        gateway_url, task, version, rng, tally, index % 2 == 0, compact_every
+                    )
                 bar.set_postfix_str(f"policy v{version}: {task.question}")
                 bar.update()
             feedback_service(gateway, finished, rng, tally)
@@ -148,14 +162,18 @@ def _black_box_group(
     rng: random.Random,
     tally: DemoTally,
     scoped: bool,
+    compact_every: int | None = None,
 ) -> None:
-    """A GRPO group of tool agents that know only an OpenAI base URL."""
+    """A GRPO group of tool agents that know only an OpenAI base URL (compacting their
+    context after every `compact_every` calls, when given)."""
     group = f"bb-group-{rng.getrandbits(48):012x}"
+    turns = 4 if compact_every is None else COMPACTING_TURNS
     for rollout in range(ROLLOUTS):
         before = tally.steps
         black_box_rollout(
-            gateway_url, DEMO_KEY, task, group, version, tally,
+            gateway_url, DEMO_KEY, task, group, version, tally, max_turns=turns,
             scoped=scoped, seed=rollout,  # rollouts of a group sample differently
+            compact_every=compact_every,
         )  # fmt: skip
         tally.proxied_calls += tally.steps - before
         tally.black_box_rollouts += 1
@@ -254,6 +272,8 @@ class DemoSummary:
     bronze_trajectory_ids: int
     stitched_calls: int
     stitched_trajectories: int
+    fragment_starts: dict[str, int]  # turns that start a new fragment, per reason
+    fragmented_trajectories: int  # trajectories of more than one fragment
     datasets: dict[str, DatasetCounts]
     consumed: dict[str, tuple[int, int]]  # consumer -> (batches, steps)
     sent: DemoTally | None = None
@@ -311,6 +331,10 @@ def demo_summary(
         bronze_trajectory_ids=bronze_steps["trajectory_uid"].n_unique(),
         stitched_calls=stitched.height,
         stitched_trajectories=stitched["trajectory_uid"].n_unique(),
+        fragment_starts=_counts(
+            steps.filter(pl.col("fragment_reason").is_not_null()), "fragment_reason"
+        ),
+        fragmented_trajectories=steps.filter(pl.col("fragment") > 0)["trajectory_uid"].n_unique(),
         datasets={name: dataset_counts(lake, name) for name in gold_dataset_names(lake)},
         consumed=consumed(lake),
         sent=sent,
@@ -328,6 +352,8 @@ SUMMARY_STEP_COLUMNS = (
     "origin_step_key",
     "prompt_len",
     "response_len",
+    "fragment",
+    "fragment_reason",
 )
 
 
@@ -409,6 +435,15 @@ def summary_lines(s: DemoSummary) -> list[tuple[str, str]]:
             f"{s.stitched_trajectories} = {s.trajectories})",
         ),
     ]
+    if s.fragment_starts:
+        rows.append(
+            (
+                "",
+                f"{s.fragmented_trajectories} trajectories compacted or rewrote their context: "
+                f"{sum(s.fragment_starts.values())} turns started a new fragment "
+                f"({_parts(s.fragment_starts)})",
+            )
+        )
     if s.sent is not None:
         white_box = s.sent.trajectories - s.sent.black_box_rollouts
         rows.append(

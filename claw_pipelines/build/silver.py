@@ -44,11 +44,12 @@ from claw_pipelines.transforms.feedback import (
     resolve_rewards,
     step_reward_facts,
 )
+from claw_pipelines.transforms.fragments import with_fragments
 from claw_pipelines.transforms.quality import (
     Finding,
     feedback_targets_exist,
     lengths_are_consistent,
-    nesting,
+    retokenized_replies,
     rewards_are_finite,
     step_keys_are_unique,
     steps_have_no_conflicts,
@@ -257,7 +258,9 @@ def _new_steps(
     taken = view.steps.rows_where("step_key", candidates["step_key"])
     keep, conflicts, duplicates = split_duplicates(candidates, taken.select(INDEX_COLUMNS))
     known = steps.height - int(first.sum())
-    return keep_rows(candidates, keep), conflicts, known + duplicates
+    new = keep_rows(candidates, keep)
+    earlier = view.steps_of(new["trajectory_uid"].unique())
+    return with_fragments(new, earlier), conflicts, known + duplicates
 
 
 def _derive(
@@ -527,40 +530,6 @@ def _dedupe_once(lake: Lake, options: SilverOptions) -> dict[str, int]:
     return removed
 
 
-def _nesting_pairs(new: pl.DataFrame, index: pl.DataFrame) -> pl.DataFrame:
-    """Rows of new steps with a predecessor, beside that predecessor's content ids and
-    lengths (from the small columns, never its tokens). The predecessor is the previous step,
-    or for a token-in step the one it continues (`metadata.token_in.parent_step`: a fork
-    continues an earlier step, or none when it starts a new branch)."""
-    token_in = pl.col("metadata").str.json_path_match("$.token_in.mode")
-    parent = pl.col("metadata").str.json_path_match("$.token_in.parent_step")
-    previous = (
-        pl.when(token_in.is_null())
-        .then(pl.col("step_index") - 1)
-        .otherwise(parent.cast(pl.Int64, strict=False))
-    )
-    later = (
-        new.select("step_key", "prompt_id", "trajectory_uid", previous.alias("previous"))
-        .with_row_index("row")
-        .filter(pl.col("previous") >= 0)
-        .select(
-            "row",
-            "step_key",
-            "prompt_id",
-            prev_key=pl.col("trajectory_uid") + ":" + pl.col("previous").cast(pl.String),
-        )
-    )
-    prev = index.select(
-        prev_key="step_key",
-        prev_prompt_id="prompt_id",
-        prev_response_id="response_id",
-        prev_prompt_len="prompt_len",
-        prev_response_len="response_len",
-    )
-    # Choices of one n > 1 call share the prompt: siblings, not turns.
-    return later.join(prev, on="prev_key").filter(pl.col("prompt_id") != pl.col("prev_prompt_id"))
-
-
 def silver_findings(lake: Lake, run: SilverRun) -> dict[str, Finding]:
     """The quality findings of a run: whole-table key uniqueness, the rest on its new rows."""
     index = run.index if run.index.height else _stored(lake, SILVER_STEPS, INDEX_COLUMNS)
@@ -573,7 +542,7 @@ def silver_findings(lake: Lake, run: SilverRun) -> dict[str, Finding]:
         "step_keys_are_unique": step_keys_are_unique(index["step_key"]),
         "lengths_are_consistent": lengths_are_consistent(new),
         "rewards_are_finite": rewards_are_finite(facts),
-        "turns_nest": nesting(new["prompt_ids"], _nesting_pairs(new, index)),
+        "turns_nest": retokenized_replies(new),
         "feedback_targets_exist": feedback_targets_exist(index, facts),
         "steps_have_no_conflicts": steps_have_no_conflicts(run.conflicts),
         "token_ids_are_exact": token_ids_are_exact(new),

@@ -134,6 +134,8 @@ SILVER_STEPS_SPEC = TableSpec(
             ("sequence_hash", pa.int64()),
             ("has_log_probs", pa.bool_()),
             ("tokenizer", pa.string()),
+            ("fragment", pa.int64()),
+            ("fragment_reason", pa.string()),
         ]
     ),
     partition_by=("policy_version",),
@@ -144,7 +146,10 @@ SILVER_STEPS_SPEC = TableSpec(
     "`origin_step_key` is the key the gateway gave an unscoped call before stitching; "
     "`sequence_hash` (unscoped calls) is the rolling hash later calls are matched against; "
     "`has_log_probs`: the step carries its behaviour log-probs; `tokenizer`: the fingerprint of "
-    "the tokenizer its ids belong to, when known (claw_pipelines.lake.tokenizers).",
+    "the tokenizer its ids belong to, when known (claw_pipelines.lake.tokenizers); `fragment`: "
+    "which stretch of its trajectory the step is in (0, then one more at every turn whose "
+    "prompt does not extend the previous turn's), `fragment_reason`: why a turn starts one "
+    "(claw_pipelines.transforms.fragments; null for steps written before fragments).",
 )
 
 SILVER_STEP_CONFLICTS_SPEC = TableSpec(
@@ -367,6 +372,8 @@ GOLD_DATASET_SCHEMA = pa.schema(
         ("admission", pa.string()),
         ("generation_ms", pa.float64()),
         ("landed_at", UTC_MICROS),
+        ("fragment", pa.int64()),
+        ("fragment_reason", pa.string()),
     ]
 )
 

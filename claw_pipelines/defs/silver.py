@@ -50,8 +50,9 @@ SILVER_CHECKS = {
     "turns_nest": check_spec(
         "turns_nest",
         STEPS,
-        "Step t+1's prompt starts with step t's prompt + response; a failure reveals "
-        "retokenization drift and names the steps.",
+        "Each turn's prompt starts with its previous turn's prompt + response, unless the "
+        "agent rewrote or truncated its history (a new fragment); a failure reveals "
+        "retokenization drift (fragment_reason reply_retokenized) and names the steps.",
         False,
     ),
     "steps_have_no_conflicts": check_spec(

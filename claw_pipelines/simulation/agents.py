@@ -134,10 +134,17 @@ def black_box_rollout(
     max_turns: int = 4,
     scoped: bool = True,
     seed: int | None = None,
+    compact_every: int | None = None,
 ) -> str:
     """A tool-using agent that only knows an OpenAI base URL: scoped to its trajectory, or
     the plain `/v1` (unscoped: the lake stitches its turns by their token prefixes). Returns
-    its trajectory uid (unscoped: its first call's, which stitching keeps)."""
+    its trajectory uid (unscoped: its first call's, which stitching keeps).
+
+    `compact_every`: the agent keeps its context short, as agents that summarize their
+    history do: it asks follow-up questions until `max_turns` calls, and after every
+    `compact_every` calls it replaces the turns since its first question with one summary
+    message (`compacted`), so its next prompt no longer extends the previous one. It is
+    rewarded on the last question it asked."""
     from openai import OpenAI
 
     trajectory = f"bb-{uuid.uuid4().hex[:12]}"
@@ -153,20 +160,24 @@ def black_box_rollout(
         {"role": "user", "content": task.question},
     ]
     final = None
+    follow_ups = random.Random(seed)
     with client:
-        for _ in range(max_turns):
+        for turn in range(1, max_turns + 1):
             raw = client.chat.completions.with_raw_response.create(
                 model="claw-sim-llm", messages=messages, tools=[CALCULATOR_TOOL], seed=seed
             )
             reply = raw.parse().choices[0].message
-            if not scoped and len(messages) == 2:  # the first call names the trajectory
+            if not scoped and turn == 1:  # the first call names the trajectory
                 trajectory = raw.headers["x-claw-step-keys"].rsplit(":", 1)[0]
             tally.steps += 1
             messages.append(reply.model_dump(exclude_none=True))
             if not reply.tool_calls:
                 final = reply.content
-                break
-            for call in reply.tool_calls:
+                if compact_every is None or turn == max_turns:
+                    break
+                task = Task.random(follow_ups)  # a follow-up question, scored at the end
+                messages.append({"role": "user", "content": f"And now: {task.question}"})
+            for call in reply.tool_calls or ():
                 expression = json.loads(call.function.arguments).get("expression", "")
                 messages.append(
                     {
@@ -175,6 +186,8 @@ def black_box_rollout(
                         "content": str(_calculate(expression, task)),
                     }
                 )
+            if compact_every is not None and turn % compact_every == 0:
+                messages = compacted(messages)
     done = httpx.post(
         f"{gateway_url}/v1/trajectories/{trajectory}/complete",
         headers={"Authorization": f"Bearer {api_key}"},
@@ -184,6 +197,31 @@ def black_box_rollout(
     tally.add(done.raise_for_status().json(), "events")
     tally.trajectories += 1
     return trajectory
+
+
+def compacted(messages: list[dict]) -> list[dict]:
+    """A conversation compacted as context-managing agents do: the system prompt and the first
+    question kept, every later message replaced by one user message summarizing them (what
+    the tools returned, what was answered), then the newest question or tool result again
+    so the conversation goes on where it was."""
+    head, rest = messages[:2], messages[2:]
+    if not rest:
+        return list(messages)
+    last = rest[-1]
+    keep_last = last.get("role") in ("user", "tool") and len(rest) > 1
+    earlier = rest[:-1] if keep_last else rest
+    notes = []
+    for message in earlier:
+        if message.get("role") == "tool":
+            notes.append(f"a tool returned {message.get('content')}")
+        elif message.get("role") == "assistant" and message.get("content"):
+            notes.append(f"you answered: {message['content']}")
+        elif message.get("role") == "user":
+            notes.append(f"the user asked: {message.get('content')}")
+    summary = {"role": "user", "content": "Summary of the conversation so far: " + "; ".join(notes)}
+    if keep_last and last.get("role") == "tool":  # a tool result needs its call: say it
+        last = {"role": "user", "content": f"The calculator returned {last.get('content')}."}
+    return [*head, summary, *([last] if keep_last else [])]
 
 
 def _calculate(expression: str, task: Task) -> int:

@@ -1,6 +1,8 @@
 """A large simulated lake written straight to bronze, in gateway micro-batches: GRPO groups of
 multi-turn white-box rollouts with rewards, built column-wise (for scale tests and benchmarks
-of what reads the lake, where going through the gateway would only measure the gateway)."""
+of what reads the lake, where going through the gateway would only measure the gateway). A
+share of the rollouts may compact their context (`BulkShape.compacting`): every
+`compact_every` turns they replace their history with the prompt and a summary."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ class BulkShape:
     tool_tokens: tuple[int, int] = (8, 24)
     groups_per_policy_version: int = 1_000
     tenants: tuple[str, ...] = ("math", "support", "coding")
+    compacting: float = 0.0  # the share of each group's rollouts that compact their history
+    compact_every: int = 2  # turns between two compactions of such a rollout
 
 
 def _lists(arrays: list[np.ndarray], kind: pa.DataType) -> pa.Array:
@@ -48,9 +52,13 @@ def group_rows(group: int, shape: BulkShape, rng: np.random.Generator) -> list[d
     tenant = shape.tenants[group % len(shape.tenants)]
     version = group // shape.groups_per_policy_version
     rows = []
+    compacting = round(shape.rollouts * shape.compacting)  # the first ones of each group
     for rollout in range(shape.rollouts):
         trajectory, history = f"bulk-{group}-r{rollout}", prompt
         for turn in range(shape.turns):
+            if rollout < compacting and turn and turn % shape.compact_every == 0:
+                summary = rng.integers(0, VOCAB, int(rng.integers(*shape.tool_tokens)), np.int32)
+                history = np.concatenate([prompt, summary])  # earlier turns summarized
             response = rng.integers(0, VOCAB, int(rng.integers(*shape.response_tokens)), np.int32)
             rows.append(
                 {

@@ -47,6 +47,8 @@ CANDIDATE_STEP_COLUMNS = [
     "response_len",
     "prompt_id",
     "metadata",
+    "fragment",
+    "fragment_reason",
 ]
 
 

@@ -13,7 +13,8 @@ import polars as pl
 
 from claw_pipelines.contracts.specs import EXACT_TOKEN_SOURCES, CurationSpec
 from claw_pipelines.transforms.feedback import unresolved_targets
-from claw_pipelines.transforms.hashing import list_parts, slice_content_hashes
+from claw_pipelines.transforms.fragments import REPLY_RETOKENIZED
+from claw_pipelines.transforms.hashing import list_parts
 from claw_pipelines.transforms.prefix_tree import PrefixForest
 
 SAMPLE = 20
@@ -64,27 +65,13 @@ def token_ids_are_exact(steps: pl.DataFrame) -> Finding:
     return Finding.of(steps.filter(inexact)["step_key"], steps.height)
 
 
-def nesting(prompts: pl.Series, pairs: pl.DataFrame) -> Finding:
-    """Step t+1's prompt starts with step t's prompt + response (no retokenization drift).
-
-    `prompts`: the prompt ids of the new steps; `pairs`: row (into `prompts`) and step_key
-    of t+1 with prev_prompt_id, prev_response_id, prev_prompt_len, prev_response_len of t.
-    Compared by content hashes of the prompt's slices; only paired rows are hashed.
-    """
-    if pairs.is_empty():
-        return Finding(True)
-    count = prompts.len()
-    start = np.zeros(count, dtype=np.int64)
-    middle = np.full(count, -1, dtype=np.int64)  # an empty or negative range: not hashed
-    stop = np.full(count, -1, dtype=np.int64)
-    rows = pairs["row"].to_numpy()
-    middle[rows] = pairs["prev_prompt_len"].to_numpy()
-    stop[rows] = middle[rows] + pairs["prev_response_len"].to_numpy()
-    lists = prompts.to_arrow()
-    head = pl.Series(slice_content_hashes(lists, start, middle)).gather(rows)
-    tail = pl.Series(slice_content_hashes(lists, middle, stop)).gather(rows)
-    nests = (head == pairs["prev_prompt_id"]) & (tail == pairs["prev_response_id"])
-    return Finding.of(pairs.filter(~nests.fill_null(False))["step_key"], pairs.height)
+def retokenized_replies(steps: pl.DataFrame) -> Finding:
+    """Each turn extends its trajectory's previous turn token for token, unless it starts a
+    fragment because the agent rewrote or truncated its history: the turns that keep the
+    previous prompt but not the reply's ids (`fragment_reason` reply_retokenized: the reply
+    was sent back as text and encoded again) are retokenization drift."""
+    drifted = steps.filter(pl.col("fragment_reason") == REPLY_RETOKENIZED)
+    return Finding.of(drifted["step_key"], steps.height)
 
 
 def rewards_are_finite(facts: pl.DataFrame) -> Finding:

@@ -1,4 +1,5 @@
-"""Representation: one step as the lake holds it — tokens, text, log-probs, rewards, lineage."""
+"""Representation: one step as the lake holds it — tokens, text, log-probs, rewards, lineage,
+and the fragments of its trajectory (where the agent compacted or rewrote its history)."""
 
 from __future__ import annotations
 
@@ -66,9 +67,11 @@ found = data.steps_matching(at, versions[SILVER_STEPS], "step_key", key)
 step = found.filter(pl.col("step_key") == key).to_dicts()[0]
 
 left, right = st.columns(2)
+fragment = step.get("fragment") or 0
+started = f" (starts it: `{step['fragment_reason']}`)" if step.get("fragment_reason") else ""
 left.markdown(
     f"**{step['step_key']}** · {step['source_kind']} · token source `{step['token_source']}` · "
-    f"policy v{step['policy_version']} · model `{step['model']}`"
+    f"policy v{step['policy_version']} · model `{step['model']}` · fragment {fragment}{started}"
 )
 right.markdown(f"prompt `{step['prompt_id']}` · response `{step['response_id']}`")
 boundaries = st.toggle("show token boundaries", value=False)
@@ -167,7 +170,7 @@ st.dataframe(data.bronze_event(at, versions[BRONZE_EVENTS], step["event_id"]), h
 st.subheader("Trajectory timeline")
 turns = steps.filter(pl.col("trajectory_uid") == step["trajectory_uid"]).sort("step_index")
 timeline = turns.select(
-    "step_index", "created_at", "prompt_len", "response_len", "reward"
+    "step_index", "created_at", "prompt_len", "response_len", "reward", "fragment"
 ).to_pandas()
 st.altair_chart(
     alt.Chart(timeline)
@@ -176,7 +179,23 @@ st.altair_chart(
         alt.X("created_at:T", title="acknowledged at", axis=alt.Axis(format="%H:%M:%S")),
         alt.Y("step_index:O", title="step (turn)"),
         alt.Size("response_len:Q", title="response tokens"),
+        alt.Color("fragment:N", title="fragment"),
         tooltip=list(timeline.columns),
     ),
     width="stretch",
 )
+
+st.subheader("Fragments of this trajectory")
+fragments = data.trajectory_fragments(turns)
+st.caption(
+    f"{fragments.height} fragment(s): a turn whose prompt does not extend the previous turn's "
+    "prompt + response starts a new one, and says why (history_rewritten: earlier turns "
+    "summarized, trimmed or edited; history_truncated: back to an earlier turn; "
+    "reply_retokenized: the reply was encoded again from its text). Returns and advantages "
+    "cover the whole trajectory; prefix trees share only the tokens a fragment really repeats."
+)
+st.dataframe(fragments, hide_index=True, width="stretch")
+per_trajectory = data.fragments_per_trajectory(steps)
+if per_trajectory.height > 1:
+    st.caption("Trajectories by their number of fragments, and why their fragments started")
+    st.dataframe(per_trajectory, hide_index=True)

@@ -10,7 +10,13 @@ and a scoped chat call it cannot translate is refused (400 naming the field).
 Each step records `metadata.token_in`: `mode` (`start`: the trajectory's first turn;
 `extend`: continues its newest step; `fork`: its history no longer matches the newest step,
 so it continues an earlier one, `parent_step`, or none: a new branch from the start),
-`parent_step`, `history` (the key of the conversation up to this reply) and `new_tokens`.
+`parent_step`, `history` (the key of the conversation up to this reply), `new_tokens`, and
+`sent_as`: `ids` (spliced onto the parent's exact ids) or `text` (the upstream rendered the
+messages: a first turn, or a turn whose history matches no recorded turn, as when an agent
+compacts its context by summarizing or trimming earlier turns; silver then says why the turn
+starts a new fragment of the trajectory, docs/DESIGN.md §13). Only a recorded turn's exact
+conversation and reply are ever continued, so a rewritten history is never spliced onto ids
+it no longer holds.
 """
 
 from __future__ import annotations

@@ -37,4 +37,5 @@ class TokenInPlan:
             "parent_step": self.parent_step,
             "history": extend_chain(self.chain, self.tools, reply).hex(),
             "new_tokens": self.new_tokens,
+            "sent_as": "text" if self.via_chat else "ids",
         }

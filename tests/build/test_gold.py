@@ -257,6 +257,64 @@ def test_trees_follow_the_merge_scope_and_rebuild_from_the_table(lake):
         assert rebuilt_lengths[key] == len(prompt) + len(response)
 
 
+def test_a_compacted_trajectory_merges_only_true_prefixes_and_keeps_one_return(lake):
+    head = [5, 6, 7]  # the system prompt and the task
+    rows, history = [], list(head)
+    for turn in range(5):  # r0 summarizes its history before turn 3
+        if turn == 3:
+            history = [*head, 90, 91]  # earlier turns replaced by a summary
+        response = [1000 + turn, 1100 + turn]
+        rows.append(step("c-r0", turn, history, response, group="c"))
+        history = [*history, *response, 3000 + turn]
+    history = list(head)
+    for turn in range(3):  # r1 never compacts
+        rows.append(step("c-r1", turn, history, [2000 + turn], group="c"))
+        history = [*history, 2000 + turn, 4000 + turn]
+    rows += [completion("c-r0", 1.0), completion("c-r1", 0.0)]
+    land(lake, rows)
+    build_silver(lake)
+    steps = lake.read("silver/steps").sort("trajectory_uid", "step_index")
+    assert steps["fragment"].to_list() == [0, 0, 0, 1, 1, 0, 0, 0]
+    assert steps["fragment_reason"].to_list()[3] == "history_rewritten"
+    for merge in ("trajectory", "prompt_group"):
+        spec = CurationSpec(
+            name=merge.replace("_", "-"),
+            reward_status=["final", "missing"],
+            merge=merge,
+            advantage="grpo",
+        )
+        part = build_partition(lake, spec, 1)
+        assert all(f.passed for f in partition_findings(lake, part).values())
+        # the trees hold exactly the distinct prefixes: the compacted turn shares the head it
+        # really repeats and nothing of the history it dropped
+        kept = part.steps.sort("step_key")
+        sequences = [
+            [*p, *r]
+            for p, r in zip(
+                kept["prompt_ids"].to_list(), kept["response_ids"].to_list(), strict=True
+            )
+        ]
+        assert part.tree_tokens == distinct_prefixes(sequences, kept["tree_id"].to_list())
+        trees = lake.read(gold_tree_table(spec.name)).filter(
+            pl.col("step_key").str.starts_with("c-r0")
+        )
+        segment = dict(zip(trees["step_key"], trees["segment"], strict=True))
+        path = trees.filter(pl.col("step_key") == "c-r0:3")["path"].to_list()[0]
+        assert not {segment["c-r0:1"], segment["c-r0:2"]} & set(path)
+        # returns and advantages cover the whole trajectory, every fragment alike
+        whole = (
+            kept.group_by("trajectory_uid")
+            .agg(pl.col("trajectory_return").unique(), pl.col("advantage").unique())
+            .sort("trajectory_uid")
+        )
+        assert whole["trajectory_return"].to_list() == [[1.0], [0.0]]
+        std = math.sqrt(0.5)  # sample std of [1, 0]
+        assert whole["advantage"].to_list()[0] == [pytest.approx(0.5 / (std + 1e-6))]
+        assert kept.filter(pl.col("trajectory_uid") == "c-r0")["fragment"].to_list() == [
+            0, 0, 0, 1, 1
+        ]  # fmt: skip
+
+
 # -- partitions, lineage, time travel -----------------------------------------------------------
 
 

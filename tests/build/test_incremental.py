@@ -1,8 +1,9 @@
 """Increments that touch only what changed equal full rebuilds: silver's derived tables and
 every dataset's gold rows, trees and rejections, after each round of a scripted run (groups
 landing across rounds, late rewards and feedback, idle trajectories expiring, unscoped calls
-stitched across increments, policy bumps past a staleness bound, deadlines, a spec change and
-a restart of the follower), at two lake sizes."""
+stitched across increments, an agent compacting its context across increments, policy bumps
+past a staleness bound, deadlines, a spec change and a restart of the follower), at two lake
+sizes."""
 
 from __future__ import annotations
 
@@ -73,8 +74,19 @@ def script(round_: int) -> list[dict]:
         rows += [judged | {"payload": json.dumps(payload)}]  # a judge scores a step late
     history = [9, 9] + [t for turn in range(round_) for t in (100 + turn, 200 + turn)]
     rows += [unscoped("c", round_, history, [100 + round_])]
+    rows += [step("cmp", round_, compacting_prompt(round_), [300 + round_], version=1)]
     rows += [step(f"idle-{round_}", 0, [4, round_], [4], group=f"i{round_}", version=version)]
     return rows
+
+
+COMPACTS_AT = 3  # the round whose turn replaces the compacting agent's earlier turns
+
+
+def compacting_prompt(round_: int) -> list[int]:
+    """The prompt of turn `round_` of an agent that summarizes its history at COMPACTS_AT:
+    the turns before it are replaced by one summary token (77), later turns extend that."""
+    start, head = (0, [8, 8]) if round_ < COMPACTS_AT else (COMPACTS_AT, [8, 8, 77])
+    return head + [t for turn in range(start, round_) for t in (300 + turn, 400 + turn)]
 
 
 def landed_rounds(
@@ -166,6 +178,20 @@ def test_increments_equal_full_rebuilds_through_late_facts_stitching_specs_and_r
     assert bulk or "open" in set(expired["status"])  # and not the newest
     stitched = lake.read("silver/steps").filter(pl.col("origin_step_key").is_not_null())
     assert stitched["trajectory_uid"].n_unique() == 1 and stitched.height == rounds
+    # fragments judged round by round against the view equal those of one run over all
+    fragments = ["step_key", "fragment", "fragment_reason"]
+    same(
+        lake.read(SILVER_STEPS, columns=fragments),
+        full.read(SILVER_STEPS, columns=fragments),
+        ["step_key"],
+    )
+    compacting = (
+        lake.read(SILVER_STEPS).filter(pl.col("trajectory_uid") == "cmp").sort("step_index")
+    )
+    assert compacting["fragment"].to_list() == [int(r >= COMPACTS_AT) for r in range(rounds)]
+    assert compacting["fragment_reason"].to_list() == [
+        "history_rewritten" if r == COMPACTS_AT else None for r in range(rounds)
+    ]
 
     # gold: every dataset equals one built from nothing, partition by partition
     for spec in SPECS:

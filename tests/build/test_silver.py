@@ -14,13 +14,17 @@ import httpx
 import openai
 import polars as pl
 import pytest
+from deltalake import write_deltalake
 
-from claw_pipelines.build.silver import watermark
-from claw_pipelines.contracts.tables import BRONZE_EVENTS
+from claw_pipelines.build.gold import build_partition
+from claw_pipelines.build.silver import build_silver, watermark
+from claw_pipelines.contracts.specs import DEFAULT_SPEC
+from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
 from claw_pipelines.definitions import defs
 from claw_pipelines.defs.automation import bronze_version_sensor
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.lake.delta import Lake
+from tests.support.lakes import completion, land, step
 from tests.support.servers import REPO, GatewayProcess, bronze, wait_landed, wait_until
 from tests.support.upstreams import SimProcess, proxy_env
 
@@ -369,6 +373,32 @@ def test_bad_lengths_fail_a_blocking_check(tmp_path):
     found = checks(result)["lengths_are_consistent"]
     assert not found.passed and found.severity == dg.AssetCheckSeverity.ERROR
     assert found.metadata["sample"].value == ["bad:0"]
+
+
+def test_a_lake_written_before_fragments_reads_and_counts_on(tmp_path):
+    """silver/steps as it was before fragments (no such columns): a run adds them, the old
+    steps read as null and count as fragment 0, and gold builds over both."""
+    lake = Lake(str(tmp_path / "lake"))
+    land(lake, [step("t", 0, [1, 2], [3]), step("t", 1, [1, 2, 3, 4], [5])])
+    build_silver(lake)
+    before = lake.read(SILVER_STEPS).drop("fragment", "fragment_reason").to_arrow()
+    write_deltalake(
+        lake.table_uri(SILVER_STEPS),
+        before,
+        mode="overwrite",
+        schema_mode="overwrite",
+        partition_by=["policy_version"],
+    )
+    lake = Lake(lake.uri)
+    assert "fragment" not in lake.open(SILVER_STEPS).schema().to_arrow().names
+    later = [step("t", 2, [1, 2, 3, 4, 5, 6], [7]), step("t", 3, [1, 2, 9], [8])]
+    land(lake, [*later, completion("t", 1.0)])
+    build_silver(lake)
+    steps = lake.read(SILVER_STEPS).sort("step_index")
+    assert steps["fragment"].to_list() == [None, None, 0, 1]
+    assert steps["fragment_reason"].to_list() == [None, None, None, "history_rewritten"]
+    kept = build_partition(lake, DEFAULT_SPEC, 1).steps.sort("step_index")
+    assert kept["fragment"].to_list() == [None, None, 0, 1]
 
 
 def test_maintenance_job_compacts_and_keeps_time_travel(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec, Readmission
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_specs, save_spec
-from tests.support.lakes import arithmetic_steps, feedback, group_of, land
+from tests.support.lakes import arithmetic_steps, feedback, group_of, land, step
 from tests.support.servers import DASHBOARD_APP as APP
 
 PAGES = ["overview", "collection", "representation", "curation", "optimization", "consumption"]
@@ -164,6 +164,28 @@ def test_representation_shows_judges_side_by_side(tmp_path, monkeypatch):
     assert list(side.iloc[0]) == [1.0, 1.0]
     agreement = next(t for t in tables if "agreement" in t.columns)
     assert agreement.iloc[0]["agreement"] == 1.0 and agreement.iloc[0]["common_steps"] == 6
+
+
+def test_representation_shows_a_trajectorys_fragments_and_why_they_started(tmp_path, monkeypatch):
+    lake = Lake(str(tmp_path / "lake"))
+    head, rows, history = [5, 6], [], [5, 6]
+    for turn in range(4):  # the history summarized before turn 2
+        history = [*head, 90] if turn == 2 else history
+        rows.append(step("cmp", turn, history, [100 + turn]))
+        history = [*history, 100 + turn, 200 + turn]
+    land(lake, [*rows, *group_of("g", [5, 6], [1.0, 0.0])])
+    build_silver(lake)
+    app = page("representation", lake.uri, monkeypatch)
+    app.text_input[0].set_value("cmp:3").run()
+    assert not app.exception, app.exception
+    assert "Fragments of this trajectory" in [s.value for s in app.subheader]
+    tables = [d.value for d in app.dataframe]
+    fragments = next(t for t in tables if "first_step" in t.columns)
+    assert fragments["fragment"].tolist() == [0, 1]
+    assert fragments["first_step"].tolist() == [0, 2]
+    assert fragments["reason"].tolist()[1] == "history_rewritten"
+    per = next(t for t in tables if "trajectories" in t.columns)
+    assert dict(zip(per["fragments"], per["trajectories"], strict=True)) == {1: 2, 2: 1}
 
 
 def test_curation_and_optimization_show_what_was_left_out_and_why(filled, monkeypatch):
