@@ -505,13 +505,18 @@ def _group_rejections_to_write(
     if differ.is_empty():
         return None
     versions = sorted(int(v) for v in differ["policy_version"].unique())
+    groups = differ["group_key"].unique()
+    # the predicate names versions x groups: every row of that product is written again (a
+    # group whose trajectory spans versions may differ in one version only)
     chosen = (
         pl.from_arrow(rows.select(key))
-        .join(differ.select(key).with_columns(hit=pl.lit(True)), on=key, how="left")["hit"]
-        .fill_null(False)
+        .select(
+            pl.col("policy_version").is_in(versions) & pl.col("group_key").is_in(groups.implode())
+        )
+        .to_series()
     )
-    groups = sql_strings(differ["group_key"].unique().to_list())
-    where_sql = f"policy_version IN ({', '.join(map(str, versions))}) AND group_key IN ({groups})"
+    names = sql_strings(groups.to_list())
+    where_sql = f"policy_version IN ({', '.join(map(str, versions))}) AND group_key IN ({names})"
     return RejectionsWrite(versions, rows.filter(chosen.to_arrow()), None, where_sql)
 
 

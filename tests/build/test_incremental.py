@@ -74,7 +74,7 @@ def script(round_: int) -> list[dict]:
         rows += [judged | {"payload": json.dumps(payload)}]  # a judge scores a step late
     history = [9, 9] + [t for turn in range(round_) for t in (100 + turn, 200 + turn)]
     rows += [unscoped("c", round_, history, [100 + round_])]
-    rows += [step("cmp", round_, compacting_prompt(round_), [300 + round_], version=1)]
+    rows += [step("cmp", round_, compacting_prompt(round_), [300 + round_], version=version)]
     rows += [step(f"idle-{round_}", 0, [4, round_], [4], group=f"i{round_}", version=version)]
     return rows
 
