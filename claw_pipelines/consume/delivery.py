@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_CONSUMPTION_SPEC, LIVE_DELIVERY
 from claw_pipelines.lake.delta import Guard, Lake
+from claw_pipelines.transforms.partials import oldest_version, with_runs
 
 NEXT = LIVE_DELIVERY  # the `kind` of consumption rows written by next_batch
 # a batch next_batch refused (a blocking contract check failed): its groups are never
@@ -38,6 +39,7 @@ UNIT_COLUMNS = [
     "prompt_len",
     "response_len",
     "landed_at",
+    "policy_version_runs",  # a unit's oldest token (step-level staleness)
 ]
 
 
@@ -91,13 +93,19 @@ def ledger(lake: Lake, dataset: str, consumer: str, rank: int) -> Ledger:
 
 
 def unit_table(rows: pl.DataFrame) -> pl.DataFrame:
-    """Per unit of `rows` (with `unit`): policy_version, steps, tokens, landed_at and the
-    64-bit digest its rank is drawn from (the digest modulo the world size)."""
-    units = rows.group_by("unit").agg(
-        pl.col("policy_version").first(),
-        steps=pl.len(),
-        tokens=(pl.col("prompt_len") + pl.col("response_len")).sum(),
-        landed_at=pl.col("landed_at").min(),
+    """Per unit of `rows` (with `unit`): policy_version, the version of its oldest token,
+    steps, tokens, landed_at and the 64-bit digest its rank is drawn from (the digest modulo
+    the world size)."""
+    units = (
+        with_runs(rows)
+        .group_by("unit")
+        .agg(
+            pl.col("policy_version").first(),
+            oldest_policy_version=oldest_version().min(),
+            steps=pl.len(),
+            tokens=(pl.col("prompt_len") + pl.col("response_len")).sum(),
+            landed_at=pl.col("landed_at").min(),
+        )
     )
     return units.with_columns(digest=pl.Series(_digests(units["unit"].to_list()), dtype=pl.UInt64))
 
@@ -183,19 +191,27 @@ def _partitions(rows: pl.DataFrame) -> dict[int, pl.DataFrame]:
 
 
 def available_units(
-    units: pl.DataFrame, taken: set[str], min_policy_version: int | None, rank: int, world: int
+    units: pl.DataFrame,
+    taken: set[str],
+    min_policy_version: int | None,
+    rank: int,
+    world: int,
+    staleness: str = "step",
 ) -> pl.DataFrame:
     """Units (`unit_table`'s) this rank may be given now, oldest landed first: (unit,
-    policy_version, steps, tokens, landed_at)."""
+    policy_version, steps, tokens, landed_at). `min_policy_version` bounds every token of a
+    unit (`staleness` step) or the versions that finished its steps (token: older tokens
+    are masked out of the loss instead)."""
     if min_policy_version is not None:
-        units = units.filter(pl.col("policy_version") >= min_policy_version)
+        judged = "policy_version" if staleness == "token" else "oldest_policy_version"
+        units = units.filter(pl.col(judged) >= min_policy_version)
     mine = (pl.col("digest") % world) == rank
     return (
         units.filter(
             mine & ~pl.col("unit").is_in(pl.Series(list(taken), dtype=pl.String).implode())
         )
         .sort("landed_at", "unit", nulls_last=False)
-        .drop("digest")
+        .drop("digest", "oldest_policy_version")
     )
 
 
@@ -227,10 +243,11 @@ def record_delivery(
     step_keys: list[str],
     policy_version: int,
     kind: str = NEXT,
+    token_floor: int | None = None,
 ) -> int:
-    """Append the batch's consumption row (`kind`: delivered, or REFUSED), guarded by the
-    ledger it was chosen from (another process of this rank that delivered first makes this
-    raise WriteConflict)."""
+    """Append the batch's consumption row (`kind`: delivered, or REFUSED; `token_floor`:
+    the floor its stale tokens were masked below), guarded by the ledger it was chosen from
+    (another process of this rank that delivered first makes this raise WriteConflict)."""
     row = {
         "consumer": consumer,
         "dataset": dataset,
@@ -243,6 +260,7 @@ def record_delivery(
         "world_size": world_size,
         "groups": units,
         "kind": kind,
+        "token_floor": token_floor,
     }
     guard = Guard(
         (delivery_writer(dataset, consumer, rank),),

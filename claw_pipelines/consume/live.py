@@ -98,13 +98,11 @@ class Live:
             .collect()
         )
         for row in rows.iter_rows(named=True):
-            frame = (
-                self.source.scan(row["dataset_version"])
-                .filter(pl.col("step_key").is_in(row["step_keys"]))
-                .select(BATCH_READ_COLUMNS)
-                .collect()
+            rows_of = self.source.scan(row["dataset_version"]).filter(
+                pl.col("step_key").is_in(row["step_keys"])
             )
-            batch = self.pack(frame, row["dataset_version"], layout)
+            frame = self.source.read(rows_of, BATCH_READ_COLUMNS)
+            batch = self.pack(frame, row["dataset_version"], layout, row.get("token_floor"))
             batch.contract = self.judge.report(batch, frame, row["dataset_version"])
             batch.groups, batch.batch_index = list(row["groups"]), row["batch_index"]
             yield batch
@@ -126,12 +124,14 @@ class Live:
             self.newest = LiveRows.read(self.lake, self.table, version, LIVE_COLUMNS)
         self.newest = live = self.newest.at(self.lake, self.table, version, LIVE_COLUMNS)
         floor = self.judge.staleness_floor() if min_policy_version is None else min_policy_version
-        units = available_units(live.units, book.units, floor, rank, world_size)
+        staleness = self.judge.staleness()
+        units = available_units(live.units, book.units, floor, rank, world_size, staleness)
         chosen = choose(units, groups, max_tokens)
         if chosen is None:
             return None
         frame = live.rows_of(chosen).drop("unit")
-        batch = self.pack(frame.select(BATCH_READ_COLUMNS), version, layout)
+        token_floor = floor if staleness == "token" else None
+        batch = self.pack(frame.select(BATCH_READ_COLUMNS), version, layout, token_floor)
         batch.contract = self.judge.report(batch, frame, version)
         failed = blocking_failures(batch.contract)
         newest = int(frame["policy_version"].max())
@@ -147,6 +147,7 @@ class Live:
             batch.step_keys,
             newest,
             REFUSED if failed else NEXT,
+            token_floor,
         )
         after = Ledger(written, book.units | set(chosen), book.next_index + 1)
         self._books[consumer, rank].put(written, after)
@@ -165,9 +166,12 @@ class Live:
         book = ledger(self.lake, self.name, consumer, rank)
         return kept.put(book.version, book)
 
-    def pack(self, frame: pl.DataFrame, version: int, layout: Layout) -> Batch:
+    def pack(
+        self, frame: pl.DataFrame, version: int, layout: Layout, token_floor: int | None = None
+    ) -> Batch:
         """One batch of `frame`'s steps (BATCH_STEP_COLUMNS and policy_version, at dataset
-        version `version`; whole trees, possibly of several partitions), trees in id order."""
+        version `version`; whole trees, possibly of several partitions), trees in id order;
+        response tokens older than `token_floor` masked out of the loss."""
         segments = None
         if layout == "tree":
             found = []
@@ -184,7 +188,9 @@ class Live:
         if segments is not None:
             segments = segments.with_columns(tree_id=within).drop("policy_version")
         trees = frame.group_by("tree_id").agg(pl.len().alias("n")).sort("tree_id")
-        packed, frame = self.source.pack(frame, trees, layout, segments, version)
+        packed, frame = self.source.pack(
+            frame, trees, layout, segments, version, stale_floor=token_floor
+        )
         newest = int(frame["policy_version"].max()) if frame.height else 0
         batch = batch_of(packed, 0, frame.height, newest)
         version_of = dict(zip(frame["step_key"], frame["policy_version"], strict=True))

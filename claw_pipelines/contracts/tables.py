@@ -42,11 +42,18 @@ REWARD_STATUSES = ("final", "pending", "missing")
 # and not confirmed by them (`local_unverified`)
 TOKEN_SOURCES = ("upstream", "local", "local_unverified", "client")
 EXACT_TOKEN_SOURCES = ("upstream", "local", "client")
+# how a generation that did not finish ends: the upstream aborted it (vLLM's `abort`, e.g. when
+# weights change mid-generation), or its stream was cut (the gateway's relay endings)
+ABORTED_FINISH_REASONS = ("abort", "upstream_error", "client_disconnected", "upstream_ended")
 
 UTC_MICROS = pa.timestamp("us", tz="UTC")
 TOKEN_LIST = pa.list_(pa.int32())
 LOGPROB_LIST = pa.list_(pa.float32())
 MASK_LIST = pa.list_(pa.int8())
+VERSION_LIST = pa.list_(pa.int64())
+# a response generated under several policy versions (a partial rollout joined to its
+# continuation): run-length segments, the version of each run and its token count
+POLICY_RUN_COLUMNS = [("policy_version_runs", VERSION_LIST), ("policy_run_lengths", VERSION_LIST)]
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,9 @@ SILVER_STEPS_SPEC = TableSpec(
             ("sequence_hash", pa.int64()),
             ("has_log_probs", pa.bool_()),
             ("tokenizer", pa.string()),
+            *POLICY_RUN_COLUMNS,
+            ("partial_step_keys", pa.list_(pa.string())),
+            ("partial_event_ids", pa.list_(pa.string())),
         ]
     ),
     partition_by=("policy_version",),
@@ -144,7 +154,11 @@ SILVER_STEPS_SPEC = TableSpec(
     "`origin_step_key` is the key the gateway gave an unscoped call before stitching; "
     "`sequence_hash` (unscoped calls) is the rolling hash later calls are matched against; "
     "`has_log_probs`: the step carries its behaviour log-probs; `tokenizer`: the fingerprint of "
-    "the tokenizer its ids belong to, when known (claw_pipelines.lake.tokenizers).",
+    "the tokenizer its ids belong to, when known (claw_pipelines.lake.tokenizers). A step "
+    "joined from aborted generations and their continuation (claw_pipelines.transforms."
+    "partials) lists them in `partial_step_keys` / `partial_event_ids` and carries its "
+    "response's policy versions as runs (`policy_version_runs`, `policy_run_lengths`; null: "
+    "the whole response is `policy_version`'s).",
 )
 
 SILVER_STEP_CONFLICTS_SPEC = TableSpec(
@@ -282,10 +296,13 @@ GOLD_CONSUMPTION_SPEC = TableSpec(
             ("world_size", pa.int64()),
             ("groups", pa.list_(pa.string())),
             ("kind", pa.string()),
+            ("token_floor", pa.int64()),
         ]
     ),
     description="One batch pulled by a trainer, with the exact dataset version: `batches` "
-    "(a partition, in order) or `next` (live delivery: its groups, once per consumer rank).",
+    "(a partition, in order) or `next` (live delivery: its groups, once per consumer rank); "
+    "`token_floor`: the policy version below which its tokens were masked out of the loss "
+    "(a spec with token-level staleness).",
 )
 
 GOLD_POLICY_VERSIONS_SPEC = TableSpec(
@@ -363,6 +380,7 @@ GOLD_DATASET_SCHEMA = pa.schema(
         ("admission", pa.string()),
         ("generation_ms", pa.float64()),
         ("landed_at", UTC_MICROS),
+        *POLICY_RUN_COLUMNS,  # declared since: last, where an older table gets them
     ]
 )
 

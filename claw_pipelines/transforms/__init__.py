@@ -2,6 +2,8 @@
 
 - `steps`, `stitching`: bronze records into silver steps; unscoped calls stitched into
   trajectories by token prefixes;
+- `partials`: aborted generations joined with their continuation into one step (partial
+  rollouts), and the policy version of each response token;
 - `feedback`, `trajectories`: reward and feedback facts resolved; trajectories' states;
 - `curation`: a spec's rules over candidate steps (kept, rejected and why, advantages);
 - `judges`: which judge's facts resolve a step's reward;
