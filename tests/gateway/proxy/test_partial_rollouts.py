@@ -2,20 +2,25 @@
 `claw sim-llm`: a call the model aborts mid-generation lands with its tokens, log-probs and
 policy version, and its continuation (the prompt's ids plus the partial reply's, token in,
 under the next policy version) is joined to it in silver into one step whose response is
-exactly what the model sampled, with policy-version runs [v, v + 1]."""
+exactly what the model sampled, with policy-version runs [v, v + 1]; one never continued is
+left out of gold once its trajectory ended and counted discarded by the waste ledger."""
 
 from __future__ import annotations
 
 import uuid
 
+import httpx
 import numpy as np
 import openai
 import polars as pl
 import pytest
 
+from claw_pipelines.build.gold import build_partition
 from claw_pipelines.build.silver import build_silver
-from claw_pipelines.contracts.tables import SILVER_STEPS
+from claw_pipelines.contracts.specs import DEFAULT_SPEC
+from claw_pipelines.contracts.tables import SILVER_STEPS, gold_rejection_table
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.ops.ledger import waste_ledger
 from claw_pipelines.simulation.agents import Tally, Task, partial_rollout
 from tests.support.servers import GatewayProcess, bronze, wait_landed, wait_until
 from tests.support.upstreams import SimProcess, proxy_env
@@ -111,3 +116,35 @@ def test_the_simulated_rollout_worker_resumes_its_aborted_request(gw):
     (row,) = silver_steps(gw, trajectory)
     assert row["policy_version_runs"] == [3, 4] and row["policy_run_lengths"][0] == 2
     assert row["partial_step_keys"] == [f"{trajectory}:0"]
+
+
+def test_an_aborted_call_never_continued_is_counted_discarded_by_the_ledger(gw):
+    trajectory, event = f"gone-{uuid.uuid4().hex[:8]}", f"e-{uuid.uuid4().hex}"
+    base = f"{gw.url}/t/{trajectory}/g/q-{trajectory}/v1"
+    with openai.OpenAI(base_url=base, api_key=KEY, max_retries=0) as client:
+        cut = client.chat.completions.create(
+            model="claw-sim-llm",
+            messages=QUESTION,
+            extra_headers={"X-Claw-Policy-Version": "5", "Idempotency-Key": event},
+            extra_body={"abort_after_tokens": 4},
+        )
+    assert cut.choices[0].finish_reason == "abort"
+    done = httpx.post(  # the worker gave up on it: the trajectory ends
+        f"{gw.url}/v1/trajectories/{trajectory}/complete",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"reward": 0.0},
+        timeout=30,
+    )
+    done.raise_for_status()
+    wait_landed(gw.lake, [event, *done.json()["event_ids"]])
+    lake = Lake(str(gw.lake))
+    build_silver(lake)
+    build_partition(lake, DEFAULT_SPEC, 5)
+    rejected = lake.read(gold_rejection_table("default")).filter(
+        pl.col("step_key").str.starts_with(trajectory)
+    )
+    assert rejected.select("step_key", "reason").rows() == [(f"{trajectory}:0", "aborted")]
+    ledger = waste_ledger(lake, ["default"]).filter(
+        (pl.col("policy_version") == 5) & (pl.col("reason") == "aborted")
+    )
+    assert ledger.select("outcome", "steps", "generated_tokens").rows() == [("rejected", 1, 4)]
