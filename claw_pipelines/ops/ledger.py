@@ -25,7 +25,6 @@ ROW_SCHEMA = {
     "response_len": pl.Int64,
     "generation_ms": pl.Float64,
 }
-LEDGER_COLUMNS = list(ROW_SCHEMA)
 RUN_COLUMNS = {"policy_version_runs": pl.List(pl.Int64), "policy_run_lengths": pl.List(pl.Int64)}
 LEDGER_SCHEMA = {
     "dataset": pl.String,

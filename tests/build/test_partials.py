@@ -21,6 +21,7 @@ from claw_pipelines.contracts.tables import SILVER_STEPS, SILVER_TRAJECTORIES, g
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.transforms.hashing import content_hashes
 from tests.support.lakes import completion, land, partial_rollout, step
+from tests.support.racing import KILL_SCRIPT
 from tests.support.servers import REPO
 
 PROMPT = [5, 6, 7]
@@ -140,14 +141,6 @@ def test_an_unscoped_call_resuming_an_unscoped_partial_is_stitched_and_joined(tm
     (row,) = steps(lake).to_dicts()
     assert row["step_key"] == "u-call-0:1" and row["origin_step_key"] == "u-call-1:0"
     assert_joined(row, PARTS[:2], [1, 2], [3, 2], ["u-call-0:0"])
-
-
-KILL_SCRIPT = """
-import sys
-from claw_pipelines.build.silver import build_silver
-from tests.support.racing import KillingLake
-build_silver(KillingLake(sys.argv[1], sys.argv[2]))
-"""
 
 
 def test_a_run_killed_after_its_first_steps_commit_joins_once_when_redone(tmp_path):
