@@ -23,6 +23,7 @@ from claw_pipelines.contracts.tables import (
     EXACT_TOKEN_SOURCES,
     GOLD_CONSUMPTION,
     GOLD_LINEAGE,
+    GOLD_POLICY_VERSIONS,
     SILVER_FEEDBACK,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
@@ -136,6 +137,7 @@ def ledger(at: Where, dataset: str | None = None) -> pl.DataFrame:
     lake = at.lake()
     every = tuple(datasets(at))
     tables = [f(name) for name in every for f in (gold_dataset_table, gold_rejection_table)]
+    tables.append(GOLD_POLICY_VERSIONS)  # what token-level staleness masks counts from
     names = every if dataset is None else tuple(n for n in every if n == dataset)
     return _ledger(at, names, tuple(lake.version(t) for t in tables))
 

@@ -31,9 +31,11 @@ def show_ledger(at: data.Where, dataset: str | None = None) -> None:
         st.caption("No dataset built yet: the ledger fills as gold partitions are written.")
         return
     st.caption(
-        "Per dataset and policy version: what its spec admitted, what it left out by reason, "
-        "and how much of that another dataset re-admitted (generation time: steps whose "
-        "time is known)."
+        "Per dataset and policy version: what its spec admitted, what it left out by reason "
+        "(`aborted`: generations aborted and never continued), how much of that another "
+        "dataset re-admitted (generation time: steps whose time is known), and the generated "
+        "tokens of admitted steps masked out of the loss as stale (`masked`, token-level "
+        "staleness; the chart leaves them out: they are among the admitted)."
     )
     shown = ledger.with_columns(
         outcome=pl.when(pl.col("reason").is_null())
@@ -42,7 +44,7 @@ def show_ledger(at: data.Where, dataset: str | None = None) -> None:
         readmitted_by=pl.col("readmitted_by").list.join(", "),
     ).drop("reason")
     st.altair_chart(
-        alt.Chart(shown.to_pandas())
+        alt.Chart(shown.filter(~pl.col("outcome").str.starts_with("masked")).to_pandas())
         .mark_bar()
         .encode(
             alt.X("sum(tokens):Q", title="tokens"),

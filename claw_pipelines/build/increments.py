@@ -60,6 +60,7 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.lake import delta as lake_module
 from claw_pipelines.lake.delta import Guard, Lake, conform, sql_strings, until_landed
 from claw_pipelines.transforms.curation import GROUP
+from claw_pipelines.transforms.partials import oldest_version
 
 UNIT = ["policy_version", "unit"]
 # what a unit's rows are judged on: every dataset column but tokens and write bookkeeping
@@ -273,8 +274,9 @@ def _scope(
     groups = [view.groups_of(touched)]
     if spec.max_policy_staleness is not None and before.newest != newest:
         low, high = sorted(v - spec.max_policy_staleness for v in (before.newest, newest))
-        moved = view.steps.frame.filter(
+        moved = view.steps.frame.filter(  # by the version that finished a step or its oldest
             pl.col("policy_version").fill_null(0).is_between(low, high, closed="left")
+            | oldest_version().is_between(low, high, closed="left")
         )
         groups.append(moved[GROUP].unique())
     if spec.group_deadline_s is not None and before.clock != view.last_seen:

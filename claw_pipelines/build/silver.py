@@ -45,6 +45,7 @@ from claw_pipelines.transforms.feedback import (
     step_reward_facts,
 )
 from claw_pipelines.transforms.fragments import with_fragments
+from claw_pipelines.transforms.partials import find_chains, is_aborted, join_chains
 from claw_pipelines.transforms.quality import (
     Finding,
     feedback_targets_exist,
@@ -248,8 +249,7 @@ def _new_steps(
     the view (silver before this run): only the stored rows sharing an event id or a step
     key with the new ones are compared."""
     candidates = step_candidates(steps)
-    known = view.steps.rows_where("event_id", candidates["event_id"])
-    first = first_arrivals(candidates, known["event_id"])
+    first = first_arrivals(candidates, view.known_event_ids(candidates["event_id"]))
     candidates = with_content_ids(keep_rows(candidates, first))
     window_us = int(options.stitch_window_s * _US)
     unscoped = candidates.filter(pl.col("unscoped")).select("tenant", "received_us")
@@ -261,6 +261,80 @@ def _new_steps(
     new = keep_rows(candidates, keep)
     earlier = view.steps_of(new["trajectory_uid"].unique())
     return with_fragments(new, earlier), conflicts, known + duplicates
+
+
+def _join_partials(
+    lake: Lake, view: SilverView, new: pl.DataFrame, steps_version: int | None
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.Series]:
+    """(new steps with aborted generations joined into their continuations, the stored steps
+    they absorb: step_key and policy_version, the keys of the continuations that absorb
+    some). The stored partials are the view's aborted steps of the new steps' trajectories;
+    only the absorbed ones' log-probs and masks are read from silver."""
+    none = pl.DataFrame(schema={"step_key": pl.String, "policy_version": pl.Int64})
+    if new.is_empty():
+        return new, none, pl.Series("step_key", [], pl.String)
+    stored = view.steps_of(new["trajectory_uid"].unique()).filter(is_aborted())
+    if stored.is_empty() and not new.select(is_aborted().any()).item():
+        return new, none, pl.Series("step_key", [], pl.String)
+    chains = find_chains(new, stored)
+    absorbed = stored[chains.absorbed_stored()]
+    tokens = pl.DataFrame(
+        schema={
+            "step_key": pl.String,
+            "rollout_log_probs": pl.List(pl.Float32),
+            "response_mask": pl.List(pl.Int8),
+        }
+    )
+    if absorbed.height:
+        tokens = lake.read(
+            SILVER_STEPS,
+            steps_version,
+            columns=["step_key", "rollout_log_probs", "response_mask"],
+            where=_in_partitions(absorbed)
+            & pl.col("step_key").is_in(absorbed["step_key"].implode()),
+        )
+    joined = join_chains(new, stored, tokens, chains)
+    members = chains.members
+    tails = members.filter(pl.col("stored"))["tail"].unique()
+    replacing = new["step_key"].gather(tails.to_numpy()) if tails.len() else tails.cast(pl.String)
+    return joined, absorbed.select("step_key", "policy_version"), replacing
+
+
+def _in_partitions(steps: pl.DataFrame) -> pl.Expr:
+    """Silver's partitions holding `steps` (policy_version; null is its own)."""
+    versions = steps["policy_version"].drop_nulls().unique().to_list()
+    where = pl.col("policy_version").is_in(versions)
+    return (
+        where | pl.col("policy_version").is_null()
+        if steps["policy_version"].null_count()
+        else where
+    )
+
+
+def _replace_partials(
+    lake: Lake,
+    guard: Guard,
+    joined: pl.DataFrame,
+    absorbed: pl.DataFrame,
+    meta: dict[str, Any],
+) -> int | None:
+    """Write continuations that absorb stored steps, deleting those in the same commit (a
+    predicate overwrite naming both), a bounded number of keys per commit, each based on the
+    version the run's commit before it made; the version."""
+    version = guard.read_versions[SILVER_STEPS]
+    chunk = max(1, lake_module.MAX_PREDICATE_KEYS // 2)
+    for first in range(0, joined.height, chunk):
+        rows = joined.slice(first, chunk)
+        gone = absorbed.filter(
+            pl.col("step_key").is_in(rows["partial_step_keys"].explode().drop_nulls().implode())
+        )
+        keys = pl.concat([rows["step_key"], gone["step_key"]]).unique().to_list()
+        where = f"step_key IN ({sql_strings(keys)})"
+        based = Guard(guard.app_ids, guard.version, {**guard.read_versions, SILVER_STEPS: version})
+        version = lake.overwrite(
+            SILVER_STEPS, rows.to_arrow(), metadata=meta, where=where, guard=based
+        )
+    return version
 
 
 def _derive(
@@ -397,6 +471,7 @@ def _build_once(
     steps, fact_records, run.read_mode = _read_bronze(lake, after, until)
     run.bronze_rows = steps.height + fact_records.height
     new, conflicts, run.duplicates_dropped = _new_steps(view, steps, options)
+    new, absorbed, replacing = _join_partials(lake, view, new, pins[SILVER_STEPS])
     if conflicts.height:  # rare: the (small) conflicts table is read only then
         stored_conflicts = _stored(
             lake, SILVER_STEP_CONFLICTS, ["event_id"], pins[SILVER_STEP_CONFLICTS]
@@ -428,11 +503,17 @@ def _build_once(
         versions[SILVER_FEEDBACK] = lake.append(
             SILVER_FEEDBACK, facts.to_arrow(), metadata=meta, guard=guard
         )
-    if new.height:
+    plain = new.filter(~pl.col("step_key").is_in(replacing.implode())) if replacing.len() else new
+    if plain.height:
         versions[SILVER_STEPS] = lake.append(
-            SILVER_STEPS, new.to_arrow(), metadata=meta, guard=guard
+            SILVER_STEPS, plain.to_arrow(), metadata=meta, guard=guard
         )
+    if replacing.len():  # continuations of stored partials: written with the partials' delete
+        joined = new.filter(pl.col("step_key").is_in(replacing.implode()))
+        based = Guard(guard.app_ids, guard.version, {**pins, SILVER_STEPS: versions[SILVER_STEPS]})
+        versions[SILVER_STEPS] = _replace_partials(lake, based, joined, absorbed, meta)
     view.add(new, facts)
+    view.drop_steps(absorbed["step_key"])
     touched = None if full or leftovers else _touched(view, new, facts, options)
     if touched is not None and touched.len() > lake_module.MAX_PREDICATE_KEYS:
         touched = None  # most of silver: rewritten whole rather than listed in a predicate

@@ -52,9 +52,17 @@ VIEW_STEP_COLUMNS = list(
             "is_last",
             "response_len",
             "sequence_hash",
+            "partial_step_keys",
+            "partial_event_ids",
         ]
     )
 )
+_STEP_LISTS = {  # the view's list columns and their types
+    "policy_version_runs": pl.List(pl.Int64),
+    "policy_run_lengths": pl.List(pl.Int64),
+    "partial_step_keys": pl.List(pl.String),
+    "partial_event_ids": pl.List(pl.String),
+}
 # the silver/trajectories columns the view keeps (curation and the idle clock read them)
 VIEW_TRAJECTORY_COLUMNS = [
     "trajectory_uid",
@@ -171,6 +179,14 @@ class Keyed:
         twin._indexes = {column: index.snapshot() for column, index in self._indexes.items()}
         return twin
 
+    def drop(self, column: str, values: pl.Series) -> None:
+        """Remove the rows whose `column` is one of `values` (rare: positions move, so the
+        frame is filtered once and its indexes are rebuilt on their next lookup)."""
+        if values.is_empty():
+            return
+        self.frame = self.frame.filter(~pl.col(column).is_in(values.implode())).rechunk()
+        self._indexes, self._appended = {}, 0
+
     def current(self) -> pl.DataFrame:
         """Every key's current row (reads everything: for a full build)."""
         if not self._rows_put:
@@ -205,9 +221,19 @@ def _shaped(rows: pl.DataFrame, table: str) -> pl.DataFrame:
     return frame
 
 
+def _partials_frame(steps: pl.DataFrame) -> pl.DataFrame:
+    """(event_id, step_key) of the partials silver steps absorbed (`partial_event_ids`)."""
+    joined = steps.select("step_key", event_id="partial_event_ids").filter(
+        pl.col("event_id").list.len() > 0
+    )
+    return joined.explode("event_id").select("event_id", "step_key")
+
+
 def _steps_frame(steps: pl.DataFrame) -> pl.DataFrame:
-    """Silver step rows (with `metadata`) in the view's shape: call columns, group key."""
-    frame = with_call_columns(steps.select(VIEW_STEP_COLUMNS))
+    """Silver step rows (with `metadata`) in the view's shape: call columns, group key (list
+    columns typed: a version written before they were declared reads them as nulls)."""
+    lists = {c: t for c, t in _STEP_LISTS.items() if c in steps.columns}
+    frame = with_call_columns(steps.select(VIEW_STEP_COLUMNS).cast(lists))  # type: ignore[arg-type]
     return frame.with_columns(
         pl.coalesce("prompt_uid", "trajectory_uid").alias(GROUP),
         origin_trajectory=pl.col("origin_step_key").str.replace(r":[0-9]+$", ""),
@@ -223,6 +249,7 @@ class SilverView:
     facts: Keyed
     rewards: Keyed
     trajectories: Keyed
+    partials: Keyed  # event ids of the partials joined into a step (event_id, step_key)
     clock_us: int = 0
     newest_policy: int = 0  # the newest policy version among silver's steps
     last_seen: datetime | None = None  # the newest step: the clock of curation deadlines
@@ -250,6 +277,7 @@ class SilverView:
             trajectories=Keyed(
                 ["trajectory_uid"], read(SILVER_TRAJECTORIES, VIEW_TRAJECTORY_COLUMNS)
             ),
+            partials=Keyed(["event_id"], _partials_frame(steps)),
         )
         view._advance_clock(steps, facts)
         marker = versions.get(SILVER_TRAJECTORIES)
@@ -263,7 +291,7 @@ class SilverView:
         replace rather than change)."""
         twin = copy.copy(self)
         twin.versions, twin.log = dict(self.versions), list(self.log)
-        for name in ("steps", "facts", "rewards", "trajectories"):
+        for name in ("steps", "facts", "rewards", "trajectories", "partials"):
             setattr(twin, name, getattr(self, name).snapshot())
         return twin
 
@@ -298,11 +326,25 @@ class SilverView:
         if steps.height:
             steps = _shaped(steps, SILVER_STEPS)
             self.steps.put(_steps_frame(steps))
+            self.partials.put(_partials_frame(steps))
             self._advance_clock(steps, facts.head(0))
         if facts.height:
             facts = _shaped(facts, SILVER_FEEDBACK).select(VIEW_FACT_COLUMNS)
             self.facts.put(facts)
             self._advance_clock(self.steps.frame.head(0), facts)
+
+    def drop_steps(self, keys: pl.Series) -> None:
+        """Leave out steps a run removed from silver (partials joined into a continuation)."""
+        if keys.is_empty():
+            return
+        self.steps.drop("step_key", keys)
+        self._stitched = (0, np.empty(0, np.int64), np.empty(0))
+
+    def known_event_ids(self, event_ids: pl.Series) -> pl.Series:
+        """Which of `event_ids` silver holds: as a step's, or as a partial joined into one."""
+        held = self.steps.rows_where("event_id", event_ids)["event_id"]
+        joined = self.partials.rows_where("event_id", event_ids)["event_id"]
+        return pl.concat([held, joined])
 
     def derived(
         self,
@@ -430,6 +472,7 @@ class SilverView:
         rewards = self.rewards.rows_where("trajectory_uid", uids)
         trajectories = self.trajectories.rows_where("trajectory_uid", uids)
         dropped = {GROUP, "is_last", "sequence_hash", "origin_step_key", "origin_trajectory"}
+        dropped |= {"partial_step_keys", "partial_event_ids"}
         keep = [c for c in steps.columns if c not in {*dropped, "response_id"}]
         frame = candidates(steps.select(keep), rewards, trajectories)
         return frame.drop([c for c in CALL_COLUMNS if c in frame.columns])

@@ -7,7 +7,10 @@ merged them) in depth-first order. Per token: `input_ids`, `parent` (the previou
 its path, -1 at a root), `position_ids` (its position in its original sequence),
 `loss_mask` (1 where it is a trained response token of some step), `advantages` and
 `token_rewards` (summed over the steps whose response holds the token: the sum of per-step
-losses is then the same on the tree as on the flat sequences). Per step: `step_keys` and
+losses is then the same on the tree as on the flat sequences), `token_policy_versions` (int64:
+the policy version that generated the token, per run for a joined partial rollout, else its
+step's; -1 on prompt tokens; a spec with token-level staleness masks older response tokens
+out of `loss_mask`). Per step: `step_keys` and
 `step_token_index` (indices into `input_ids` of its whole sequence, in order). The log-prob
 of token t is read from the logits at row `parent[t]`.
 
@@ -48,6 +51,8 @@ class Batch:
     subtree_end: np.ndarray  # per token: one past the last token of its subtree (see module)
     step_starts: np.ndarray  # per step: the depth where its own tokens start (0 when flat)
     step_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # per token: the policy version that generated it (see the module doc)
+    token_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     groups: list[str] = field(default_factory=list)  # next_batch: the units it delivers
     uses: list[int] = field(default_factory=list)  # next_batch: each unit's use number (1: first)
     batch_index: int | None = None  # batches: its index in the plan; next_batch: in the record
@@ -128,6 +133,7 @@ class Batch:
             "loss_mask": torch.from_numpy(self.loss_mask.astype(bool)),
             "token_rewards": torch.from_numpy(self.token_rewards),
             "advantages": torch.from_numpy(self.advantages),
+            "token_policy_versions": torch.from_numpy(self.token_policy_versions.astype(np.int64)),
             "subtree_end": torch.from_numpy(self.subtree_end.astype(np.int64)),
             "tree_offsets": torch.from_numpy(self.tree_offsets.astype(np.int64)),
             "step_keys": list(self.step_keys),
@@ -192,6 +198,7 @@ def batch_of(packed: Packed, first: int, stop: int, policy_version: int) -> Batc
         loss_mask=packed.loss_mask[lo:hi],
         token_rewards=packed.token_rewards[lo:hi],
         advantages=packed.advantages[lo:hi],
+        token_policy_versions=packed.token_policy_versions[lo:hi],
         step_keys=packed.step_keys[first:stop],
         step_token_index=_step_indices(packed, first, stop, lo),
         tree_offsets=blocks.astype(np.int64),

@@ -88,6 +88,16 @@ class Dataset:
         return Dataset, (self.lake, self.name, self.version)
 
     @property
+    def token_versions(self) -> bool:
+        """Whether batches carry `token_policy_versions` (on by default; off saves laying
+        them out, for a trainer that does not read them)."""
+        return self._source.token_versions
+
+    @token_versions.setter
+    def token_versions(self, on: bool) -> None:
+        self._source.token_versions = bool(on)
+
+    @property
     def _newest(self) -> LiveRows | None:
         """The newest rows live delivery keeps (None before its first delivery)."""
         return self._live.newest

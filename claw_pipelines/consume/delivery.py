@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_CONSUMPTION_SPEC, LIVE_DELIVERY
 from claw_pipelines.lake.delta import Guard, Lake
+from claw_pipelines.transforms.partials import oldest_version, with_runs
 
 NEXT = LIVE_DELIVERY  # the `kind` of consumption rows written by next_batch
 # a batch next_batch refused (a blocking contract check failed): its groups are never
@@ -44,6 +45,7 @@ UNIT_COLUMNS = [
     "response_len",
     "landed_at",
     "reward",
+    "policy_version_runs",  # a unit's oldest token (step-level staleness)
 ]
 # the orders a rank's units may be offered in (among units used equally often)
 Order = Literal["oldest", "newest", "reward_variance"]
@@ -177,15 +179,21 @@ def ledger(lake: Lake, dataset: str, consumer: str, rank: int) -> Ledger:
 
 
 def unit_table(rows: pl.DataFrame) -> pl.DataFrame:
-    """Per unit of `rows` (with `unit`): policy_version, steps, tokens, landed_at, the
-    (population) variance of its steps' `reward` (null when none has one) and the 64-bit
-    digest its rank is drawn from (the digest modulo the world size)."""
-    units = rows.group_by("unit").agg(
-        pl.col("policy_version").first(),
-        steps=pl.len(),
-        tokens=(pl.col("prompt_len") + pl.col("response_len")).sum(),
-        landed_at=pl.col("landed_at").min(),
-        reward_variance=pl.col("reward").cast(pl.Float64).var(ddof=0),
+    """Per unit of `rows` (with `unit`): policy_version, the version of its oldest token,
+    steps, tokens, landed_at, the (population) variance of its steps' `reward` (null when
+    none has one) and the 64-bit digest its rank is drawn from (the digest modulo the world
+    size)."""
+    units = (
+        with_runs(rows)
+        .group_by("unit")
+        .agg(
+            pl.col("policy_version").first(),
+            oldest_policy_version=oldest_version().min(),
+            steps=pl.len(),
+            tokens=(pl.col("prompt_len") + pl.col("response_len")).sum(),
+            landed_at=pl.col("landed_at").min(),
+            reward_variance=pl.col("reward").cast(pl.Float64).var(ddof=0),
+        )
     )
     return units.with_columns(digest=pl.Series(_digests(units["unit"].to_list()), dtype=pl.UInt64))
 
@@ -277,13 +285,17 @@ def available_units(
     rank: int,
     world: int,
     selection: Selection = EXACTLY_ONCE,
+    staleness: str = "step",
 ) -> pl.DataFrame:
     """Units (`unit_table`'s) this rank may be given now under `selection`, in no order:
     (unit, policy_version, steps, tokens, landed_at, reward_variance, used: its deliveries
-    to this rank so far)."""
+    to this rank so far). `min_policy_version` bounds every token of a unit (`staleness`
+    step) or the versions that finished its steps (token: older tokens are masked out of
+    the loss instead)."""
     if min_policy_version is not None:
-        units = units.filter(pl.col("policy_version") >= min_policy_version)
-    mine = units.filter((pl.col("digest") % world) == rank).drop("digest")
+        judged = "policy_version" if staleness == "token" else "oldest_policy_version"
+        units = units.filter(pl.col(judged) >= min_policy_version)
+    mine = units.filter((pl.col("digest") % world) == rank).drop("digest", "oldest_policy_version")
     used = pl.col("used")
     again = (
         ~pl.col("refused")
@@ -340,10 +352,12 @@ def record_delivery(
     step_keys: list[str],
     policy_version: int,
     kind: str = NEXT,
+    token_floor: int | None = None,
 ) -> int:
     """Append the batch's consumption row (`kind`: delivered, or REFUSED; `uses`: each
-    unit's use number, 1 = first), guarded by the ledger it was chosen from (another process
-    of this rank that delivered first makes this raise WriteConflict)."""
+    unit's use number, 1 = first; `token_floor`: the floor its stale tokens were masked
+    below), guarded by the ledger it was chosen from (another process of this rank that
+    delivered first makes this raise WriteConflict)."""
     row = {
         "consumer": consumer,
         "dataset": dataset,
@@ -357,6 +371,7 @@ def record_delivery(
         "groups": units,
         "uses": uses,
         "kind": kind,
+        "token_floor": token_floor,
     }
     guard = Guard(
         (delivery_writer(dataset, consumer, rank),),

@@ -38,6 +38,13 @@ class Grounds:
     left_out: dict[str, int]  # steps the spec left out of the partitions, per reason
 
     @property
+    def token_floor(self) -> int | None:
+        """The floor below which tokens are masked out of the loss: the staleness floor when
+        the spec judges staleness per token, else None."""
+        token = self.spec is not None and self.spec.staleness == "token"
+        return self.floor if token else None
+
+    @property
     def blocking(self) -> bool:
         """Whether the spec blocks on any check (a batch is then judged as it is made)."""
         return self.spec is not None and bool(self.spec.blocking)
@@ -93,6 +100,11 @@ class Judge:
             .agg(pl.len())
         )
         return {r: int(n) for r, n in counts.iter_rows()}
+
+    def staleness(self) -> str:
+        """How the dataset's spec (its newest write's) judges staleness: step or token."""
+        spec, _ = self.lineage.specs(self.lake.version(self.table))
+        return "step" if spec is None else spec.staleness
 
     def staleness_floor(self) -> int | None:
         """The oldest policy version the dataset's spec still admits: the newest published

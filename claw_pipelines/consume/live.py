@@ -108,13 +108,11 @@ class Live:
             .collect()
         )
         for row in rows.iter_rows(named=True):
-            frame = (
-                self.source.scan(row["dataset_version"])
-                .filter(pl.col("step_key").is_in(row["step_keys"]))
-                .select(BATCH_READ_COLUMNS)
-                .collect()
+            rows_of = self.source.scan(row["dataset_version"]).filter(
+                pl.col("step_key").is_in(row["step_keys"])
             )
-            batch = self.pack(frame, row["dataset_version"], layout)
+            frame = self.source.read(rows_of, BATCH_READ_COLUMNS)
+            batch = self.pack(frame, row["dataset_version"], layout, row.get("token_floor"))
             batch.contract = self.judge.report(batch, frame, row["dataset_version"])
             batch.groups, batch.batch_index = list(row["groups"]), row["batch_index"]
             uses = row.get("uses")
@@ -139,13 +137,15 @@ class Live:
             self.newest = LiveRows.read(self.lake, self.table, version, LIVE_COLUMNS)
         self.newest = live = self.newest.at(self.lake, self.table, version, LIVE_COLUMNS)
         floor = self.judge.staleness_floor() if min_policy_version is None else min_policy_version
-        units = available_units(live.units, book, floor, rank, world_size, selection)
+        staleness = self.judge.staleness()
+        units = available_units(live.units, book, floor, rank, world_size, selection, staleness)
         picked = choose(units, groups, max_tokens, selection.order)
         if picked is None:
             return None
         chosen, uses = picked["unit"].to_list(), (picked["used"] + 1).to_list()
         frame = live.rows_of(chosen).drop("unit")
-        batch = self.pack(frame.select(BATCH_READ_COLUMNS), version, layout)
+        token_floor = floor if staleness == "token" else None
+        batch = self.pack(frame.select(BATCH_READ_COLUMNS), version, layout, token_floor)
         batch.contract = self.judge.report(batch, frame, version)
         failed = blocking_failures(batch.contract)
         newest = int(frame["policy_version"].max())
@@ -162,6 +162,7 @@ class Live:
             batch.step_keys,
             newest,
             REFUSED if failed else NEXT,
+            token_floor,
         )
         self._books[consumer, rank].put(written, book.after(written, chosen, uses, bool(failed)))
         if failed:  # recorded as refused (never offered again), never returned
@@ -179,9 +180,12 @@ class Live:
         book = ledger(self.lake, self.name, consumer, rank)
         return kept.put(book.version, book)
 
-    def pack(self, frame: pl.DataFrame, version: int, layout: Layout) -> Batch:
+    def pack(
+        self, frame: pl.DataFrame, version: int, layout: Layout, token_floor: int | None = None
+    ) -> Batch:
         """One batch of `frame`'s steps (BATCH_STEP_COLUMNS and policy_version, at dataset
-        version `version`; whole trees, possibly of several partitions), trees in id order."""
+        version `version`; whole trees, possibly of several partitions), trees in id order;
+        response tokens older than `token_floor` masked out of the loss."""
         segments = None
         if layout == "tree":
             found = []
@@ -198,7 +202,9 @@ class Live:
         if segments is not None:
             segments = segments.with_columns(tree_id=within).drop("policy_version")
         trees = frame.group_by("tree_id").agg(pl.len().alias("n")).sort("tree_id")
-        packed, frame = self.source.pack(frame, trees, layout, segments, version)
+        packed, frame = self.source.pack(
+            frame, trees, layout, segments, version, stale_floor=token_floor
+        )
         newest = int(frame["policy_version"].max()) if frame.height else 0
         batch = batch_of(packed, 0, frame.height, newest)
         version_of = dict(zip(frame["step_key"], frame["policy_version"], strict=True))

@@ -117,7 +117,13 @@ class BatchPlan:
             if not everything:
                 frame = frame.filter(pl.col("tree_id").is_in(share["tree_id"].implode()))
             packed, frame = self._source.pack_partition(
-                self.policy_version, frame, share, self.layout, everything, version
+                self.policy_version,
+                frame,
+                share,
+                self.layout,
+                everything,
+                version,
+                self._grounds.token_floor,
             )
             self.packed_steps += frame.height
             steps_before = np.r_[0, np.cumsum(share["n"].to_numpy())].astype(np.int64)
@@ -174,7 +180,8 @@ def plan_batches(
     if max_tokens is not None:
         found = source.tree_tokens(policy_version, frame, layout, at)
         if found is None:  # no stored trees stand for these steps: build them to count
-            whole = source.pack_partition(policy_version, frame, trees, layout, True, at)
+            floor = dataset._judge.grounds((policy_version,), at).token_floor
+            whole = source.pack_partition(policy_version, frame, trees, layout, True, at, floor)
             packed, bounds = whole[0], np.r_[0, np.cumsum(trees["n"].to_numpy())]
             ends = bounds[1:] - 1  # each tree's last step
             sizes = packed.block_hi[ends] - packed.block_lo[bounds[:-1]] if len(ends) else ends

@@ -15,7 +15,12 @@ from deltalake.exceptions import DeltaError
 from claw_pipelines.consume.lineage import Lineage
 from claw_pipelines.consume.report import CONTRACT_COLUMNS
 from claw_pipelines.contracts.errors import NotFound
-from claw_pipelines.contracts.tables import GOLD_LINEAGE, gold_dataset_table, gold_tree_table
+from claw_pipelines.contracts.tables import (
+    GOLD_DATASET_SCHEMA,
+    GOLD_LINEAGE,
+    gold_dataset_table,
+    gold_tree_table,
+)
 from claw_pipelines.lake.catalog import gold_datasets, lake_exists
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.transforms.packing import Layout, Packed, pack
@@ -28,9 +33,12 @@ BATCH_STEP_COLUMNS = [
     "response_mask",
     "reward",
     "advantage",
+    "policy_version_runs",  # per-token policy versions (packing.VERSION_COLUMNS)
+    "policy_run_lengths",
 ]
 # what a batch's steps are read with: their training columns and what the contract checks
 BATCH_READ_COLUMNS = list(dict.fromkeys([*BATCH_STEP_COLUMNS, *CONTRACT_COLUMNS]))
+_DECLARED = pl.from_arrow(GOLD_DATASET_SCHEMA.empty_table()).schema  # gold's column types
 # what `stored_trees` reads of a partition's segments
 SEGMENT_COLUMNS = ["segment", "tree_id", "parent", "start_depth", "end_depth", "tokens", "step_key"]
 
@@ -59,6 +67,7 @@ class GoldSource:
         self.lake, self.name, self.lineage = lake, name, lineage
         self.table = gold_dataset_table(name)
         self.trees_table = gold_tree_table(name)
+        self.token_versions = True  # batches carry token_policy_versions
 
     # -- versions and steps -----------------------------------------------------------------
     def pinned(self, version: object | None) -> int:
@@ -90,6 +99,13 @@ class GoldSource:
         """The dataset's rows at version `at`."""
         return self.lake.scan(self.table, at)
 
+    def read(self, frame: pl.LazyFrame, columns: list[str]) -> pl.DataFrame:
+        """`columns` of a scan of the dataset; one declared since the version it reads was
+        written (a table written before it) as typed nulls."""
+        have = set(frame.collect_schema().names())
+        nulls = [pl.lit(None, _DECLARED[c]).alias(c) for c in columns if c not in have]
+        return frame.with_columns(nulls).select(columns).collect()
+
     def policy_versions(self, at: int) -> list[int]:
         """The policy versions (partitions) version `at` of the dataset holds."""
         versions = self.scan(at).select(pl.col("policy_version").unique()).collect()
@@ -118,7 +134,7 @@ class GoldSource:
         """A partition's steps as batches read them (BATCH_READ_COLUMNS: no token), NotFound
         when version `at` holds none of it."""
         in_partition = self.scan(at).filter(pl.col("policy_version") == policy_version)
-        frame = in_partition.select(BATCH_READ_COLUMNS).collect()
+        frame = self.read(in_partition, BATCH_READ_COLUMNS)
         if frame.is_empty():
             raise self.missing_policy_version(policy_version, at)
         return frame
@@ -202,17 +218,28 @@ class GoldSource:
         at: int,
         policy_version: int | None = None,
         every_step: bool = False,
+        stale_floor: int | None = None,
     ) -> tuple[Packed, pl.DataFrame]:
         """The steps of `frame` (whole trees) packed with their trees in the order of `trees`
         (tree_id): from `segments`, their stored trees, or when None from their tokens, read
         at dataset version `at` (see `tokens`); and `frame` as packed (with its tokens when
-        read)."""
+        read). `stale_floor`: response tokens of older policy versions are masked out of
+        the loss (a spec with token-level staleness)."""
         if segments is None:  # flat, a partly consumed partition, or no usable stored trees
             tokens = self.tokens(at, frame, policy_version, every_step)
             frame = frame.join(tokens, on="step_key", how="left", maintain_order="left")
         ranked = trees.select("tree_id").with_row_index("rank")
         rank = frame.select("tree_id").join(ranked, on="tree_id", how="left", maintain_order="left")
-        return pack(frame, rank["rank"].to_numpy().astype(np.int64), layout, segments), frame
+        ranks = rank["rank"].to_numpy().astype(np.int64)
+        packed = pack(
+            frame,
+            ranks,
+            layout,
+            segments,
+            token_versions=self.token_versions,
+            stale_floor=stale_floor,
+        )
+        return packed, frame
 
     def pack_partition(
         self,
@@ -222,8 +249,11 @@ class GoldSource:
         layout: Layout,
         everything: bool,
         at: int,
+        stale_floor: int | None = None,
     ) -> tuple[Packed, pl.DataFrame]:
         """`pack` for steps of one partition (whole trees, `everything` when all of it at
         version `at`), from its stored trees when they stand for those steps."""
         segments = self.stored_trees(policy_version, frame, at) if layout == "tree" else None
-        return self.pack(frame, trees, layout, segments, at, policy_version, everything)
+        return self.pack(
+            frame, trees, layout, segments, at, policy_version, everything, stale_floor
+        )

@@ -29,6 +29,7 @@ JudgeName = Annotated[
 # first reason is named: its own filters, then its group's rules, then the spec's selection.
 REJECTION_REASONS = (
     "superseded",  # a retry orphan (keep_superseded is off)
+    "aborted",  # an aborted generation nothing continued, and its trajectory ended
     "stale",  # policy version too old, or not one of policy_versions
     "reward",  # reward status, reward range, rating or trajectory return
     "label",  # require_labels / exclude_labels
@@ -84,6 +85,7 @@ _LATER_FIELDS = {
     "min_return": None,
     "blocking": [],
     "require_log_probs": False,
+    "staleness": "step",
 }
 
 
@@ -150,6 +152,15 @@ class CurationSpec(BaseModel):
     )
     max_policy_staleness: Length | None = Field(
         None, description="keep policy versions within this many of the newest one"
+    )
+    staleness: Literal["step", "token"] = Field(
+        "step",
+        description="how max_policy_staleness judges a step generated under several policy "
+        "versions (a partial rollout joined to its continuation): step, the whole step is "
+        "left out when its oldest token's version is below the floor (newest minus "
+        "max_policy_staleness); token, only those tokens are masked out of the loss "
+        "(loss_mask 0) and the step is left out when none is left (the version that "
+        "finished it is below the floor)",
     )
     policy_versions: list[Length] | None = Field(None, description="keep only these versions")
     sources: list[SourceKind] | None = None

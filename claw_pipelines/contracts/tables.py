@@ -42,11 +42,18 @@ REWARD_STATUSES = ("final", "pending", "missing")
 # and not confirmed by them (`local_unverified`)
 TOKEN_SOURCES = ("upstream", "local", "local_unverified", "client")
 EXACT_TOKEN_SOURCES = ("upstream", "local", "client")
+# how a generation that did not finish ends: the upstream aborted it (vLLM's `abort`, e.g. when
+# weights change mid-generation), or its stream was cut (the gateway's relay endings)
+ABORTED_FINISH_REASONS = ("abort", "upstream_error", "client_disconnected", "upstream_ended")
 
 UTC_MICROS = pa.timestamp("us", tz="UTC")
 TOKEN_LIST = pa.list_(pa.int32())
 LOGPROB_LIST = pa.list_(pa.float32())
 MASK_LIST = pa.list_(pa.int8())
+VERSION_LIST = pa.list_(pa.int64())
+# a response generated under several policy versions (a partial rollout joined to its
+# continuation): run-length segments, the version of each run and its token count
+POLICY_RUN_COLUMNS = [("policy_version_runs", VERSION_LIST), ("policy_run_lengths", VERSION_LIST)]
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,9 @@ SILVER_STEPS_SPEC = TableSpec(
             ("tokenizer", pa.string()),
             ("fragment", pa.int64()),
             ("fragment_reason", pa.string()),
+            *POLICY_RUN_COLUMNS,
+            ("partial_step_keys", pa.list_(pa.string())),
+            ("partial_event_ids", pa.list_(pa.string())),
         ]
     ),
     partition_by=("policy_version",),
@@ -149,7 +159,11 @@ SILVER_STEPS_SPEC = TableSpec(
     "the tokenizer its ids belong to, when known (claw_pipelines.lake.tokenizers); `fragment`: "
     "which stretch of its trajectory the step is in (0, then one more at every turn whose "
     "prompt does not extend the previous turn's), `fragment_reason`: why a turn starts one "
-    "(claw_pipelines.transforms.fragments; null for steps written before fragments).",
+    "(claw_pipelines.transforms.fragments; null for steps written before fragments). A step "
+    "joined from aborted generations and their continuation (claw_pipelines.transforms."
+    "partials) lists them in `partial_step_keys` / `partial_event_ids` and carries its "
+    "response's policy versions as runs (`policy_version_runs`, `policy_run_lengths`; null: "
+    "the whole response is `policy_version`'s).",
 )
 
 SILVER_STEP_CONFLICTS_SPEC = TableSpec(
@@ -290,11 +304,14 @@ GOLD_CONSUMPTION_SPEC = TableSpec(
             # aligned with `groups`: each group's use number in this batch (1 = its first
             # delivery to the rank); added with reuse: rows written before hold null
             ("uses", pa.list_(pa.int64())),
+            ("token_floor", pa.int64()),
         ]
     ),
     description="One batch pulled by a trainer, with the exact dataset version: `batches` "
     "(a partition, in order) or `next` (live delivery: its groups, each once per consumer "
-    "rank, or up to `max_uses` times, with each group's use number in `uses`).",
+    "rank, or up to `max_uses` times, with each group's use number in `uses`); "
+    "`token_floor`: the policy version below which its tokens were masked out of the loss "
+    "(a spec with token-level staleness).",
 )
 
 GOLD_POLICY_VERSIONS_SPEC = TableSpec(
@@ -374,6 +391,7 @@ GOLD_DATASET_SCHEMA = pa.schema(
         ("landed_at", UTC_MICROS),
         ("fragment", pa.int64()),
         ("fragment_reason", pa.string()),
+        *POLICY_RUN_COLUMNS,  # declared since: last, where an older table gets them
     ]
 )
 

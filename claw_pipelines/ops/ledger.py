@@ -1,6 +1,9 @@
 """The waste ledger: per dataset and policy version, what its spec admitted and what it left
-out (by reason), in steps, tokens and generation time, and how much of what it left out
-another dataset re-admitted. Read from gold/datasets and gold/rejections (small columns)."""
+out (by reason), in steps, tokens, generated tokens and generation time, and how much of what
+it left out another dataset re-admitted; and the generated tokens discarded inside admitted
+steps: those a spec with token-level staleness masks out of the loss (`masked`, `stale`).
+Aborted generations nothing continued are the rejections `aborted`. Read from gold/datasets
+and gold/rejections (small columns), the specs and the published policy versions."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.catalog import gold_datasets
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.policy import published_version
+from claw_pipelines.lake.specs import SpecError, load_spec
 
 ROW_SCHEMA = {
     "step_key": pl.String,
@@ -20,7 +25,7 @@ ROW_SCHEMA = {
     "response_len": pl.Int64,
     "generation_ms": pl.Float64,
 }
-LEDGER_COLUMNS = list(ROW_SCHEMA)
+RUN_COLUMNS = {"policy_version_runs": pl.List(pl.Int64), "policy_run_lengths": pl.List(pl.Int64)}
 LEDGER_SCHEMA = {
     "dataset": pl.String,
     "policy_version": pl.Int64,
@@ -28,6 +33,7 @@ LEDGER_SCHEMA = {
     "reason": pl.String,
     "steps": pl.Int64,
     "tokens": pl.Int64,
+    "generated_tokens": pl.Int64,
     "generation_s": pl.Float64,
     "readmitted_steps": pl.Int64,
     "readmitted_tokens": pl.Int64,
@@ -45,26 +51,67 @@ def _admitted_of(left_out: pl.DataFrame, admitted: pl.DataFrame) -> pl.Series:
     return admitted["step_key"].implode()
 
 
-def _rows(lake: Lake, table: str, extra: list[str]) -> pl.DataFrame:
-    """The ledger's columns of a gold table (empty when it does not exist yet)."""
+def _rows(lake: Lake, table: str, extra: dict[str, pl.DataType]) -> pl.DataFrame:
+    """The ledger's columns of a gold table and `extra` ones (empty when it does not exist
+    yet; a column declared since it was written reads as nulls)."""
+    schema = ROW_SCHEMA | extra
     if not lake.exists(table):
-        return pl.DataFrame(schema=ROW_SCHEMA | {column: pl.String for column in extra})
-    frame = lake.read(table, columns=[*LEDGER_COLUMNS, *extra])
-    return frame.with_columns(pl.col("generation_ms").cast(pl.Float64))
+        return pl.DataFrame(schema=schema)
+    frame = lake.read(table, columns=list(schema))
+    return frame.cast(schema)  # type: ignore[arg-type]
+
+
+def token_floor(lake: Lake, name: str) -> int | None:
+    """The policy version below which dataset `name`'s spec masks tokens out of the loss
+    (token-level staleness: the newest published minus max_policy_staleness), or None."""
+    try:
+        spec = load_spec(lake, name)
+    except SpecError:
+        return None
+    published = published_version(lake)
+    if spec.staleness != "token" or spec.max_policy_staleness is None or published is None:
+        return None
+    return published - spec.max_policy_staleness
+
+
+def _masked(admitted: pl.DataFrame, floor: int) -> pl.DataFrame:
+    """Per policy version of admitted steps: the steps with tokens generated before `floor`
+    and those tokens (masked out of the loss), as ledger rows (outcome `masked`)."""
+    runs = admitted.select(
+        "policy_version",
+        "step_key",
+        v=pl.coalesce("policy_version_runs", pl.concat_list(pl.col("policy_version"))),
+        n=pl.coalesce("policy_run_lengths", pl.concat_list(pl.col("response_len"))),
+    ).explode("v", "n")
+    stale = runs.filter(pl.col("v") < floor)
+    masked = stale.group_by("policy_version").agg(
+        steps=pl.col("step_key").n_unique().cast(pl.Int64),
+        tokens=pl.col("n").sum().cast(pl.Int64),
+    )
+    return masked.with_columns(
+        generated_tokens="tokens",
+        generation_s=pl.lit(None, pl.Float64),
+        readmitted_steps=pl.lit(0, pl.Int64),
+        readmitted_tokens=pl.lit(0, pl.Int64),
+        readmitted_by=pl.lit([], pl.List(pl.String)),
+        outcome=pl.lit("masked"),
+    )
 
 
 def waste_ledger(lake: Lake, datasets: list[str] | None = None) -> pl.DataFrame:
     """One row per (dataset, policy version, outcome, reason): `outcome` is `admitted`
-    (reason null) or `rejected`; steps, tokens (prompt + response) and generation seconds
-    (of the steps whose time is known); for rejected rows, the steps and tokens another
-    dataset admitted (`readmitted_*`, `readmitted_by`). Per dataset and policy version,
-    admitted plus rejected is every step its spec looked at."""
+    (reason null), `rejected`, or `masked` (reason `stale`: generated tokens of admitted
+    steps a token-level staleness spec masks out of the loss now; those steps are counted
+    among the admitted too); steps, tokens (prompt + response), generated tokens (response)
+    and generation seconds (of the steps whose time is known); for rejected rows, the steps
+    and tokens another dataset admitted (`readmitted_*`, `readmitted_by`). Per dataset and
+    policy version, admitted plus rejected is every step its spec looked at."""
     names = gold_datasets(lake) if datasets is None else datasets
     read: dict[str, pl.DataFrame] = {}
 
     def admitted(name: str) -> pl.DataFrame:
         if name not in read:
-            read[name] = _rows(lake, gold_dataset_table(name), [])
+            read[name] = _rows(lake, gold_dataset_table(name), RUN_COLUMNS)
         return read[name]
 
     every = gold_datasets(lake)
@@ -72,6 +119,7 @@ def waste_ledger(lake: Lake, datasets: list[str] | None = None) -> pl.DataFrame:
     figures = {
         "steps": pl.len().cast(pl.Int64),
         "tokens": tokens.sum().cast(pl.Int64),
+        "generated_tokens": pl.col("response_len").fill_null(0).sum().cast(pl.Int64),
         "generation_s": pl.col("generation_ms").sum() / 1000,
     }
     parts = []
@@ -90,7 +138,14 @@ def waste_ledger(lake: Lake, datasets: list[str] | None = None) -> pl.DataFrame:
                 dataset=pl.lit(name),
             )
         )
-        left_out = _rows(lake, gold_rejection_table(name), ["reason"])
+        floor = token_floor(lake, name)
+        if floor is not None and admitted(name).height:
+            parts.append(
+                _masked(admitted(name), floor).with_columns(
+                    reason=pl.lit("stale"), dataset=pl.lit(name)
+                )
+            )
+        left_out = _rows(lake, gold_rejection_table(name), {"reason": pl.String})
         if left_out.is_empty():
             continue
         # per other dataset: which of the steps this one left out it admitted

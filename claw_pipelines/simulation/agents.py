@@ -1,5 +1,6 @@
-"""Simulated agents for demos and load: white-box math solvers, black-box tool agents, and a
-feedback service. They know only URLs: an inference server and a Claw gateway."""
+"""Simulated agents for demos and load: white-box math solvers, black-box tool agents, a
+rollout worker whose request a weight update aborts and that resumes it (partial rollouts),
+and a feedback service. They know only URLs: an inference server and a Claw gateway."""
 
 from __future__ import annotations
 
@@ -222,6 +223,63 @@ def compacted(messages: list[dict]) -> list[dict]:
     if keep_last and last.get("role") == "tool":  # a tool result needs its call: say it
         last = {"role": "user", "content": f"The calculator returned {last.get('content')}."}
     return [*head, summary, *([last] if keep_last else [])]
+
+
+def partial_rollout(
+    gateway_url: str,
+    api_key: str,
+    task: Task,
+    group: str,
+    policy_version: int,
+    tally: Tally,
+    abort_after: int = 6,
+) -> str:
+    """An async-RL rollout worker's request that a weight update aborts mid-generation and
+    that the worker resumes under the new policy, as AReaL and slime do: its chat call under
+    `policy_version` is aborted after `abort_after` tokens (the simulated model's stand-in
+    for the update; vLLM answers finish_reason `abort` with the tokens so far); the worker
+    sends the prompt's ids plus the partial reply's ids back as a token-in completion under
+    `policy_version + 1`, which the lake joins to the partial into one step. Scoped to its
+    trajectory (returned); a reply that ended before the abort is not resumed."""
+    from openai import OpenAI
+
+    trajectory = f"pr-{uuid.uuid4().hex[:12]}"
+    client = OpenAI(
+        base_url=f"{gateway_url}/t/{trajectory}/g/{group}/v1", api_key=api_key, max_retries=2
+    )
+    messages = [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": task.question},
+    ]
+    with client:
+        first = client.chat.completions.create(
+            model="claw-sim-llm",
+            messages=messages,
+            logprobs=True,
+            extra_headers={"X-Claw-Policy-Version": str(policy_version)},
+            extra_body={"return_token_ids": True, "abort_after_tokens": abort_after},
+        )
+        choice = first.choices[0]
+        text, tally.steps = choice.message.content or "", tally.steps + 1
+        if choice.finish_reason == "abort":  # resumed: the same prompt plus the partial reply
+            prompt = [*first.model_extra["prompt_token_ids"], *choice.model_extra["token_ids"]]
+            rest = client.completions.create(
+                model="claw-sim-llm",
+                prompt=prompt,
+                logprobs=0,
+                extra_headers={"X-Claw-Policy-Version": str(policy_version + 1)},
+                extra_body={"return_token_ids": True},
+            )
+            text, tally.steps = text + rest.choices[0].text, tally.steps + 1
+    done = httpx.post(
+        f"{gateway_url}/v1/trajectories/{trajectory}/complete",
+        headers={"Authorization": f"Bearer {api_key}"},
+        json={"reward": task.reward(text)},
+        timeout=30,
+    )
+    tally.add(done.raise_for_status().json(), "events")
+    tally.trajectories += 1
+    return trajectory
 
 
 def _calculate(expression: str, task: Task) -> int:

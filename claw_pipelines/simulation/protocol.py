@@ -125,6 +125,10 @@ class SamplingRequest(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    # the simulated model's stand-in for a weight update mid-generation: the request is
+    # aborted after this many tokens, as vLLM aborts requests in flight (the tokens so far,
+    # finish_reason `abort`); a choice that ends sooner is not
+    abort_after_tokens: int | None = Field(None, ge=0)
 
     @property
     def include_usage(self) -> bool:

@@ -12,7 +12,7 @@ import json
 import operator
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -275,6 +275,65 @@ def _finish(
         )
     visible = "" if tool_call else decode(ids, tokenizer, skip_special_tokens=True)
     return Generation(ids, visible, finish, tool_call, logprobs, top_ids, top_logprobs)
+
+
+def _sliced(tokenizer: Tokenizer, gen: Generation, start: int, stop: int) -> Generation:
+    """Tokens `start:stop` of a choice, with their log-probs (visible text decoded)."""
+    ids = gen.token_ids[start:stop]
+    return replace(
+        gen,
+        token_ids=ids,
+        text=decode(ids, tokenizer, skip_special_tokens=True),
+        logprobs=gen.logprobs[start:stop],
+        top_ids=gen.top_ids[start:stop],
+        top_logprobs=gen.top_logprobs[start:stop],
+    )
+
+
+def aborted(tokenizer: Tokenizer, gen: Generation, after: int | None) -> Generation:
+    """The choice as vLLM answers a request aborted after `after` tokens (weights updated
+    mid-generation): the tokens so far, finish_reason `abort`; a choice that ended first
+    stays as it is."""
+    if after is None or len(gen.token_ids) <= after:
+        return gen
+    return replace(_sliced(tokenizer, gen, 0, after), finish_reason="abort", tool_call=None)
+
+
+def open_assistant_turn(tokenizer: Tokenizer, ids: Sequence[int]) -> int | None:
+    """Where the partial reply starts in a ChatML prompt that ends inside an assistant turn
+    (the conversation, the assistant's generation prompt, then some of its reply): what a
+    rollout engine sends to resume an aborted request; None for any other prompt."""
+    opener = encode(_GENERATION_PROMPT, tokenizer)
+    starts = [i for i, t in enumerate(ids) if t == opener[0]]
+    if not starts:
+        return None
+    begin = starts[-1] + len(opener)
+    end_id = tokenizer.token_to_id(IM_END)
+    if list(ids[starts[-1] : begin]) != opener or begin >= len(ids) or end_id in ids[begin:]:
+        return None
+    return begin
+
+
+def continue_completion(
+    tokenizer: Tokenizer,
+    key: int,
+    ids: Sequence[int],
+    reply_start: int,
+    max_tokens: int | None = None,
+    drift: float = 0.0,
+) -> Generation | None:
+    """The rest of an aborted reply: the conversation `ids[:reply_start]` is answered as it
+    was (`key` is its own), and when the partial reply `ids[reply_start:]` begins that
+    answer, what follows is the continuation (cut at `max_tokens`); None when it does not."""
+    conversation = decode(list(ids[:reply_start]), tokenizer)
+    whole = generate_completion(tokenizer, key, conversation, None, drift)
+    partial = list(ids[reply_start:])
+    if whole.token_ids[: len(partial)] != partial or len(whole.token_ids) == len(partial):
+        return None
+    rest = _sliced(tokenizer, whole, len(partial), len(whole.token_ids))
+    if max_tokens is not None and len(rest.token_ids) > max_tokens:
+        rest = replace(_sliced(tokenizer, rest, 0, max_tokens), finish_reason="length")
+    return replace(rest, tool_call=None)
 
 
 def _last(messages: Sequence[dict[str, Any]], role: str) -> dict[str, Any] | None:

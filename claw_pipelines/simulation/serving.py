@@ -21,9 +21,12 @@ from claw_pipelines.simulation.protocol import (
 )
 from claw_pipelines.simulation.sampling import (
     Generation,
+    aborted,
     choice_key,
+    continue_completion,
     generate_chat,
     generate_completion,
+    open_assistant_turn,
 )
 from claw_pipelines.tokenization import decode, encode, render_chat
 
@@ -124,6 +127,7 @@ class SimulatedModel:
             )
             for index in range(request.n)
         ]
+        choices = [aborted(self.tokenizer, c, request.abort_after_tokens) for c in choices]
         return self._new_run("chatcmpl", [prompt_ids], choices, request.n)
 
     def completion(self, request: CompletionRequest) -> Run:
@@ -135,16 +139,36 @@ class SimulatedModel:
             text = prompt if isinstance(prompt, str) else decode(ids, self.tokenizer)
             all_ids.append(ids)
             choices += [
-                generate_completion(
+                aborted(
                     self.tokenizer,
-                    choice_key(self.seed, request.seed, ids, index),
-                    text,
-                    request.max_tokens,
-                    self.drift,
+                    self._complete(request, ids, text, index),
+                    request.abort_after_tokens,
                 )
                 for index in range(request.n)
             ]
         return self._new_run("cmpl", all_ids, choices, request.n)
+
+    def _complete(
+        self, request: CompletionRequest, ids: list[int], text: str, index: int
+    ) -> Generation:
+        """One choice for a prompt: a ChatML prompt ending inside an assistant turn (an
+        aborted reply sent again to be resumed) gets the rest of that reply, as the answer
+        to the conversation would have gone on; any other prompt a new answer."""
+        reply_start = open_assistant_turn(self.tokenizer, ids)
+        if reply_start is not None:
+            key = choice_key(self.seed, request.seed, ids[:reply_start], index)
+            rest = continue_completion(
+                self.tokenizer, key, ids, reply_start, request.max_tokens, self.drift
+            )
+            if rest is not None:
+                return rest
+        return generate_completion(
+            self.tokenizer,
+            choice_key(self.seed, request.seed, ids, index),
+            text,
+            request.max_tokens,
+            self.drift,
+        )
 
     def _message(self, gen: Generation) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": gen.text or None}

@@ -15,12 +15,13 @@ row per step, B steps, P = longest prompt, R = longest response:
 | `response_mask` | [B, R] int64, the step's `response_mask` (1 = trained), 0 on padding | |
 | `old_log_probs` | [B, R] float32, 0 where not captured | `rollout_log_probs` |
 | `token_level_rewards` | [B, R] float32, the reward on the last response token | `reward` |
+| `token_policy_versions` | [B, R] int64, each token's policy version, -1 padding | runs |
 | `uid` (non-tensor) | [B] object: the GRPO group | `prompt_uid`, else `trajectory_uid` |
 | `step_key` (non-tensor) | [B] object: provenance back to the lake | `step_key` |
 
 TRL (`trl_records`): dicts with `prompt_ids`, `completion_ids`, `completion_mask`, `reward`,
-`advantage`, `old_per_token_logps` and the step's provenance, as GRPO-style trainers take a
-generation's tokens.
+`advantage`, `old_per_token_logps`, `token_policy_versions` (per completion token) and the
+step's provenance, as GRPO-style trainers take a generation's tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import polars as pl
 
 from claw_pipelines.consume.dataset import BatchPlan, Dataset, Layout
+from claw_pipelines.transforms.partials import response_version_lists
 from claw_pipelines.transforms.shapes import verl_frame
 
 try:
@@ -78,6 +80,9 @@ def verl_batch(steps: pl.DataFrame, pad_id: int = 0) -> dict[str, Any]:
         "response_mask": response_mask,
         "old_log_probs": _padded(old, width_r, False, 0.0, np.float32),
         "token_level_rewards": _padded(frame["token_level_rewards"], width_r, False, 0, np.float32),
+        "token_policy_versions": _padded(
+            response_version_lists(steps), width_r, False, -1, np.int64
+        ),
     }
     return {
         "tensors": {k: torch.from_numpy(v) for k, v in tensors.items()},
@@ -91,12 +96,13 @@ def verl_batch(steps: pl.DataFrame, pad_id: int = 0) -> dict[str, Any]:
 
 def trl_records(steps: pl.DataFrame) -> list[dict[str, Any]]:
     """One TRL-style record per step (module doc)."""
-    frame = verl_frame(steps)
+    frame = verl_frame(steps).with_columns(response_version_lists(steps))
     return frame.select(
         prompt_ids="prompts",
         completion_ids="responses",
         completion_mask="response_mask",
         old_per_token_logps="old_log_probs",
+        token_policy_versions="token_policy_versions",
         reward="reward",
         advantage="advantage",
         group="uid",

@@ -4,6 +4,8 @@
   trajectories by token prefixes;
 - `fragments`: where a trajectory's history stops extending itself (context compaction), and
   why;
+- `partials`: aborted generations joined with their continuation into one step (partial
+  rollouts), and the policy version of each response token;
 - `feedback`, `trajectories`: reward and feedback facts resolved; trajectories' states;
 - `curation`: a spec's rules over candidate steps (kept, rejected and why, advantages);
 - `judges`: which judge's facts resolve a step's reward;

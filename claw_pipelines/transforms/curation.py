@@ -15,6 +15,9 @@ kept. Rules:
   trajectory's resolved return, mean and std (sample std; 0 for one trajectory) over the
   group's trajectories; null unless every trajectory of the group is complete with a return.
 Steps without a policy version belong to version 0.
+- partial rollouts: an aborted generation in silver is one nothing continued yet (a
+  continuation absorbs it, `transforms.partials`): it waits (`incomplete`) while its
+  trajectory is open and is left out (`aborted`) once the trajectory ended.
 - retries: when a client sends the same call again (the same prompt, right after the
   call it repeats, which nothing continued), the earlier call's steps are retry orphans:
   `superseded_by` names the retry's first step, and specs drop them unless `keep_superseded`.
@@ -28,6 +31,7 @@ import polars as pl
 
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.transforms.judges import judge_rewards
+from claw_pipelines.transforms.partials import is_aborted, oldest_version, with_runs
 
 GROUP = "group_key"
 # the silver/steps columns `candidates` reads (small ones: no token ids)
@@ -49,6 +53,8 @@ CANDIDATE_STEP_COLUMNS = [
     "metadata",
     "fragment",
     "fragment_reason",
+    "policy_version_runs",  # a joined partial rollout's versions (transforms.partials)
+    "policy_run_lengths",
 ]
 
 
@@ -209,11 +215,20 @@ def step_checks(spec: CurationSpec, newest_version: int) -> dict[str, pl.Expr]:
     stale = (
         None if spec.max_policy_staleness is None else newest_version - spec.max_policy_staleness
     )
+    # the version a step's staleness is judged by: its oldest token's (step), or the version
+    # that finished it (token: its older tokens are masked out of the loss instead)
+    judged = pl.col("policy_version") if spec.staleness == "token" else oldest_version()
+    fresh = pl.lit(True) if stale is None else (judged >= stale).fill_null(False)
     labels = [pl.col("labels").list.contains(label) for label in spec.require_labels]
     labels += [~pl.col("labels").list.contains(label) for label in spec.exclude_labels]
+    # an aborted step still in silver was not continued (a continuation absorbs it): it waits
+    # while its trajectory is open, and is left out once the trajectory ended
+    aborted = is_aborted()
+    ended = pl.col("trajectory_status").is_not_null() & (pl.col("trajectory_status") != "open")
     checks = {
         "superseded": [pl.lit(True) if spec.keep_superseded else pl.col("superseded_by").is_null()],
-        "stale": [_in("policy_version", spec.policy_versions), _at_least("policy_version", stale)],
+        "aborted": [~(aborted & ended)],
+        "stale": [_in("policy_version", spec.policy_versions), fresh],
         "reward": [
             pl.col("reward_status").is_in(spec.reward_status),
             _at_least("reward", spec.reward_min),
@@ -235,7 +250,7 @@ def step_checks(spec: CurationSpec, newest_version: int) -> dict[str, pl.Expr]:
             _in("source_kind", spec.sources),
             _in("tenant", spec.tenants),
         ],
-        "incomplete": [_in("trajectory_status", spec.trajectory_status)],
+        "incomplete": [_in("trajectory_status", spec.trajectory_status), ~(aborted & ~ended)],
     }
     return {  # null (an unknown value) fails, as a filter drops it
         reason: pl.all_horizontal(exprs or [pl.lit(True)]).fill_null(False)
@@ -334,6 +349,7 @@ def classify(
     version in `frame`); deadlines from `clock` (default: the newest trajectory activity in
     `frame`). Given both, `frame` may hold some groups of silver only: each group is judged
     on its own rows."""
+    frame = with_runs(frame)
     if newest is None:
         top = frame["policy_version"].max()
         newest = 0 if top is None else int(top)

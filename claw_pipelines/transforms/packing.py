@@ -3,9 +3,12 @@ then contiguous slices of them. Pure numpy: the token columns are copied once, i
 
 Per token: `input_ids`, `parent` (previous token on its path, -1 at a root), `position_ids`
 (position in the original sequence), `loss_mask`, `advantages`, `token_rewards` (summed over
-the steps whose response holds the token). Per step: its token indices (`token_of`), the
-depth where its own tokens start, and the token range of its attention block (its tree, or
-its own sequence when flat).
+the steps whose response holds the token), `token_policy_versions` (the policy version that
+generated it: a joined partial rollout's runs, else its step's version; the oldest when
+steps share it; -1 on tokens no step generated, prompts). Per step: its token indices
+(`token_of`), the depth where its own tokens start, and the token range of its attention
+block (its tree, or its own sequence when flat). With a staleness floor, response tokens of
+an older version are masked out of the loss (`loss_mask` 0, no advantage) step by step.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import polars as pl
 
 from claw_pipelines.transforms.hashing import list_parts
+from claw_pipelines.transforms.partials import response_versions
 from claw_pipelines.transforms.prefix_tree import (
     NO_PARENT,
     PrefixForest,
@@ -25,6 +29,8 @@ from claw_pipelines.transforms.prefix_tree import (
 )
 
 Layout = Literal["tree", "flat"]
+# the step columns per-token policy versions are laid out from
+VERSION_COLUMNS = ["policy_version", "response_len", "policy_version_runs", "policy_run_lengths"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,7 @@ class Packed:
     loss_mask: np.ndarray
     advantages: np.ndarray
     token_rewards: np.ndarray
+    token_policy_versions: np.ndarray  # int64 per token (empty when not asked for)
     step_keys: list[str]
     token_of: list[np.ndarray]  # per step, the indices of its whole sequence's tokens
     step_starts: np.ndarray
@@ -80,9 +87,16 @@ def _ordered_tokens(
     }
 
 
+def _response_tokens(token_of: list[np.ndarray], prompt_len: np.ndarray) -> np.ndarray:
+    """The token indices of every step's response, step after step."""
+    starts = prompt_len.tolist()
+    if not token_of:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([t[p:] for t, p in zip(token_of, starts, strict=True)])
+
+
 def _weights(
-    token_of: list[np.ndarray],
-    prompt_len: np.ndarray,
+    response: np.ndarray,
     response_len: np.ndarray,
     mask: np.ndarray,
     advantage: np.ndarray,
@@ -90,13 +104,8 @@ def _weights(
     total: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(loss_mask, advantages, token_rewards): sums over the steps whose response holds a
-    token (masked by the step's response_mask); each reward on its step's last token."""
-    starts = prompt_len.tolist()
-    response = (
-        np.concatenate([t[p:] for t, p in zip(token_of, starts, strict=True)])
-        if token_of
-        else np.zeros(0, dtype=np.int64)
-    )
+    token (`response`: their token indices; masked by the step's response_mask); each reward
+    on its step's last token."""
     weight = mask * np.repeat(advantage, response_len)
     loss = np.bincount(response, weights=mask, minlength=total) > 0
     advantages = np.bincount(response, weights=weight, minlength=total).astype(np.float32)
@@ -104,6 +113,23 @@ def _weights(
     last = np.cumsum(response_len)[has] - 1
     rewards = np.bincount(response[last], weights=reward[has], minlength=total)
     return loss.astype(np.int8), advantages, rewards.astype(np.float32)
+
+
+_NEWEST = np.iinfo(np.int64).max
+
+
+def _token_versions(response: np.ndarray, versions: np.ndarray, total: int) -> np.ndarray:
+    """Per token: the version of the steps whose response holds it (the oldest when several
+    do), -1 where none does. Tokens held once are assigned directly; only shared ones
+    (rollouts that sampled the same start) take the minimum."""
+    out = np.full(total, -1, dtype=np.int64)
+    out[response] = versions
+    shared = np.bincount(response, minlength=total) > 1
+    if shared.any():
+        again = shared[response]
+        out[shared] = _NEWEST
+        np.minimum.at(out, response[again], versions[again])
+    return out
 
 
 def _segment_tokens(forest: PrefixForest) -> list[np.ndarray]:
@@ -198,11 +224,18 @@ def pack(
     tree_rank: np.ndarray,
     layout: Layout,
     segments: pl.DataFrame | None = None,
+    *,
+    token_versions: bool = True,
+    stale_floor: int | None = None,
 ) -> Packed:
     """Lay out the steps of `frame` (step_key, prompt_len, response_len, response_mask,
-    reward, advantage, and prompt_ids/response_ids unless `segments` is given), grouped by
-    `tree_rank` (per row; a tree's steps stay together). With `segments` (the partition's
-    stored prefix trees) the tree layout is read from them instead of being rebuilt."""
+    reward, advantage, and prompt_ids/response_ids unless `segments` is given; for token
+    versions policy_version and, when present, policy_version_runs/policy_run_lengths),
+    grouped by `tree_rank` (per row; a tree's steps stay together). With `segments` (the
+    partition's stored prefix trees) the tree layout is read from them instead of being
+    rebuilt. `token_versions`: lay out `token_policy_versions` (else left empty);
+    `stale_floor`: mask response tokens generated before that policy version out of the
+    loss."""
     keyed = pl.DataFrame({"step_key": frame["step_key"], "rank": tree_rank}).with_row_index("row")
     ordered = keyed.sort("rank", "step_key")
     order = ordered["row"].to_numpy().astype(np.int64)
@@ -229,15 +262,20 @@ def pack(
         starts, lo, hi = np.zeros(len(order), np.int64), seq_offsets[:-1], seq_offsets[1:]
     advantage = frame["advantage"].fill_null(0.0).to_numpy()[order].astype(np.float32)
     reward = frame["reward"].fill_null(0.0).to_numpy()[order].astype(np.float32)
+    response = _response_tokens(token_of, tokens["prompt_len"])
+    mask, versions = tokens["mask"], None
+    if (token_versions or stale_floor is not None) and "policy_version" in frame.columns:
+        present = [c for c in VERSION_COLUMNS if c in frame.columns]
+        versions = response_versions(frame.select(present)[order])
+        if stale_floor is not None:
+            mask = mask * (versions >= stale_floor)
+    total = len(input_ids)
     loss, advantages, rewards = _weights(
-        token_of,
-        tokens["prompt_len"],
-        tokens["response_len"],
-        tokens["mask"],
-        advantage,
-        reward,
-        len(input_ids),
+        response, tokens["response_len"], mask, advantage, reward, total
     )
+    token_policy_versions = np.zeros(0, dtype=np.int64)
+    if token_versions and versions is not None:
+        token_policy_versions = _token_versions(response, versions, total)
     return Packed(
         layout=layout,
         input_ids=input_ids,
@@ -246,6 +284,7 @@ def pack(
         loss_mask=loss,
         advantages=advantages,
         token_rewards=rewards,
+        token_policy_versions=token_policy_versions,
         step_keys=ordered["step_key"].to_list(),
         token_of=token_of,
         step_starts=np.asarray(starts, dtype=np.int64),

@@ -32,6 +32,7 @@ from tests.support.lakes import (
     fill_bronze,
 )
 from tests.support.racing import (
+    KILL_SCRIPT,
     BarrierLake,
     race_gold_in_process,
     race_in_processes,
@@ -86,14 +87,6 @@ def test_silver_builds_in_separate_processes_from_one_watermark_land_each_step_o
     assert any(s["write_conflicts"] for s in summaries)
     assert_each_once(source)
     assert_same_silver(source, clean)
-
-
-KILL_SCRIPT = """
-import sys
-from claw_pipelines.build.silver import build_silver
-from tests.support.racing import KillingLake
-build_silver(KillingLake(sys.argv[1], sys.argv[2]))
-"""
 
 
 @pytest.mark.parametrize(

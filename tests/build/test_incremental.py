@@ -37,7 +37,15 @@ from claw_pipelines.lake import delta as lake_module
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
-from tests.support.lakes import LIVE, completion, feedback, group_of, land, step
+from tests.support.lakes import (
+    LIVE,
+    completion,
+    feedback,
+    group_of,
+    land,
+    partial_rollout,
+    step,
+)
 
 OPTIONS = SilverOptions(idle_timeout_s=0.04)  # a round is ~20 ms of data time
 SPECS = [
@@ -76,6 +84,12 @@ def script(round_: int) -> list[dict]:
     rows += [unscoped("c", round_, history, [100 + round_])]
     rows += [step("cmp", round_, compacting_prompt(round_), [300 + round_], version=version)]
     rows += [step(f"idle-{round_}", 0, [4, round_], [4], group=f"i{round_}", version=version)]
+    # a generation the next round's policy bump aborts, resumed (and joined) in that round
+    partial = partial_rollout("p", [8, 8], [[50, 51], [52, 53, 54]], [1, 2], group="pg")
+    if round_ == 2:
+        rows += partial[:1]
+    elif round_ == 3:
+        rows += [*partial[1:], completion("p", 1.0)]
     return rows
 
 
@@ -192,6 +206,10 @@ def test_increments_equal_full_rebuilds_through_late_facts_stitching_specs_and_r
     assert compacting["fragment_reason"].to_list() == [
         "history_rewritten" if r == COMPACTS_AT else None for r in range(rounds)
     ]
+    # steps too, the partial joined across two increments included
+    same(lake.read(SILVER_STEPS), full.read(SILVER_STEPS), ["step_key"])
+    joined = lake.read(SILVER_STEPS).filter(pl.col("trajectory_uid") == "p").to_dicts()
+    assert [(r["step_key"], r["policy_version_runs"]) for r in joined] == [("p:1", [1, 2])]
 
     # gold: every dataset equals one built from nothing, partition by partition
     for spec in SPECS:

@@ -263,6 +263,33 @@ def test_max_tokens_truncates_with_finish_reason_length(client: openai.OpenAI) -
     assert cut.choices[0].message.content == decode(cut.choices[0].token_ids)
 
 
+def test_an_aborted_request_answers_its_tokens_so_far_and_resumes_where_it_stopped(
+    client: openai.OpenAI,
+) -> None:
+    full = _chat(client, seed=8, logprobs=True)
+    cut = _chat(client, seed=8, logprobs=True, extra_body={"abort_after_tokens": 3})
+    choice, whole = cut.choices[0], full.choices[0]
+    assert choice.finish_reason == "abort" and choice.token_ids == whole.token_ids[:3]
+    assert choice.message.content == decode(choice.token_ids, skip_special_tokens=True)
+    assert [t.logprob for t in choice.logprobs.content] == [
+        t.logprob for t in whole.logprobs.content[:3]
+    ]
+    # resumed as rollout engines do: the prompt's ids plus the partial reply's, token in
+    prompt = [*cut.model_extra["prompt_token_ids"], *choice.token_ids]
+    rest = client.completions.create(
+        model="claw-sim-llm",
+        prompt=prompt,
+        seed=8,
+        logprobs=0,
+        extra_body={"return_token_ids": True},
+    ).choices[0]
+    assert rest.finish_reason == "stop"
+    assert [*choice.token_ids, *rest.token_ids] == whole.token_ids  # the answer, whole
+    assert rest.logprobs.token_logprobs == [t.logprob for t in whole.logprobs.content[3:]]
+    short = _chat(client, seed=8, extra_body={"abort_after_tokens": 10_000}).choices[0]
+    assert short.finish_reason == "stop"  # it ended before the abort came
+
+
 def test_completions_take_token_id_prompts(base_url: str) -> None:
     ids = encode("Compute 3 * 4 =")
     with httpx.Client(base_url=base_url) as http:

@@ -93,6 +93,39 @@ def step(
     }
 
 
+def partial_rollout(
+    trajectory: str,
+    prompt: list[int],
+    parts: list[list[int]],
+    versions: list[int],
+    *,
+    first_index: int = 0,
+    group: str | None = None,
+    **extra,
+) -> list[dict]:
+    """Steps of one generation aborted `len(parts) - 1` times and resumed each time: part k
+    is generated under `versions[k]` (log-probs -(k + 1) / 10 - position / 1000, so every
+    token's is distinct), every part but the last ends `abort`, and each resumption's prompt is
+    the prompt plus the parts before it."""
+    rows, history = [], list(prompt)
+    for k, (part, version) in enumerate(zip(parts, versions, strict=True)):
+        last = k == len(parts) - 1
+        row = step(
+            trajectory,
+            first_index + k,
+            history,
+            part,
+            group=group,
+            version=version,
+            finish_reason="stop" if last else "abort",
+            **extra,
+        )
+        row["rollout_log_probs"] = [-(k + 1) / 10 - n / 1000 for n in range(len(part))]
+        rows.append(row)
+        history = [*history, *part]
+    return rows
+
+
 def completion(trajectory: str, reward: float | None = None, tenant: str = "t") -> dict:
     """A trajectory_complete record."""
     payload = {"trajectory_uid": trajectory, "reward": reward, "status": "complete", "metadata": {}}

@@ -49,6 +49,15 @@ class BarrierLake(Lake):
         return super().overwrite(*args, **kwargs)
 
 
+# a silver run on a KillingLake, in a process of its own: argv = lake uri, victim table
+KILL_SCRIPT = """
+import sys
+from claw_pipelines.build.silver import build_silver
+from tests.support.racing import KillingLake
+build_silver(KillingLake(sys.argv[1], sys.argv[2]))
+"""
+
+
 class KillingLake(Lake):
     """A lake whose process dies (SIGKILL) right after its commit to table `victim`."""
 
