@@ -11,6 +11,8 @@
 - `live`: `next_batch` and `replay`, and what delivery keeps between calls;
 - `delivery`: live delivery: which prompt groups a consumer rank gets next, each once,
   recorded in `gold/consumption`;
+- `feedback`: what a trainer feeds back on a delivered batch (its log-probs, loss, step),
+  recorded once in `gold/trainer_feedback`, and the behaviour-vs-trainer mismatch report;
 - `judge`: what a batch's contract is judged against (spec, staleness floor, rejections);
 - `report`: a batch's contract report, computed as it is handed out;
 - `lineage`: which spec wrote each partition, read by `gold/lineage`'s change feed;

@@ -1,7 +1,8 @@
 """Live delivery of one dataset (`Dataset.next_batch`, which `follow` repeats, and
 `replay`): fresh whole groups from its newest version, each once per consumer rank, recorded
 (`consume.delivery` chooses and records); and the batches recorded, rebuilt exactly at their
-dataset versions.
+dataset versions (with the feedback their trainer recorded, `consume.feedback`, in their
+contract reports).
 
 It keeps, while the tables they came from have not moved, the newest rows (brought up to date
 by the dataset's change feed, `delivery.LiveRows`) and each consumer rank's ledger.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import polars as pl
@@ -28,6 +30,7 @@ from claw_pipelines.consume.delivery import (
     ledger,
     record_delivery,
 )
+from claw_pipelines.consume.feedback import mismatch_of, recorded
 from claw_pipelines.consume.judge import Judge
 from claw_pipelines.consume.kept import Kept
 from claw_pipelines.consume.report import blocking_failures
@@ -82,7 +85,8 @@ class Live:
 
     def replay(self, consumer: str, rank: int, after_batch: int, layout: Layout) -> Iterator[Batch]:
         """`Dataset.replay`: the batches recorded for `consumer` rank `rank` after batch
-        `after_batch`, each rebuilt at its recorded dataset version."""
+        `after_batch`, each rebuilt at its recorded dataset version, its contract report
+        carrying the feedback its trainer recorded (if any)."""
         if not self.lake.exists(GOLD_CONSUMPTION):
             return
         rows = (
@@ -97,6 +101,9 @@ class Live:
             .sort("batch_index")
             .collect()
         )
+        if rows.is_empty():
+            return
+        fed = recorded(self.lake, self.name, consumer, rank)  # what their trainer fed back
         for row in rows.iter_rows(named=True):
             frame = (
                 self.source.scan(row["dataset_version"])
@@ -105,8 +112,13 @@ class Live:
                 .collect()
             )
             batch = self.pack(frame, row["dataset_version"], layout)
-            batch.contract = self.judge.report(batch, frame, row["dataset_version"])
+            report = self.judge.report(batch, frame, row["dataset_version"])
+            feedback = fed.filter(pl.col("batch_index") == row["batch_index"])
+            if feedback.height:
+                report = replace(report, feedback=mismatch_of(feedback))
+            batch.contract = report
             batch.groups, batch.batch_index = list(row["groups"]), row["batch_index"]
+            batch.consumer, batch.rank = consumer, rank
             yield batch
 
     def deliver(
@@ -153,6 +165,7 @@ class Live:
         if failed:  # recorded as refused (never offered again), never returned
             raise ContractViolation(batch.contract, failed)
         batch.groups, batch.batch_index = chosen, book.next_index
+        batch.consumer, batch.rank = consumer, rank
         return batch
 
     def ledger(self, consumer: str, rank: int) -> Ledger:

@@ -3,9 +3,11 @@ then contiguous slices of them. Pure numpy: the token columns are copied once, i
 
 Per token: `input_ids`, `parent` (previous token on its path, -1 at a root), `position_ids`
 (position in the original sequence), `loss_mask`, `advantages`, `token_rewards` (summed over
-the steps whose response holds the token). Per step: its token indices (`token_of`), the
-depth where its own tokens start, and the token range of its attention block (its tree, or
-its own sequence when flat).
+the steps whose response holds the token), `behaviour_log_probs` (the mean over the steps
+whose response holds the token and captured its log-prob; `has_behaviour_log_probs` says
+where one did). Per step: its token indices (`token_of`), its prompt length (its response is
+`token_of[k][prompt_len:]`), the depth where its own tokens start, and the token range of its
+attention block (its tree, or its own sequence when flat).
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ class Packed:
     loss_mask: np.ndarray
     advantages: np.ndarray
     token_rewards: np.ndarray
+    behaviour_log_probs: np.ndarray  # float32 per token, 0 where no step captured one
+    has_behaviour_log_probs: np.ndarray  # bool per token
     step_keys: list[str]
     token_of: list[np.ndarray]  # per step, the indices of its whole sequence's tokens
     step_starts: np.ndarray
+    step_prompt_lens: np.ndarray  # per step: its prompt's tokens
     block_lo: np.ndarray  # per step: first token of its attention block
     block_hi: np.ndarray  # per step: end of its attention block
 
@@ -80,23 +85,26 @@ def _ordered_tokens(
     }
 
 
+def _response_tokens(token_of: list[np.ndarray], prompt_len: np.ndarray) -> np.ndarray:
+    """The token index of every response token, step after step (each step's after its
+    prompt)."""
+    starts = prompt_len.tolist()
+    if not token_of:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([t[p:] for t, p in zip(token_of, starts, strict=True)])
+
+
 def _weights(
-    token_of: list[np.ndarray],
-    prompt_len: np.ndarray,
+    response: np.ndarray,
     response_len: np.ndarray,
     mask: np.ndarray,
     advantage: np.ndarray,
     reward: np.ndarray,
     total: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(loss_mask, advantages, token_rewards): sums over the steps whose response holds a
-    token (masked by the step's response_mask); each reward on its step's last token."""
-    starts = prompt_len.tolist()
-    response = (
-        np.concatenate([t[p:] for t, p in zip(token_of, starts, strict=True)])
-        if token_of
-        else np.zeros(0, dtype=np.int64)
-    )
+    """(loss_mask, advantages, token_rewards) of the tokens `response` lists (each step's
+    response tokens, step after step): sums over the steps whose response holds a token
+    (masked by the step's response_mask); each reward on its step's last token."""
     weight = mask * np.repeat(advantage, response_len)
     loss = np.bincount(response, weights=mask, minlength=total) > 0
     advantages = np.bincount(response, weights=weight, minlength=total).astype(np.float32)
@@ -104,6 +112,36 @@ def _weights(
     last = np.cumsum(response_len)[has] - 1
     rewards = np.bincount(response[last], weights=reward[has], minlength=total)
     return loss.astype(np.int8), advantages, rewards.astype(np.float32)
+
+
+def _behaviour(
+    response: np.ndarray,
+    response_len: np.ndarray,
+    log_probs: pl.Series | None,
+    order: np.ndarray,
+    total: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(behaviour_log_probs, has_behaviour_log_probs) of the tokens `response` lists: per
+    token the mean of the log-probs the steps whose response holds it captured (a step
+    captured them when its `log_probs` list, of the rows in `order`, has one per response
+    token; a null or non-finite value is not captured), 0 and False where none did."""
+    values = np.zeros(total, dtype=np.float32)
+    if log_probs is None or not len(response):
+        return values, np.zeros(total, dtype=bool)
+    offsets, flat, valid = list_parts(log_probs.to_arrow())
+    captured = valid[order] & (np.diff(offsets)[order] == response_len)
+    ends = np.cumsum(response_len)
+    within = np.arange(len(response)) - np.repeat(ends - response_len, response_len)
+    source = np.repeat(offsets[:-1][order], response_len) + within
+    take = np.repeat(captured, response_len)
+    read = flat[source[take]].astype(np.float64) if take.any() else np.zeros(0)
+    finite = np.isfinite(read)
+    at = response[take][finite]
+    counts = np.bincount(at, minlength=total)
+    sums = np.bincount(at, weights=read[finite], minlength=total)
+    has = counts > 0
+    values[has] = sums[has] / counts[has]
+    return values, has
 
 
 def _segment_tokens(forest: PrefixForest) -> list[np.ndarray]:
@@ -200,9 +238,10 @@ def pack(
     segments: pl.DataFrame | None = None,
 ) -> Packed:
     """Lay out the steps of `frame` (step_key, prompt_len, response_len, response_mask,
-    reward, advantage, and prompt_ids/response_ids unless `segments` is given), grouped by
-    `tree_rank` (per row; a tree's steps stay together). With `segments` (the partition's
-    stored prefix trees) the tree layout is read from them instead of being rebuilt."""
+    reward, advantage, and prompt_ids/response_ids unless `segments` is given; with
+    rollout_log_probs, the behaviour log-probs too), grouped by `tree_rank` (per row; a
+    tree's steps stay together). With `segments` (the partition's stored prefix trees) the
+    tree layout is read from them instead of being rebuilt."""
     keyed = pl.DataFrame({"step_key": frame["step_key"], "rank": tree_rank}).with_row_index("row")
     ordered = keyed.sort("rank", "step_key")
     order = ordered["row"].to_numpy().astype(np.int64)
@@ -229,14 +268,14 @@ def pack(
         starts, lo, hi = np.zeros(len(order), np.int64), seq_offsets[:-1], seq_offsets[1:]
     advantage = frame["advantage"].fill_null(0.0).to_numpy()[order].astype(np.float32)
     reward = frame["reward"].fill_null(0.0).to_numpy()[order].astype(np.float32)
+    response = _response_tokens(token_of, tokens["prompt_len"])
+    total = len(input_ids)
     loss, advantages, rewards = _weights(
-        token_of,
-        tokens["prompt_len"],
-        tokens["response_len"],
-        tokens["mask"],
-        advantage,
-        reward,
-        len(input_ids),
+        response, tokens["response_len"], tokens["mask"], advantage, reward, total
+    )
+    log_probs = frame["rollout_log_probs"] if "rollout_log_probs" in frame.columns else None
+    behaviour, has_behaviour = _behaviour(
+        response, tokens["response_len"], log_probs, order, total
     )
     return Packed(
         layout=layout,
@@ -246,9 +285,12 @@ def pack(
         loss_mask=loss,
         advantages=advantages,
         token_rewards=rewards,
+        behaviour_log_probs=behaviour,
+        has_behaviour_log_probs=has_behaviour,
         step_keys=ordered["step_key"].to_list(),
         token_of=token_of,
         step_starts=np.asarray(starts, dtype=np.int64),
+        step_prompt_lens=tokens["prompt_len"],
         block_lo=np.asarray(lo, dtype=np.int64),
         block_hi=np.asarray(hi, dtype=np.int64),
     )
