@@ -31,10 +31,10 @@ from typing import Any
 
 import polars as pl
 
+from claw_pipelines.consume import feedback
 from claw_pipelines.consume.batch import Batch, subtree_ends
 from claw_pipelines.consume.delivery import LiveRows
 from claw_pipelines.consume.feedback import FEEDBACK_BAND, WORST_STEPS, FeedbackReport
-from claw_pipelines.consume import feedback
 from claw_pipelines.consume.judge import Judge
 from claw_pipelines.consume.lineage import LINEAGE_COLUMNS, Lineage
 from claw_pipelines.consume.live import Live

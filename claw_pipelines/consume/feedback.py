@@ -44,7 +44,7 @@ WORST_STEPS = 5
 BATCH_KEYS = ["consumer", "rank", "batch_index"]
 FIGURES = ["tokens_compared", "mean_abs_diff", "k1", "k3", "outside_band"]
 # the small columns a summary reads (not the log-prob lists)
-SUMMARY_COLUMNS = [
+SUMMARY_COLUMNS = (
     *BATCH_KEYS,
     "step_key",
     "policy_version",
@@ -54,8 +54,7 @@ SUMMARY_COLUMNS = [
     "loss",
     "train_step",
     "recorded_at",
-]
-LIST_COLUMNS = ["trainer_log_probs", "behaviour_log_probs"]
+)
 # a trained token's log-prob above this is no log-probability (probabilities or logits given)
 LOG_PROB_SLACK = 1e-3
 
@@ -113,7 +112,7 @@ def _record_once(
     on_record = lake.read(
         GOLD_TRAINER_FEEDBACK,
         version,
-        columns=SUMMARY_COLUMNS,
+        columns=list(SUMMARY_COLUMNS),
         where=_of(dataset, batch.consumer, batch.rank)
         & (pl.col("batch_index") == batch.batch_index),
     )
@@ -143,7 +142,9 @@ def _as_array(log_probs: Any) -> np.ndarray:
         return np.asarray(log_probs, dtype=np.float64)
     except (TypeError, ValueError):
         kind = type(log_probs).__name__
-        raise ValueError(f"log_probs must be numbers (a numpy array or torch tensor), not {kind}")
+        raise ValueError(
+            f"log_probs must be numbers (a numpy array or torch tensor), not {kind}"
+        ) from None
 
 
 def checked_log_probs(batch: Batch, log_probs: Any) -> np.ndarray:
@@ -176,6 +177,8 @@ def checked_loss(loss: Any) -> float | None:
     """`loss` (a number or a one-element tensor) as a finite float; ValueError otherwise."""
     if loss is None:
         return None
+    if hasattr(loss, "detach"):  # a torch tensor, perhaps still in the graph
+        loss = loss.detach()
     try:
         value = float(loss)
     except (TypeError, ValueError, RuntimeError):
@@ -276,7 +279,7 @@ def recorded(
     dataset: str,
     consumer: str | None = None,
     rank: int | None = None,
-    columns: list[str] | None = SUMMARY_COLUMNS,
+    columns: tuple[str, ...] | None = SUMMARY_COLUMNS,
 ) -> pl.DataFrame:
     """The feedback rows on record for `dataset` (of one consumer, and rank, when given):
     `columns` of them (by default the small ones; None: every column)."""
@@ -284,7 +287,8 @@ def recorded(
         empty = pl.from_arrow(GOLD_TRAINER_FEEDBACK_SPEC.schema.empty_table())
         assert isinstance(empty, pl.DataFrame)
         return empty if columns is None else empty.select(columns)
-    return lake.read(GOLD_TRAINER_FEEDBACK, columns=columns, where=_of(dataset, consumer, rank))
+    wanted = None if columns is None else list(columns)
+    return lake.read(GOLD_TRAINER_FEEDBACK, columns=wanted, where=_of(dataset, consumer, rank))
 
 
 def figures(band: tuple[float, float]) -> list[pl.Expr]:
@@ -401,16 +405,16 @@ def mismatch_report(
 ) -> FeedbackReport:
     """The report over feedback rows `steps` whose figures were computed against `band`."""
     per_version = steps.group_by("policy_version").agg(
-        batches=pl.struct(BATCH_KEYS).n_unique().cast(pl.Int64),
-        steps=pl.len().cast(pl.Int64),
+        pl.struct(BATCH_KEYS).n_unique().cast(pl.Int64).alias("batches"),
+        pl.len().cast(pl.Int64).alias("steps"),
         *weighted_figures(),
     )
     per_batch = steps.group_by(BATCH_KEYS).agg(
-        policy_versions=pl.col("policy_version").unique().sort(),
-        steps=pl.len().cast(pl.Int64),
-        loss=pl.col("loss").first(),
-        train_step=pl.col("train_step").first(),
-        recorded_at=pl.col("recorded_at").max(),
+        pl.col("policy_version").unique().sort().alias("policy_versions"),
+        pl.len().cast(pl.Int64).alias("steps"),
+        pl.col("loss").first(),
+        pl.col("train_step").first(),
+        pl.col("recorded_at").max(),
         *weighted_figures(),
     )
     worst_steps = (

@@ -91,8 +91,9 @@ class Mismatch:
             return "no token carries both log-probs"
         low, high = self.band
         return (
-            f"{self.tokens_compared:,} tokens, mean |b - t| {self.mean_abs_diff:.4g}, k1 {self.k1:.4g}, "
-            f"k3 {self.k3:.4g}, {self.outside_band:.1%} of ratios outside [{low}, {high}]"
+            f"{self.tokens_compared:,} tokens, mean |b - t| {self.mean_abs_diff:.4g}, "
+            f"k1 {self.k1:.4g}, k3 {self.k3:.4g}, "
+            f"{self.outside_band:.1%} of ratios outside [{low}, {high}]"
         )
 
 

@@ -33,8 +33,8 @@ BATCH_STEP_COLUMNS = [
 BATCH_READ_COLUMNS = list(dict.fromkeys([*BATCH_STEP_COLUMNS, *CONTRACT_COLUMNS]))
 # what packing reads of steps whose trees are rebuilt (or laid out flat), and of steps that
 # captured behaviour log-probs (read only when one of them did)
-TOKEN_COLUMNS = ["prompt_ids", "response_ids"]
-BEHAVIOUR_COLUMNS = ["rollout_log_probs"]
+TOKEN_COLUMNS = ("prompt_ids", "response_ids")
+BEHAVIOUR_COLUMNS = ("rollout_log_probs",)
 # what `stored_trees` reads of a partition's segments
 SEGMENT_COLUMNS = ["segment", "tree_id", "parent", "start_depth", "end_depth", "tokens", "step_key"]
 
@@ -133,7 +133,7 @@ class GoldSource:
         steps: pl.DataFrame,
         policy_version: int | None = None,
         every_step: bool = False,
-        columns: list[str] = TOKEN_COLUMNS,
+        columns: tuple[str, ...] = TOKEN_COLUMNS,
     ) -> pl.DataFrame:
         """(step_key, `columns`: by default prompt_ids, response_ids) of `steps` at version
         `at`: of partition `policy_version` when given, and all of its steps when
@@ -215,8 +215,8 @@ class GoldSource:
         of `frame` captured them (`has_log_probs`, read beside the tokens or alone); and
         `frame` as packed (with what was read)."""
         captured = "has_log_probs" not in frame.columns or bool(frame["has_log_probs"].any())
-        behaviour = BEHAVIOUR_COLUMNS if captured else []
-        columns = behaviour if segments is not None else [*TOKEN_COLUMNS, *behaviour]
+        behaviour = BEHAVIOUR_COLUMNS if captured else ()
+        columns = behaviour if segments is not None else (*TOKEN_COLUMNS, *behaviour)
         if columns:  # tokens: flat, a partly consumed partition, or no usable stored trees
             read = self.tokens(at, frame, policy_version, every_step, columns)
             frame = frame.join(read, on="step_key", how="left", maintain_order="left")

@@ -274,9 +274,7 @@ def pack(
         response, tokens["response_len"], tokens["mask"], advantage, reward, total
     )
     log_probs = frame["rollout_log_probs"] if "rollout_log_probs" in frame.columns else None
-    behaviour, has_behaviour = _behaviour(
-        response, tokens["response_len"], log_probs, order, total
-    )
+    behaviour, has_behaviour = _behaviour(response, tokens["response_len"], log_probs, order, total)
     return Packed(
         layout=layout,
         input_ids=input_ids,

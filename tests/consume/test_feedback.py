@@ -137,9 +137,11 @@ def test_wrong_feedback_is_refused_naming_the_argument(behaviour):
     batch.consumer = "someone-else"  # a batch this consumer was never given
     with pytest.raises(NotFound, match="consumer 'someone-else' rank 0 was never delivered"):
         ds.record_feedback(batch, good)
-    assert not behaviour.read(GOLD_TRAINER_FEEDBACK).filter(
-        pl.col("consumer").is_in(["wrong", "someone-else"])
-    ).height
+    assert (
+        not behaviour.read(GOLD_TRAINER_FEEDBACK)
+        .filter(pl.col("consumer").is_in(["wrong", "someone-else"]))
+        .height
+    )
 
 
 def expected_figures(log_probs: list[list[float]], shift_first: float, shift_all: float):
@@ -170,7 +172,10 @@ def test_the_mismatch_report_equals_a_hand_computation(behaviour):
         for v in (1, 2)
     }
     # version 1: r = 1/1.5 (outside the band) on first tokens only; version 2: r = exp(-0.05)
-    v1, v2 = expected_figures(by_version[1], SHIFT_V1, 0), expected_figures(by_version[2], 0, SHIFT_V2)
+    v1, v2 = (
+        expected_figures(by_version[1], SHIFT_V1, 0),
+        expected_figures(by_version[2], 0, SHIFT_V2),
+    )
     assert v1["outside_band"] == pytest.approx(len(by_version[1]) / v1["tokens_compared"])
     assert v2["outside_band"] == 0 and v2["k1"] == pytest.approx(0.05)
     report = ds.feedback_report(consumer="report")

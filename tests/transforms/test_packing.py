@@ -42,6 +42,7 @@ def frame() -> pl.DataFrame:
             "prompt_ids": pl.List(pl.Int32),
             "response_ids": pl.List(pl.Int32),
             "rollout_log_probs": pl.List(pl.Float32),
+            "response_mask": pl.List(pl.Int8),
         },
     )
 
