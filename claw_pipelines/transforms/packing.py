@@ -87,15 +87,17 @@ def _ordered_tokens(
 
 def _response_tokens(token_of: list[np.ndarray], prompt_len: np.ndarray) -> np.ndarray:
     """The token index of every response token, step after step (each step's after its
-    prompt)."""
+    prompt), as int64: numpy indexes and bincounts with it without a converted copy."""
     starts = prompt_len.tolist()
     if not token_of:
         return np.zeros(0, dtype=np.int64)
-    return np.concatenate([t[p:] for t, p in zip(token_of, starts, strict=True)])
+    pieces = [t[p:] for t, p in zip(token_of, starts, strict=True)]
+    return np.concatenate(pieces).astype(np.int64, copy=False)
 
 
 def _weights(
     response: np.ndarray,
+    holders: np.ndarray,
     response_len: np.ndarray,
     mask: np.ndarray,
     advantage: np.ndarray,
@@ -103,10 +105,13 @@ def _weights(
     total: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(loss_mask, advantages, token_rewards) of the tokens `response` lists (each step's
-    response tokens, step after step): sums over the steps whose response holds a token
-    (masked by the step's response_mask); each reward on its step's last token."""
+    response tokens, step after step; `holders`: per token, how many steps' responses hold
+    it): sums over the steps whose response holds a token (masked by the step's
+    response_mask); each reward on its step's last token."""
     weight = mask * np.repeat(advantage, response_len)
-    loss = np.bincount(response, weights=mask, minlength=total) > 0
+    # when no response_mask leaves a token out, every token a response holds is trained
+    trained = holders if mask.all() else np.bincount(response, weights=mask, minlength=total)
+    loss = trained > 0
     advantages = np.bincount(response, weights=weight, minlength=total).astype(np.float32)
     has = response_len > 0
     last = np.cumsum(response_len)[has] - 1
@@ -116,6 +121,7 @@ def _weights(
 
 def _behaviour(
     response: np.ndarray,
+    holders: np.ndarray,
     response_len: np.ndarray,
     log_probs: pl.Series | None,
     order: np.ndarray,
@@ -124,23 +130,34 @@ def _behaviour(
     """(behaviour_log_probs, has_behaviour_log_probs) of the tokens `response` lists: per
     token the mean of the log-probs the steps whose response holds it captured (a step
     captured them when its `log_probs` list, of the rows in `order`, has one per response
-    token; a null or non-finite value is not captured), 0 and False where none did."""
+    token; a null or non-finite value is not captured), 0 and False where none did. Each
+    step's values are one slice (no per-token work in Python); only the tokens several steps'
+    responses hold (`holders` > 1: a tree's shared replies) are averaged."""
     values = np.zeros(total, dtype=np.float32)
     if log_probs is None or not len(response):
         return values, np.zeros(total, dtype=bool)
     offsets, flat, valid = list_parts(log_probs.to_arrow())
     captured = valid[order] & (np.diff(offsets)[order] == response_len)
-    ends = np.cumsum(response_len)
-    within = np.arange(len(response)) - np.repeat(ends - response_len, response_len)
-    source = np.repeat(offsets[:-1][order], response_len) + within
-    take = np.repeat(captured, response_len)
-    read = flat[source[take]].astype(np.float64) if take.any() else np.zeros(0)
+    bounds = offsets.tolist()
+    pieces = [
+        flat[bounds[i] : bounds[i + 1]] if ok else np.full(n, np.nan, dtype=np.float32)
+        for i, n, ok in zip(order.tolist(), response_len.tolist(), captured.tolist(), strict=True)
+    ]
+    read = np.concatenate(pieces).astype(np.float32, copy=False)
     finite = np.isfinite(read)
-    at = response[take][finite]
-    counts = np.bincount(at, minlength=total)
-    sums = np.bincount(at, weights=read[finite], minlength=total)
-    has = counts > 0
-    values[has] = sums[has] / counts[has]
+    every = bool(finite.all())
+    at, kept = (response, read) if every else (response[finite], read[finite])
+    values[at] = kept
+    if every:
+        has = holders > 0
+    else:
+        has = np.zeros(total, dtype=bool)
+        has[at] = True
+    shared = (holders > 1)[at] if (holders > 1).any() else None
+    if shared is not None and shared.any():  # the mean of the values each shared token got
+        tokens, which = np.unique(at[shared], return_inverse=True)
+        sums = np.bincount(which, weights=kept[shared])
+        values[tokens] = sums / np.bincount(which)
     return values, has
 
 
@@ -270,11 +287,14 @@ def pack(
     reward = frame["reward"].fill_null(0.0).to_numpy()[order].astype(np.float32)
     response = _response_tokens(token_of, tokens["prompt_len"])
     total = len(input_ids)
+    holders = np.bincount(response, minlength=total)
     loss, advantages, rewards = _weights(
-        response, tokens["response_len"], tokens["mask"], advantage, reward, total
+        response, holders, tokens["response_len"], tokens["mask"], advantage, reward, total
     )
     log_probs = frame["rollout_log_probs"] if "rollout_log_probs" in frame.columns else None
-    behaviour, has_behaviour = _behaviour(response, tokens["response_len"], log_probs, order, total)
+    behaviour, has_behaviour = _behaviour(
+        response, holders, tokens["response_len"], log_probs, order, total
+    )
     return Packed(
         layout=layout,
         input_ids=input_ids,
