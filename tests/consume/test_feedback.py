@@ -5,14 +5,17 @@ refused naming them; the mismatch report's figures equal a hand computation."""
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import polars as pl
 import pytest
 
-from claw_pipelines.consume.dataset import open_dataset
+from claw_pipelines.consume.dataset import Dataset, open_dataset
 from claw_pipelines.contracts.errors import NotFound
 from claw_pipelines.contracts.tables import GOLD_TRAINER_FEEDBACK
+from tests.support.racing import BarrierLake
 
 SHIFT_V1 = math.log(1.5)  # policy version 1: the trainer is 1/1.5 as likely on a reply's 1st token
 SHIFT_V2 = 0.05  # policy version 2: the trainer is exp(-0.05) as likely on every reply token
@@ -108,6 +111,20 @@ def test_a_retried_or_replayed_batch_is_recorded_once(behaviour):
     assert ds.record_feedback(second, trainer_log_probs(second)) is True
     counted = behaviour.read(GOLD_TRAINER_FEEDBACK).filter(pl.col("consumer") == "once")
     assert counted.height == len(first.step_keys) + len(second.step_keys)
+
+
+def test_two_processes_recording_one_batch_at_once_record_it_once(behaviour):
+    """Both compute from the same state and commit together (tests/support/racing.py): the
+    guard lets one land; the other tries again, finds it on record and writes nothing."""
+    batch = delivered(behaviour, "racing", 1)
+    values = trainer_log_probs(batch)
+    barrier = threading.Barrier(2)
+    racers = [Dataset(BarrierLake(behaviour.uri, barrier), "behaviour") for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(lambda ds: ds.record_feedback(batch, values), racers))
+    assert sorted(outcomes) == [False, True]
+    rows = behaviour.read(GOLD_TRAINER_FEEDBACK).filter(pl.col("consumer") == "racing")
+    assert rows.height == len(batch.step_keys)
 
 
 def test_wrong_feedback_is_refused_naming_the_argument(behaviour):
