@@ -17,6 +17,7 @@ from claw_pipelines.build.gold import classified, source_versions
 from claw_pipelines.build.live import materializer_running
 from claw_pipelines.consume.dataset import Batch, Dataset
 from claw_pipelines.consume.delivery import UNIT_COLUMNS, consumer_positions, unit_keys
+from claw_pipelines.consume.feedback import FeedbackReport, feedback_report
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -24,6 +25,7 @@ from claw_pipelines.contracts.tables import (
     GOLD_CONSUMPTION,
     GOLD_LINEAGE,
     GOLD_POLICY_VERSIONS,
+    GOLD_TRAINER_FEEDBACK,
     SILVER_FEEDBACK,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
@@ -758,6 +760,21 @@ def consumers(at: Where, name: str, version: int) -> pl.DataFrame:
         )
         .sort("consumer", "rank")
     )
+
+
+def trainer_feedback(at: Where, name: str) -> FeedbackReport | None:
+    """The behaviour-vs-trainer mismatch of what trainers fed back on a dataset (None before
+    any feedback), cached per version of gold/trainer_feedback; it reads the steps' figures,
+    not their log-prob lists."""
+    version = at.lake().version(GOLD_TRAINER_FEEDBACK)
+    return None if version is None else _trainer_feedback(at, name, version)
+
+
+@frame_cache()
+def _trainer_feedback(at: Where, name: str, version: int) -> FeedbackReport | None:
+    """The report at that table version (it is only the cache key)."""
+    report = feedback_report(at.lake(), name)
+    return report if report.by_batch.height else None
 
 
 def failing_builds(at: Where) -> list[FailingBuild]:

@@ -12,6 +12,8 @@
 - `delivery`: live delivery: which prompt groups a consumer rank gets next, each once or,
   with a `Selection`, up to `max_uses` times, a cooldown apart, in an order; recorded in
   `gold/consumption` with each group's use number;
+- `feedback`: what a trainer feeds back on a delivered batch (its log-probs, loss, step),
+  recorded once in `gold/trainer_feedback`, and the behaviour-vs-trainer mismatch report;
 - `judge`: what a batch's contract is judged against (spec, staleness floor, rejections);
 - `report`: a batch's contract report, computed as it is handed out;
 - `lineage`: which spec wrote each partition, read by `gold/lineage`'s change feed;

@@ -10,9 +10,12 @@ its path, -1 at a root), `position_ids` (its position in its original sequence),
 losses is then the same on the tree as on the flat sequences), `token_policy_versions` (int64:
 the policy version that generated the token, per run for a joined partial rollout, else its
 step's; -1 on prompt tokens; a spec with token-level staleness masks older response tokens
-out of `loss_mask`). Per step: `step_keys` and
-`step_token_index` (indices into `input_ids` of its whole sequence, in order). The log-prob
-of token t is read from the logits at row `parent[t]`.
+out of `loss_mask`), `behaviour_log_probs` (the log-prob the generating policy gave each
+response token, as captured: the mean where several steps' responses share the token) with
+`has_behaviour_log_probs` (where one was captured; 0 and False elsewhere). Per step:
+`step_keys`, `step_token_index` (indices into `input_ids` of its whole sequence, in order)
+and `step_prompt_lens` (its response is `step_token_index[k][step_prompt_lens[k]:]`). The
+log-prob of token t is read from the logits at row `parent[t]`.
 
 The attention mask is described in O(T): tokens are in depth-first order, so token k is an
 ancestor-or-self of q exactly when `k <= q < subtree_end[k]` (`subtree_end`: one past the last
@@ -53,9 +56,16 @@ class Batch:
     step_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # per token: the policy version that generated it (see the module doc)
     token_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # per token: the behaviour policy's log-prob as captured (0 where none), and where one was
+    behaviour_log_probs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    has_behaviour_log_probs: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    step_prompt_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     groups: list[str] = field(default_factory=list)  # next_batch: the units it delivers
     uses: list[int] = field(default_factory=list)  # next_batch: each unit's use number (1: first)
     batch_index: int | None = None  # batches: its index in the plan; next_batch: in the record
+    # next_batch and replay: whom it was delivered to (what `Dataset.record_feedback` keys by)
+    consumer: str | None = None
+    rank: int | None = None
     max_tokens: int | None = None  # the token budget it was packed to, if any
     # its contract report, or what makes it on first use (see `contract`)
     _contract: ContractReport | Callable[[], ContractReport] | None = field(
@@ -119,7 +129,9 @@ class Batch:
 
     def to_torch(self, dense_mask: bool = False) -> dict[str, Any]:
         """Tensors (long ids, bool masks, float32 weights) with the O(T) mask description
-        (`subtree_end`, `tree_offsets`); the dense [T, T] `attention_mask` only if asked."""
+        (`subtree_end`, `tree_offsets`); the behaviour log-probs as `old_log_probs` (float32,
+        0 where not captured) and `old_log_probs_mask` (bool: where captured); the dense
+        [T, T] `attention_mask` only if asked."""
         try:
             import torch
         except ImportError:
@@ -134,6 +146,8 @@ class Batch:
             "token_rewards": torch.from_numpy(self.token_rewards),
             "advantages": torch.from_numpy(self.advantages),
             "token_policy_versions": torch.from_numpy(self.token_policy_versions.astype(np.int64)),
+            "old_log_probs": torch.from_numpy(self.behaviour_log_probs),
+            "old_log_probs_mask": torch.from_numpy(self.has_behaviour_log_probs),
             "subtree_end": torch.from_numpy(self.subtree_end.astype(np.int64)),
             "tree_offsets": torch.from_numpy(self.tree_offsets.astype(np.int64)),
             "step_keys": list(self.step_keys),
@@ -199,6 +213,9 @@ def batch_of(packed: Packed, first: int, stop: int, policy_version: int) -> Batc
         token_rewards=packed.token_rewards[lo:hi],
         advantages=packed.advantages[lo:hi],
         token_policy_versions=packed.token_policy_versions[lo:hi],
+        behaviour_log_probs=packed.behaviour_log_probs[lo:hi],
+        has_behaviour_log_probs=packed.has_behaviour_log_probs[lo:hi],
+        step_prompt_lens=packed.step_prompt_lens[first:stop],
         step_keys=packed.step_keys[first:stop],
         step_token_index=_step_indices(packed, first, stop, lo),
         tree_offsets=blocks.astype(np.int64),

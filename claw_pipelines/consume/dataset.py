@@ -14,13 +14,16 @@ for batch in plan.batches(range(rank, len(plan), world_size)): ...
 batch = ds.next_batch(groups=16, consumer="run-7", min_policy_version=4, timeout=60)
 # or reuse: each group up to twice, 8 batches apart, fresh ones first, high reward variance first
 batch = ds.next_batch(16, consumer="run-8", max_uses=2, cooldown=8, order="reward_variance")
+ds.record_feedback(batch, trainer_log_probs, loss=loss, step=7)  # behaviour vs trainer
 publish_policy_version(5, lake_uri="./lake")             # agents move on to policy 5
+print(ds.feedback_report(consumer="run-7"))              # k1, k3, ratios outside [0.8, 1.2]
 ```
 
 `Dataset` is the front of the modules beside it, each with one job: `source` (the dataset's
 rows, tokens and stored trees at a version, and packing steps), `offline` (`BatchPlan`: offline
-batches planned, then packed), `live` (`next_batch` and `replay`), `judge` (the contract's
-verdicts), `lineage` (which spec wrote what). What a batch holds: `consume.batch`.
+batches planned, then packed), `live` (`next_batch` and `replay`), `feedback` (what trainers
+feed back on delivered batches, and the behaviour-vs-trainer mismatch), `judge` (the
+contract's verdicts), `lineage` (which spec wrote what). What a batch holds: `consume.batch`.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from typing import Any
 
 import polars as pl
 
+from claw_pipelines.consume import feedback
 from claw_pipelines.consume.batch import Batch, subtree_ends
 from claw_pipelines.consume.delivery import LiveRows, Order, Selection
+from claw_pipelines.consume.feedback import FEEDBACK_BAND, WORST_STEPS, FeedbackReport
 from claw_pipelines.consume.judge import Judge
 from claw_pipelines.consume.lineage import LINEAGE_COLUMNS, Lineage
 from claw_pipelines.consume.live import Live
@@ -247,6 +252,33 @@ class Dataset:
         `after_batch`, rebuilt exactly (each at its recorded dataset version): a trainer that
         restarts from a checkpoint trains on them again, then goes on with `next_batch`."""
         return self._live.replay(consumer, rank, after_batch, layout)
+
+    # -- trainer feedback -------------------------------------------------------------------
+    def record_feedback(
+        self, batch: Batch, log_probs: Any, *, loss: Any = None, step: int | None = None
+    ) -> bool:
+        """Record the trainer's log-probs on a batch `next_batch` (or `replay`) delivered:
+        `log_probs` holds one per packed token (numpy or torch, len(batch.input_ids)), read at
+        each step's response tokens (where trained); `loss` and `step` (the trainer's step)
+        are kept beside them. One `gold/trainer_feedback` row per step, beside the behaviour
+        log-probs the batch carried; recorded once per (consumer, rank, batch_index): True
+        when this call recorded it, False when it was on record already. Then
+        `batch.contract.feedback` holds the batch's mismatch. ValueError names a wrong
+        argument (shape, a non-finite or positive log-prob at a trained token); NotFound, a
+        batch never delivered."""
+        return feedback.record_feedback(self.lake, self.name, batch, log_probs, loss, step)
+
+    def feedback_report(
+        self,
+        consumer: str | None = None,
+        band: tuple[float, float] = FEEDBACK_BAND,
+        worst: int = WORST_STEPS,
+    ) -> FeedbackReport:
+        """Behaviour vs trainer over the feedback trainers recorded on this dataset (of
+        `consumer` when given): mean |log-prob difference|, KL estimates k1 and k3, the share
+        of importance ratios outside `band`, tokens compared; overall, per policy version and
+        per batch, and the `worst` steps (consume.feedback)."""
+        return feedback.feedback_report(self.lake, self.name, consumer, band, worst)
 
     # -- contract ---------------------------------------------------------------------------
     def contract(

@@ -1,7 +1,8 @@
 """Live delivery of one dataset (`Dataset.next_batch`, which `follow` repeats, and
 `replay`): fresh whole groups from its newest version, each once per consumer rank (or as a
 `delivery.Selection` reuses them), recorded (`consume.delivery` chooses and records); and the
-batches recorded, rebuilt exactly at their dataset versions.
+batches recorded, rebuilt exactly at their dataset versions (with the feedback their trainer
+recorded, `consume.feedback`, in their contract reports).
 
 It keeps, while the tables they came from have not moved, the newest rows (brought up to date
 by the dataset's change feed, `delivery.LiveRows`) and each consumer rank's ledger.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import polars as pl
@@ -29,6 +31,7 @@ from claw_pipelines.consume.delivery import (
     ledger,
     record_delivery,
 )
+from claw_pipelines.consume.feedback import mismatch_of, recorded
 from claw_pipelines.consume.judge import Judge
 from claw_pipelines.consume.kept import Kept
 from claw_pipelines.consume.report import blocking_failures
@@ -92,7 +95,8 @@ class Live:
     def replay(self, consumer: str, rank: int, after_batch: int, layout: Layout) -> Iterator[Batch]:
         """`Dataset.replay`: the batches recorded for `consumer` rank `rank` after batch
         `after_batch`, each rebuilt at its recorded dataset version, with its groups' use
-        numbers (rows recorded before they were kept: first uses, as delivery then was)."""
+        numbers (rows recorded before they were kept: first uses, as delivery then was) and
+        its contract report carrying the feedback its trainer recorded (if any)."""
         if not self.lake.exists(GOLD_CONSUMPTION):
             return
         rows = (
@@ -107,16 +111,24 @@ class Live:
             .sort("batch_index")
             .collect()
         )
+        if rows.is_empty():
+            return
+        fed = recorded(self.lake, self.name, consumer, rank)  # what their trainer fed back
         for row in rows.iter_rows(named=True):
             rows_of = self.source.scan(row["dataset_version"]).filter(
                 pl.col("step_key").is_in(row["step_keys"])
             )
             frame = self.source.read(rows_of, BATCH_READ_COLUMNS)
             batch = self.pack(frame, row["dataset_version"], layout, row.get("token_floor"))
-            batch.contract = self.judge.report(batch, frame, row["dataset_version"])
+            report = self.judge.report(batch, frame, row["dataset_version"])
+            feedback = fed.filter(pl.col("batch_index") == row["batch_index"])
+            if feedback.height:
+                report = replace(report, feedback=mismatch_of(feedback))
+            batch.contract = report
             batch.groups, batch.batch_index = list(row["groups"]), row["batch_index"]
             uses = row.get("uses")
             batch.uses = [1] * len(batch.groups) if uses is None else list(uses)
+            batch.consumer, batch.rank = consumer, rank
             yield batch
 
     def deliver(
@@ -168,6 +180,7 @@ class Live:
         if failed:  # recorded as refused (never offered again), never returned
             raise ContractViolation(batch.contract, failed)
         batch.groups, batch.uses, batch.batch_index = chosen, uses, book.next_index
+        batch.consumer, batch.rank = consumer, rank
         return batch
 
     def ledger(self, consumer: str, rank: int) -> Ledger:

@@ -18,6 +18,10 @@ dataset's spec hash, and one `ContractCheck` per promise, with the step keys tha
 A spec lists in `blocking` the checks a batch must pass: one that fails is refused
 (`ContractViolation`, naming the rows), never returned: `batches` records nothing, and
 `next_batch` records the refusal (kind `refused`), so the next call moves on to other groups.
+
+Once its trainer fed the batch back (`Dataset.record_feedback`; `replay` finds what was
+recorded), the report also carries `feedback`: the `Mismatch` between the behaviour policy's
+log-probs and the trainer's on the batch's tokens (`consume.feedback` computes it).
 """
 
 from __future__ import annotations
@@ -70,6 +74,30 @@ class ContractCheck:
 
 
 @dataclass(frozen=True)
+class Mismatch:
+    """Behaviour vs trainer log-probs over `tokens_compared` response tokens that carry both
+    (b, t; r = exp(t - b)): mean |b - t|, the KL estimates k1 = mean(b - t) and k3 =
+    mean(r - 1 - log r), and the share of ratios r outside `band` (None: no token compared)."""
+
+    tokens_compared: int
+    mean_abs_diff: float | None
+    k1: float | None
+    k3: float | None
+    outside_band: float | None
+    band: tuple[float, float]
+
+    def __str__(self) -> str:
+        if not self.tokens_compared:
+            return "no token carries both log-probs"
+        low, high = self.band
+        return (
+            f"{self.tokens_compared:,} tokens, mean |b - t| {self.mean_abs_diff:.4g}, "
+            f"k1 {self.k1:.4g}, k3 {self.k3:.4g}, "
+            f"{self.outside_band:.1%} of ratios outside [{low}, {high}]"
+        )
+
+
+@dataclass(frozen=True)
 class ContractReport:
     """The checks one batch satisfies, and the spec they were judged against."""
 
@@ -78,6 +106,7 @@ class ContractReport:
     spec_hash: str | None
     checks: list[ContractCheck]
     left_out: dict[str, int] = field(default_factory=dict)  # steps per rejection reason
+    feedback: Mismatch | None = None  # once its trainer fed it back (module doc)
 
     @property
     def passed(self) -> bool:
@@ -97,6 +126,8 @@ class ContractReport:
         for c in self.checks:
             mark = "ok  " if c.passed else ("FAIL" if c.blocking else "warn")
             lines.append(f"  {mark} {c.name}: {c.detail}")
+        if self.feedback is not None:
+            lines.append(f"  trainer feedback: {self.feedback}")
         return "\n".join(lines)
 
 

@@ -39,6 +39,10 @@ BATCH_STEP_COLUMNS = [
 # what a batch's steps are read with: their training columns and what the contract checks
 BATCH_READ_COLUMNS = list(dict.fromkeys([*BATCH_STEP_COLUMNS, *CONTRACT_COLUMNS]))
 _DECLARED = pl.from_arrow(GOLD_DATASET_SCHEMA.empty_table()).schema  # gold's column types
+# what packing reads of steps whose trees are rebuilt (or laid out flat), and of steps that
+# captured behaviour log-probs (read only when one of them did)
+TOKEN_COLUMNS = ("prompt_ids", "response_ids")
+BEHAVIOUR_COLUMNS = ("rollout_log_probs",)
 # what `stored_trees` reads of a partition's segments
 SEGMENT_COLUMNS = ["segment", "tree_id", "parent", "start_depth", "end_depth", "tokens", "step_key"]
 
@@ -145,15 +149,17 @@ class GoldSource:
         steps: pl.DataFrame,
         policy_version: int | None = None,
         every_step: bool = False,
+        columns: tuple[str, ...] = TOKEN_COLUMNS,
     ) -> pl.DataFrame:
-        """(step_key, prompt_ids, response_ids) of `steps` at version `at`: of partition
-        `policy_version` when given, and all of its steps when `every_step` (no key lookup)."""
+        """(step_key, `columns`: by default prompt_ids, response_ids) of `steps` at version
+        `at`: of partition `policy_version` when given, and all of its steps when
+        `every_step` (no key lookup)."""
         rows = self.scan(at)
         if policy_version is not None:
             rows = rows.filter(pl.col("policy_version") == policy_version)
         if not every_step:
             rows = rows.filter(pl.col("step_key").is_in(steps["step_key"].implode()))
-        return rows.select("step_key", "prompt_ids", "response_ids").collect()
+        return rows.select("step_key", *columns).collect()
 
     # -- stored trees -----------------------------------------------------------------------
     def stored_trees(
@@ -222,12 +228,16 @@ class GoldSource:
     ) -> tuple[Packed, pl.DataFrame]:
         """The steps of `frame` (whole trees) packed with their trees in the order of `trees`
         (tree_id): from `segments`, their stored trees, or when None from their tokens, read
-        at dataset version `at` (see `tokens`); and `frame` as packed (with its tokens when
-        read). `stale_floor`: response tokens of older policy versions are masked out of
-        the loss (a spec with token-level staleness)."""
-        if segments is None:  # flat, a partly consumed partition, or no usable stored trees
-            tokens = self.tokens(at, frame, policy_version, every_step)
-            frame = frame.join(tokens, on="step_key", how="left", maintain_order="left")
+        at dataset version `at` (see `tokens`), with their behaviour log-probs when a step
+        of `frame` captured them (`has_log_probs`, read beside the tokens or alone); and
+        `frame` as packed (with what was read). `stale_floor`: response tokens of older
+        policy versions are masked out of the loss (a spec with token-level staleness)."""
+        captured = "has_log_probs" not in frame.columns or bool(frame["has_log_probs"].any())
+        behaviour = BEHAVIOUR_COLUMNS if captured else ()
+        columns = behaviour if segments is not None else (*TOKEN_COLUMNS, *behaviour)
+        if columns:  # tokens: flat, a partly consumed partition, or no usable stored trees
+            read = self.tokens(at, frame, policy_version, every_step, columns)
+            frame = frame.join(read, on="step_key", how="left", maintain_order="left")
         ranked = trees.select("tree_id").with_row_index("rank")
         rank = frame.select("tree_id").join(ranked, on="tree_id", how="left", maintain_order="left")
         ranks = rank["rank"].to_numpy().astype(np.int64)

@@ -25,6 +25,7 @@ GOLD_LINEAGE = "gold/lineage"
 GOLD_CONSUMPTION = "gold/consumption"
 LIVE_DELIVERY = "next"  # the `kind` of gold/consumption rows a live `next_batch` writes
 GOLD_POLICY_VERSIONS = "gold/policy_versions"
+GOLD_TRAINER_FEEDBACK = "gold/trainer_feedback"
 GOLD_DATASETS_PREFIX = "gold/datasets"
 GOLD_TREES_PREFIX = "gold/trees"
 GOLD_REJECTIONS_PREFIX = "gold/rejections"
@@ -314,6 +315,40 @@ GOLD_CONSUMPTION_SPEC = TableSpec(
     "(a spec with token-level staleness).",
 )
 
+GOLD_TRAINER_FEEDBACK_SPEC = TableSpec(
+    GOLD_TRAINER_FEEDBACK,
+    pa.schema(
+        [
+            pa.field("consumer", pa.string(), nullable=False),
+            pa.field("dataset", pa.string(), nullable=False),
+            ("rank", pa.int64()),
+            ("batch_index", pa.int64()),
+            pa.field("step_key", pa.string(), nullable=False),
+            ("policy_version", pa.int64()),
+            ("dataset_version", pa.int64()),
+            ("trainer_log_probs", LOGPROB_LIST),
+            ("behaviour_log_probs", LOGPROB_LIST),
+            ("tokens_compared", pa.int64()),
+            ("mean_abs_diff", pa.float64()),
+            ("k1", pa.float64()),
+            ("k3", pa.float64()),
+            ("outside_band", pa.float64()),
+            ("band_low", pa.float64()),
+            ("band_high", pa.float64()),
+            ("loss", pa.float64()),
+            ("train_step", pa.int64()),
+            ("recorded_at", UTC_MICROS),
+        ]
+    ),
+    description="One step of a batch `next_batch` delivered, as its trainer fed it back "
+    "(`Dataset.record_feedback`): the trainer's log-prob of each response token of the step "
+    "beside the behaviour log-prob the batch carried (both null where not trained or not "
+    "captured), the step's mismatch over the tokens carrying both (`tokens_compared`, "
+    "`mean_abs_diff`, KL estimates `k1` and `k3`, the share of importance ratios outside "
+    "[`band_low`, `band_high`]: summaries read these, not the lists), the batch's loss and "
+    "train step when given; once per (dataset, consumer, rank, batch_index).",
+)
+
 GOLD_POLICY_VERSIONS_SPEC = TableSpec(
     GOLD_POLICY_VERSIONS,
     pa.schema(
@@ -339,6 +374,7 @@ TABLES: dict[str, TableSpec] = {
         SILVER_STEP_CONFLICTS_SPEC,
         GOLD_LINEAGE_SPEC,
         GOLD_CONSUMPTION_SPEC,
+        GOLD_TRAINER_FEEDBACK_SPEC,
         GOLD_POLICY_VERSIONS_SPEC,
     )
 }

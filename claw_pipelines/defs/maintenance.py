@@ -13,6 +13,7 @@ from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     GOLD_CONSUMPTION,
     GOLD_LINEAGE,
+    GOLD_TRAINER_FEEDBACK,
     gold_dataset_table,
     gold_rejection_table,
     gold_tree_table,
@@ -22,12 +23,18 @@ from claw_pipelines.lake.catalog import gold_datasets
 from claw_pipelines.lake.delta import Lake
 
 MAINTENANCE_POOL = "claw_maintenance"
-MAINTAINED_TABLES = (BRONZE_EVENTS, *SILVER_TABLES, GOLD_LINEAGE, GOLD_CONSUMPTION)
+MAINTAINED_TABLES = (
+    BRONZE_EVENTS,
+    *SILVER_TABLES,
+    GOLD_LINEAGE,
+    GOLD_CONSUMPTION,
+    GOLD_TRAINER_FEEDBACK,
+)
 
 
 def maintained_tables(lake: Lake) -> list[str]:
-    """Every table maintenance keeps (that exists): bronze, silver, lineage, consumption and
-    each gold dataset's rows, trees and rejections."""
+    """Every table maintenance keeps (that exists): bronze, silver, lineage, consumption,
+    trainer feedback and each gold dataset's rows, trees and rejections."""
     per_dataset = [
         table(name)
         for name in gold_datasets(lake)

@@ -22,6 +22,12 @@ row per step, B steps, P = longest prompt, R = longest response:
 TRL (`trl_records`): dicts with `prompt_ids`, `completion_ids`, `completion_mask`, `reward`,
 `advantage`, `old_per_token_logps`, `token_policy_versions` (per completion token) and the
 step's provenance, as GRPO-style trainers take a generation's tokens.
+
+Packed batches (`Batch.to_torch()`, which `BatchDataset` yields) carry the same behaviour
+log-probs per packed token: `old_log_probs` (0 where not captured) and `old_log_probs_mask`
+(where captured); at each step's response tokens they are the values verl's `old_log_probs`
+and TRL's `old_per_token_logps` hold for it (in the tree layout, the mean where several steps'
+responses share a token).
 """
 
 from __future__ import annotations

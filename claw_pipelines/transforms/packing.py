@@ -5,10 +5,13 @@ Per token: `input_ids`, `parent` (previous token on its path, -1 at a root), `po
 (position in the original sequence), `loss_mask`, `advantages`, `token_rewards` (summed over
 the steps whose response holds the token), `token_policy_versions` (the policy version that
 generated it: a joined partial rollout's runs, else its step's version; the oldest when
-steps share it; -1 on tokens no step generated, prompts). Per step: its token indices
-(`token_of`), the depth where its own tokens start, and the token range of its attention
-block (its tree, or its own sequence when flat). With a staleness floor, response tokens of
-an older version are masked out of the loss (`loss_mask` 0, no advantage) step by step.
+steps share it; -1 on tokens no step generated, prompts), `behaviour_log_probs` (the mean
+over the steps whose response holds the token and captured its log-prob;
+`has_behaviour_log_probs` says where one did). Per step: its token indices (`token_of`), its
+prompt length (its response is `token_of[k][prompt_len:]`), the depth where its own tokens
+start, and the token range of its attention block (its tree, or its own sequence when flat).
+With a staleness floor, response tokens of an older version are masked out of the loss
+(`loss_mask` 0, no advantage) step by step.
 """
 
 from __future__ import annotations
@@ -45,9 +48,12 @@ class Packed:
     advantages: np.ndarray
     token_rewards: np.ndarray
     token_policy_versions: np.ndarray  # int64 per token (empty when not asked for)
+    behaviour_log_probs: np.ndarray  # float32 per token, 0 where no step captured one
+    has_behaviour_log_probs: np.ndarray  # bool per token
     step_keys: list[str]
     token_of: list[np.ndarray]  # per step, the indices of its whole sequence's tokens
     step_starts: np.ndarray
+    step_prompt_lens: np.ndarray  # per step: its prompt's tokens
     block_lo: np.ndarray  # per step: first token of its attention block
     block_hi: np.ndarray  # per step: end of its attention block
 
@@ -88,26 +94,32 @@ def _ordered_tokens(
 
 
 def _response_tokens(token_of: list[np.ndarray], prompt_len: np.ndarray) -> np.ndarray:
-    """The token indices of every step's response, step after step."""
+    """The token index of every response token, step after step (each step's after its
+    prompt), as int64: numpy indexes and bincounts with it without a converted copy."""
     starts = prompt_len.tolist()
     if not token_of:
         return np.zeros(0, dtype=np.int64)
-    return np.concatenate([t[p:] for t, p in zip(token_of, starts, strict=True)])
+    pieces = [t[p:] for t, p in zip(token_of, starts, strict=True)]
+    return np.concatenate(pieces).astype(np.int64, copy=False)
 
 
 def _weights(
     response: np.ndarray,
+    holders: np.ndarray,
     response_len: np.ndarray,
     mask: np.ndarray,
     advantage: np.ndarray,
     reward: np.ndarray,
     total: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(loss_mask, advantages, token_rewards): sums over the steps whose response holds a
-    token (`response`: their token indices; masked by the step's response_mask); each reward
-    on its step's last token."""
+    """(loss_mask, advantages, token_rewards) of the tokens `response` lists (each step's
+    response tokens, step after step; `holders`: per token, how many steps' responses hold
+    it): sums over the steps whose response holds a token (masked by the step's
+    response_mask); each reward on its step's last token."""
     weight = mask * np.repeat(advantage, response_len)
-    loss = np.bincount(response, weights=mask, minlength=total) > 0
+    # when no response_mask leaves a token out, every token a response holds is trained
+    trained = holders if mask.all() else np.bincount(response, weights=mask, minlength=total)
+    loss = trained > 0
     advantages = np.bincount(response, weights=weight, minlength=total).astype(np.float32)
     has = response_len > 0
     last = np.cumsum(response_len)[has] - 1
@@ -130,6 +142,48 @@ def _token_versions(response: np.ndarray, versions: np.ndarray, total: int) -> n
         out[shared] = _NEWEST
         np.minimum.at(out, response[again], versions[again])
     return out
+
+
+def _behaviour(
+    response: np.ndarray,
+    holders: np.ndarray,
+    response_len: np.ndarray,
+    log_probs: pl.Series | None,
+    order: np.ndarray,
+    total: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(behaviour_log_probs, has_behaviour_log_probs) of the tokens `response` lists: per
+    token the mean of the log-probs the steps whose response holds it captured (a step
+    captured them when its `log_probs` list, of the rows in `order`, has one per response
+    token; a null or non-finite value is not captured), 0 and False where none did. Each
+    step's values are one slice (no per-token work in Python); only the tokens several steps'
+    responses hold (`holders` > 1: a tree's shared replies) are averaged."""
+    values = np.zeros(total, dtype=np.float32)
+    if log_probs is None or not len(response):
+        return values, np.zeros(total, dtype=bool)
+    offsets, flat, valid = list_parts(log_probs.to_arrow())
+    captured = valid[order] & (np.diff(offsets)[order] == response_len)
+    bounds = offsets.tolist()
+    pieces = [
+        flat[bounds[i] : bounds[i + 1]] if ok else np.full(n, np.nan, dtype=np.float32)
+        for i, n, ok in zip(order.tolist(), response_len.tolist(), captured.tolist(), strict=True)
+    ]
+    read = np.concatenate(pieces).astype(np.float32, copy=False)
+    finite = np.isfinite(read)
+    every = bool(finite.all())
+    at, kept = (response, read) if every else (response[finite], read[finite])
+    values[at] = kept
+    if every:
+        has = holders > 0
+    else:
+        has = np.zeros(total, dtype=bool)
+        has[at] = True
+    shared = (holders > 1)[at] if (holders > 1).any() else None
+    if shared is not None and shared.any():  # the mean of the values each shared token got
+        tokens, which = np.unique(at[shared], return_inverse=True)
+        sums = np.bincount(which, weights=kept[shared])
+        values[tokens] = sums / np.bincount(which)
+    return values, has
 
 
 def _segment_tokens(forest: PrefixForest) -> list[np.ndarray]:
@@ -230,12 +284,12 @@ def pack(
 ) -> Packed:
     """Lay out the steps of `frame` (step_key, prompt_len, response_len, response_mask,
     reward, advantage, and prompt_ids/response_ids unless `segments` is given; for token
-    versions policy_version and, when present, policy_version_runs/policy_run_lengths),
-    grouped by `tree_rank` (per row; a tree's steps stay together). With `segments` (the
-    partition's stored prefix trees) the tree layout is read from them instead of being
-    rebuilt. `token_versions`: lay out `token_policy_versions` (else left empty);
-    `stale_floor`: mask response tokens generated before that policy version out of the
-    loss."""
+    versions policy_version and, when present, policy_version_runs/policy_run_lengths; with
+    rollout_log_probs, the behaviour log-probs too), grouped by `tree_rank` (per row; a tree's
+    steps stay together). With `segments` (the partition's stored prefix trees) the tree
+    layout is read from them instead of being rebuilt. `token_versions`: lay out
+    `token_policy_versions` (else left empty); `stale_floor`: mask response tokens generated
+    before that policy version out of the loss."""
     keyed = pl.DataFrame({"step_key": frame["step_key"], "rank": tree_rank}).with_row_index("row")
     ordered = keyed.sort("rank", "step_key")
     order = ordered["row"].to_numpy().astype(np.int64)
@@ -270,8 +324,13 @@ def pack(
         if stale_floor is not None:
             mask = mask * (versions >= stale_floor)
     total = len(input_ids)
+    holders = np.bincount(response, minlength=total)
     loss, advantages, rewards = _weights(
-        response, tokens["response_len"], mask, advantage, reward, total
+        response, holders, tokens["response_len"], mask, advantage, reward, total
+    )
+    log_probs = frame["rollout_log_probs"] if "rollout_log_probs" in frame.columns else None
+    behaviour, has_behaviour = _behaviour(
+        response, holders, tokens["response_len"], log_probs, order, total
     )
     token_policy_versions = np.zeros(0, dtype=np.int64)
     if token_versions and versions is not None:
@@ -285,9 +344,12 @@ def pack(
         advantages=advantages,
         token_rewards=rewards,
         token_policy_versions=token_policy_versions,
+        behaviour_log_probs=behaviour,
+        has_behaviour_log_probs=has_behaviour,
         step_keys=ordered["step_key"].to_list(),
         token_of=token_of,
         step_starts=np.asarray(starts, dtype=np.int64),
+        step_prompt_lens=tokens["prompt_len"],
         block_lo=np.asarray(lo, dtype=np.int64),
         block_hi=np.asarray(hi, dtype=np.int64),
     )

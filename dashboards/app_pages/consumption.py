@@ -1,4 +1,5 @@
-"""Consumption: batches exactly as trainers get them, who took what, lineage and diffs."""
+"""Consumption: batches exactly as trainers get them, who took what, what trainers fed back
+(behaviour vs trainer log-probs), lineage and diffs."""
 
 from __future__ import annotations
 
@@ -88,6 +89,34 @@ else:
         "delivery (more than `groups` when groups were reused); `not_yet_given` counts the "
         "groups of this rank's share that are available but not delivered yet"
     )
+
+st.subheader("Trainer feedback: behaviour vs trainer log-probs")
+feedback = data.trainer_feedback(at, name)
+if feedback is None:
+    st.caption(
+        "No trainer has fed back on this dataset yet: after a `next_batch`, "
+        "`ds.record_feedback(batch, log_probs, loss=..., step=...)` records the trainer's "
+        "log-probs beside the behaviour ones."
+    )
+else:
+    overall, (low, high) = feedback.overall, feedback.overall.band
+    a, b, c, d = st.columns(4)
+    a.metric("tokens compared", f"{overall.tokens_compared:,}")
+    if overall.tokens_compared:
+        b.metric("mean |b - t|", f"{overall.mean_abs_diff:.4g}")
+        c.metric("KL k3 (k1)", f"{overall.k3:.4g} ({overall.k1:.4g})")
+        d.metric(f"ratios outside [{low}, {high}]", f"{overall.outside_band:.1%}")
+    st.caption(
+        "b: the behaviour policy's log-prob of a response token (captured at generation), "
+        "t: the trainer's; r = exp(t - b). k1 = mean(b - t), k3 = mean(r - 1 - log r): "
+        "KL(behaviour || trainer) estimates. Per policy version:"
+    )
+    st.dataframe(feedback.by_policy_version, hide_index=True, width="stretch")
+    st.caption("The steps whose log-probs differ most (mean |b - t|):")
+    st.dataframe(feedback.worst_steps, hide_index=True, width="stretch")
+    st.caption("Per batch fed back, newest first (the first 200):")
+    newest_first = feedback.by_batch.sort("recorded_at", descending=True).head(200)
+    st.dataframe(newest_first, hide_index=True, width="stretch")
 
 st.subheader("Lineage of each version")
 lineage = data.table(

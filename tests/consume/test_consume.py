@@ -185,6 +185,9 @@ def test_tree_batches_from_the_stored_trees_equal_rebuilt_ones(lake):
         "loss_mask",
         "advantages",
         "token_rewards",
+        "behaviour_log_probs",
+        "has_behaviour_log_probs",
+        "step_prompt_lens",
     ):
         assert np.array_equal(getattr(stored, field), getattr(rebuilt, field)), field
     assert stored.step_keys == rebuilt.step_keys
@@ -348,3 +351,65 @@ def test_without_stored_trees_a_token_budget_plan_packs_the_partition_and_agrees
         for name in ("input_ids", "parent", "position_ids", "loss_mask", "subtree_end"):
             assert np.array_equal(getattr(batch, name), getattr(want[index], name)), name
         assert batch.step_keys == want[index].step_keys
+
+
+def behaviour_of_gold(step_keys, token_of, total: int, gold: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Per token, from the gold rows one token at a time: the mean behaviour log-prob of the
+    steps whose response holds it, and whether any of them captured one."""
+    sums, counts = np.zeros(total), np.zeros(total, dtype=np.int64)
+    for key, index in zip(step_keys, token_of, strict=True):
+        row = gold[key]
+        if row["rollout_log_probs"] is None:
+            continue
+        response = index[row["prompt_len"] :].tolist()
+        for position, value in zip(response, row["rollout_log_probs"], strict=True):
+            sums[position] += value
+            counts[position] += 1
+    return np.where(counts > 0, sums / np.maximum(counts, 1), 0.0), counts
+
+
+@pytest.mark.parametrize("layout", ["tree", "flat"])
+def test_behaviour_log_probs_sit_at_each_steps_response_tokens(behaviour, layout):
+    ds = open_dataset("behaviour", behaviour.uri)
+    gold = {row["step_key"]: row for row in ds.steps().to_dicts()}
+    offline = [b for v in ds.policy_versions() for b in ds.batches(v, 6, layout=layout)]
+    live = ds.next_batch(4, consumer=f"behaviour-{layout}", layout=layout, timeout=0)
+    assert live is not None and set(live.step_policy_versions.tolist()) == {1, 2}
+    shared = 0
+    for batch in [*offline, live]:
+        expected, counts = behaviour_of_gold(
+            batch.step_keys, batch.step_token_index, batch.num_tokens, gold
+        )
+        assert batch.behaviour_log_probs.dtype == np.float32
+        assert np.array_equal(batch.has_behaviour_log_probs, counts > 0)
+        assert np.allclose(batch.behaviour_log_probs, expected, atol=1e-6)
+        prompts = [gold[k]["prompt_len"] for k in batch.step_keys]
+        assert batch.step_prompt_lens.tolist() == prompts
+        assert not batch.has_behaviour_log_probs[~batch.loss_mask.astype(bool)].any()
+        shared += int((counts > 1).sum())
+        tensors = batch.to_torch()
+        assert np.array_equal(tensors["old_log_probs"].numpy(), batch.behaviour_log_probs)
+        assert np.array_equal(tensors["old_log_probs_mask"].numpy(), counts > 0)
+    # the tree holds r0's and r1's shared opening once: the two steps' values averaged there
+    assert (shared > 0) == (layout == "tree")
+    none = [k for k in live.step_keys if gold[k]["rollout_log_probs"] is None]
+    assert none and all(k.endswith("-r2:0") for k in none)
+
+
+def test_rebuilt_trees_carry_the_behaviour_log_probs_of_stored_ones(behaviour):
+    from claw_pipelines.transforms.packing import pack
+
+    ds = open_dataset("behaviour", behaviour.uri)
+    steps = ds.steps(1)
+    gold = {row["step_key"]: row for row in steps.to_dicts()}
+    segments = ds.stored_trees(1, steps)
+    assert segments is not None
+    rank = steps.select(pl.col("tree_id").rank("dense") - 1)["tree_id"].to_numpy()
+    stored, rebuilt = pack(steps, rank, "tree", segments), pack(steps, rank, "tree")
+    expected, counts = behaviour_of_gold(
+        rebuilt.step_keys, rebuilt.token_of, len(rebuilt.input_ids), gold
+    )
+    assert (counts > 1).any()
+    for packed in (stored, rebuilt):
+        assert np.allclose(packed.behaviour_log_probs, expected, atol=1e-6)
+        assert np.array_equal(packed.has_behaviour_log_probs, counts > 0)

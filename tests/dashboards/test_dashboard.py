@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -38,7 +39,11 @@ def filled(tmp_path_factory) -> Lake:
     for version in (1, 2):
         build_partition(lake, DEFAULT_SPEC, version)
     next(open_dataset("default", lake.uri).batches(1, 8, consumer="trainer-1"))
-    open_dataset("default", lake.uri).next_batch(2, consumer="live-trainer", timeout=0)
+    live = open_dataset("default", lake.uri)
+    batch = live.next_batch(2, consumer="live-trainer", timeout=0)
+    assert batch is not None  # the trainer is 0.1 less sure of each token than the behaviour
+    trainer = np.where(batch.has_behaviour_log_probs, batch.behaviour_log_probs - 0.1, 0.0)
+    live.record_feedback(batch, trainer, loss=0.5, step=1)
     reusing = open_dataset("default", lake.uri)
     for _ in range(2):  # every group, then every group again
         reusing.next_batch(4, consumer="reusing-trainer", max_uses=2, timeout=0)
@@ -146,6 +151,21 @@ def test_collection_shows_the_live_lag_and_consumption_the_consumers(filled, mon
     assert live["deliveries"] == 2
     reusing = positions[positions["consumer"] == "reusing-trainer"].iloc[0]
     assert (reusing["groups"], reusing["deliveries"], reusing["not_yet_given"]) == (4, 8, 0)
+
+
+def test_consumption_shows_what_trainers_fed_back(filled, monkeypatch):
+    app = page("consumption", filled.uri, monkeypatch)
+    assert not app.exception, app.exception
+    assert "Trainer feedback: behaviour vs trainer log-probs" in [s.value for s in app.subheader]
+    tables = [d.value for d in app.dataframe]
+    per_version = next(t for t in tables if "batches" in t.columns and "k3" in t.columns)
+    assert len(per_version) and set(per_version["policy_version"]) <= {1, 2}
+    assert per_version["k1"].tolist() == pytest.approx([0.1] * len(per_version), rel=1e-5)
+    assert set(per_version["outside_band"]) == {0.0}  # every ratio exp(-0.1) = 0.905
+    worst = next(t for t in tables if "step_key" in t.columns and "k1" in t.columns)
+    assert len(worst) == 5 and worst["mean_abs_diff"].tolist() == pytest.approx([0.1] * 5)
+    shown = {m.label: m.value for m in app.metric}
+    assert shown["ratios outside [0.8, 1.2]"] == "0.0%"
 
 
 def test_representation_shows_judges_side_by_side(tmp_path, monkeypatch):

@@ -223,6 +223,39 @@ def train_lake(root: Path) -> Lake:
     return lake
 
 
+BEHAVIOUR_SPEC = CurationSpec(
+    name="behaviour", reward_status=["final", "missing"], merge="prompt_group", advantage="grpo"
+)
+
+
+def behaviour_lake(root: Path) -> Lake:
+    """Four GRPO groups of three two-turn trajectories over policy versions 1 and 2 (dataset
+    `behaviour`, merged per prompt group), each response token with a behaviour log-prob of
+    its own: rollouts r0 and r1 of a group open their first reply with the same two tokens
+    (one tree position each, holding two steps' different values), and rollout r2's first
+    step captured none."""
+    lake = Lake(str(root))
+    rng = np.random.default_rng(5)
+    rows = []
+    for g in range(4):
+        for r in range(3):
+            trajectory, history = f"b{g}-r{r}", [7, g, 7, g]
+            for turn in range(2):
+                opening = [100 + g, 101 + g] if r < 2 and turn == 0 else []
+                response = [*opening, 1000 + r, 2000 + turn]
+                row = step(trajectory, turn, history, response, group=f"b{g}", version=1 + g % 2)
+                captured = -rng.uniform(0.01, 3.0, len(response)).round(3)
+                row["rollout_log_probs"] = None if r == 2 and turn == 0 else captured.tolist()
+                rows.append(row)
+                history = [*history, *response, 3000 + turn]
+            rows.append(completion(trajectory, float(r)))
+    land(lake, rows)
+    build_silver(lake)
+    for version in (1, 2):
+        build_partition(lake, BEHAVIOUR_SPEC, version)
+    return lake
+
+
 EQUIVALENCE_VOCAB = 512
 
 

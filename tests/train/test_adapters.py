@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from claw_pipelines.train.adapters import BatchDataset, trl_records, verl_batch  # noqa: E402
+from tests.support.lakes import behaviour_lake  # noqa: E402
 from tests.support.real_servers import import_or_skip  # noqa: E402
 
 
@@ -48,6 +49,26 @@ def test_trl_records_are_the_steps(lake):
     assert [r["step_key"] for r in records] == steps["step_key"].to_list()
     assert [r["completion_ids"] for r in records] == steps["response_ids"].to_list()
     assert [r["prompt_ids"] for r in records] == steps["prompt_ids"].to_list()
+
+
+def test_packed_batches_carry_the_behaviour_log_probs_verl_and_trl_get(tmp_path):
+    ds = open_dataset("behaviour", behaviour_lake(tmp_path / "lake").uri)
+    steps = ds.steps(1)
+    verl = verl_batch(steps)["tensors"]["old_log_probs"]
+    trl = {r["step_key"]: r["old_per_token_logps"] for r in trl_records(steps)}
+    row_of = {key: i for i, key in enumerate(steps["step_key"])}
+    prompt_len = dict(zip(steps["step_key"], steps["prompt_len"], strict=True))
+    seen = 0
+    for t in BatchDataset(ds, 1, batch_size=6, layout="flat"):
+        for key, index in zip(t["step_keys"], t["step_token_index"], strict=True):
+            response = index[prompt_len[key] :]
+            old, mask = t["old_log_probs"][response], t["old_log_probs_mask"][response]
+            assert torch.equal(old, verl[row_of[key], : len(response)])
+            assert bool(mask.all()) == (trl[key] is not None) == bool(mask.any())
+            if trl[key] is not None:
+                assert np.allclose(old.numpy(), np.array(trl[key], np.float32))
+            seen += 1
+    assert seen == steps.height and any(v is None for v in trl.values())
 
 
 def test_the_iterable_dataset_gives_every_batch_once_across_ranks_and_workers(lake):
