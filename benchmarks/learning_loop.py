@@ -4,10 +4,12 @@ A tiny random Qwen2 served by `transformers serve` (one checkpoint folder per po
 version), word-task agents through a real `claw gateway`, the live materializer, and a GRPO
 trainer pulling with `Dataset.next_batch` through the tree attention
 (`claw_pipelines.app.learn`). Reports reward by policy version (read back from silver), the
-wall time until a version's mean reward reached the target, the share of wall time the
+wall time until the mean reward of the latest groups reached the target, the share of wall time the
 trainer waited for data, the staleness of the tokens it trained on, the behaviour/trainer
 mismatch (when the server returns log-probs; `transformers serve` returns none), and the
-tokens generated and never trained on.
+reply tokens generated and never trained on. The waiting is split: `trainer_wait_share_lake`
+is its part after a group of the awaited batch was scored (gateway, bronze, silver, gold,
+delivery); the rest is generation.
 
 Targets: mean reward >= 0.8 within 40 published versions; the trainer waiting <= 20 % of
 the loop's wall time. Prints one JSON line (progress and the loop's summary on stderr).
@@ -65,6 +67,7 @@ def figures(summary: LearnSummary) -> dict:
         "trainer_steps": len(summary.trained),
         "trainer_wait_share": round(summary.wait_share, 4),
         "trainer_wait_share_after_first_batch": round(summary.steady_wait_share, 4),
+        "trainer_wait_share_lake": round(summary.lake_wait_share, 4),
         "first_batch_s": round(summary.first_batch_wait_s, 2),
         "trainer_step_s_mean": round(
             sum(t.step_s for t in summary.trained) / max(1, len(summary.trained)), 4

@@ -1,22 +1,24 @@
 """`claw demo --learn`: a loop where reward rises, through every part of the lakehouse.
 
-A tiny random Qwen2 (`simulation.model_folders.word_policy_folder`) is policy version 1; a
-real third-party server, `transformers serve` started without a model, serves each policy
-version from its own checkpoint folder (a request's `model` names the folder). Agents on a
-toy verifiable task (`simulation.word_task`: the share of a reply's words in a small target
-set; the untrained policy scores about 0.125) call it through the gateway, scoped per
+A tiny random Qwen2 (`simulation.model_folders.word_policy_folder`) is the first policy
+version; a real third-party server, `transformers serve` started without a model, serves each
+policy version from its own checkpoint folder (a request's `model` names the folder). Agents
+on a toy verifiable task (`simulation.word_task`: the share of a reply's words in a small
+target set; the untrained policy scores about 0.125) call it through the gateway, scoped per
 trajectory and GRPO group, naming the version they ask for, and post each reply's reward as
 the trajectory completes. The gateway computes the ids with the model's tokenizer (the
 server returns none, and no log-probs) and checks them against the server's counts; the
-live materializer curates complete groups into a GRPO dataset; the trainer pulls groups
-with `Dataset.next_batch`, takes one GRPO step through the tree attention
-(`train.grpo.TreeGRPO`), saves the next checkpoint folder and publishes its version.
+live materializer (`claw materialize --follow`, its own process) curates complete groups
+into a GRPO dataset; the trainer pulls the groups there are with `Dataset.next_batch`, takes
+one GRPO step through the tree attention (`train.grpo.TreeGRPO`), saves the next checkpoint
+folder and publishes its version.
 
-Agents run ahead of the trainer by at most `LearnOptions.ahead` groups, always with the
-newest published version: generation overlaps training, and a delivered step is at most a
-version or two older than the trainer (its staleness, reported per token). The loop stops
-when the rewards of one version's first groups reach the target, or after
-`max_versions` versions.
+The agents make one group at a time with the newest published version, at most
+`LearnOptions.ahead` groups beyond what the trainer took (unless it waits for data):
+generation overlaps training, and a delivered step may be a few versions older than the
+trainer (its staleness, reported per token; the spec drops steps older than
+`LearnOptions.staleness`). The loop stops when the mean reward of the latest
+`judge_groups` groups reaches the target, or after `max_versions` versions.
 """
 
 from __future__ import annotations

@@ -79,7 +79,11 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             command, env=self.env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT
         )
-        wait_until(self._healthy, timeout, what=f"{self.verb} on port {self.port}")
+        try:
+            wait_until(self._healthy, timeout, what=f"{self.verb} on port {self.port}")
+        except BaseException:  # never healthy: stopped, not left behind (no __exit__ runs)
+            self.stop(timeout=10)
+            raise
         return self
 
     def _healthy(self) -> bool:
