@@ -13,6 +13,7 @@ gateway when it is scored (`POST /v1/trajectories/<trajectory>/complete`).
 from __future__ import annotations
 
 import random
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,8 @@ class WordAgent:
         from openai import OpenAI
 
         self.gateway, self.task, self.max_tokens = gateway, task, max_tokens
+        self.run = uuid.uuid4().hex[:8]  # group ids never repeat another run's, seed or not
+        self.groups = 0
         self.client = OpenAI(base_url=f"{gateway}/v1", api_key=api_key, max_retries=2)
         auth = {"Authorization": f"Bearer {api_key}"}
         self.http = httpx.Client(base_url=gateway, headers=auth, timeout=60)
@@ -104,7 +107,8 @@ class WordAgent:
         own sampling seed (drawn from `rng` in rollout order), asking `model` (the
         checkpoint folder of `policy_version`), each reply's reward posted as its
         trajectory completes."""
-        group = f"learn-{rng.getrandbits(48):012x}"
+        self.groups += 1
+        group = f"learn-{self.run}-{self.groups:05d}"
         messages = self.task.messages(rng)
         seeds = [rng.getrandbits(31) for _ in range(rollouts)]
         with ThreadPoolExecutor(rollouts, thread_name_prefix="rollout") as pool:
