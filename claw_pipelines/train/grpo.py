@@ -177,12 +177,7 @@ class TreeGRPO:
         source folder's generation config kept, its tokenizer files copied); returns it."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        attention = self.model.config._attn_implementation
-        self.model.config._attn_implementation = "sdpa"  # what a server without claw_tree runs
-        try:
-            self.model.save_pretrained(str(folder))
-        finally:
-            self.model.config._attn_implementation = attention
+        self.model.save_pretrained(str(folder))  # config.json names no attention: servers pick
         for path in self.source.iterdir():  # the tokenizer's files: what save_pretrained left
             if path.is_file() and not (folder / path.name).exists():
                 shutil.copy2(path, folder / path.name)
