@@ -44,11 +44,12 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import emit  # noqa: E402
 from benchmarks.token_in import gateway_ms  # noqa: E402
+from claw_pipelines.app.processes import TransformersServe  # noqa: E402
 from claw_pipelines.contracts.tables import EXACT_TOKEN_SOURCES  # noqa: E402
 from claw_pipelines.simulation.model_folders import tiny_model_folder  # noqa: E402
 from claw_pipelines.tokenization import load_chat_tokenizer, server_messages  # noqa: E402
 from tests.support.servers import GatewayProcess, bronze, wait_until  # noqa: E402
-from tests.support.upstreams import SimProcess, TransformersServe, proxy_env  # noqa: E402
+from tests.support.upstreams import SimProcess, proxy_env  # noqa: E402
 
 TARGET_ADDED_P50_MS = 5.0
 KEY = "bench-fidelity"

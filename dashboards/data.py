@@ -47,6 +47,7 @@ from claw_pipelines.transforms.curation import (
     candidates,
     kept_steps,
 )
+from claw_pipelines.transforms.feedback import reward_by_policy_version
 
 TABLES = (
     BRONZE_EVENTS,
@@ -421,6 +422,19 @@ def _candidates(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFra
     return candidates(steps, rewards, trajectories)
 
 
+def reward_by_version(at: Where) -> pl.DataFrame | None:
+    """Reward by policy version over every silver step (`reward_by_policy_version`: steps,
+    rewarded steps, their mean, lowest and highest reward), cached per silver version; None
+    before silver exists."""
+    keys = silver_versions(at)
+    return None if keys[0] is None else _reward_by_version(at, keys)
+
+
+@frame_cache(ttl=TTL, max_entries=2)
+def _reward_by_version(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFrame:
+    return reward_by_policy_version(curation_candidates(at))
+
+
 def candidate_choices(at: Where) -> dict[str, list]:
     """The values the Curation form offers (finish reasons, tenants, policy versions,
     labels), sorted, cached with the candidates."""
@@ -600,6 +614,27 @@ def records_chart(per_second: pl.DataFrame, bars: bool = False) -> alt.Chart:
         alt.Color("source:N", title="source"),
         tooltip=["time", "source", "records"],
     )
+
+
+def reward_chart(by_version: pl.DataFrame) -> alt.Chart:
+    """Mean reward per policy version (a line), between its lowest and highest (a band)."""
+    frame = by_version.filter(pl.col("rewarded") > 0).to_pandas()
+    x = alt.X("policy_version:Q", title="policy version", axis=alt.Axis(tickMinStep=1))
+    band = (
+        alt.Chart(frame)
+        .mark_area(opacity=0.2)
+        .encode(x, alt.Y("min_reward:Q", title="reward"), alt.Y2("max_reward:Q"))
+    )
+    line = (
+        alt.Chart(frame)
+        .mark_line(point=True)
+        .encode(
+            x,
+            alt.Y("mean_reward:Q", title="reward"),
+            tooltip=["policy_version", "mean_reward", "rewarded", "steps"],
+        )
+    )
+    return band + line
 
 
 def histogram_bins(frame: pl.DataFrame, column: str) -> pl.DataFrame:

@@ -68,6 +68,18 @@ def _cmd_up(args: argparse.Namespace) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> None:
+    if args.learn:
+        from claw_pipelines.app.learn import LearnOptions, run_learn
+
+        try:
+            options = LearnOptions(seed=args.seed, max_versions=args.versions)
+            run_learn(_settings(args), workdir=args.workdir, options=options)
+        except ImportError as exc:
+            raise CliError(
+                f"claw demo --learn needs torch, transformers and accelerate ({exc.name} is "
+                "missing): pip install 'claw-lakehouse[train]'"
+            ) from None
+        return
     from claw_pipelines.app.demo import run_demo
 
     run_demo(_settings(args), workdir=args.workdir, compact_every=args.compact_every)
@@ -502,13 +514,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     demo = verb("demo", _cmd_demo, "one end-to-end run on simulated agents, then a summary")
-    demo.add_argument("--workdir", help="where to keep logs (default: a temp dir)")
+    demo.add_argument(
+        "--workdir", help="where to keep logs (and --learn's checkpoints; default: a temp dir)"
+    )
     demo.add_argument(
         "--compact-every",
         type=int,
         metavar="N",
         help="the black-box agents compact their context: after every N calls they replace "
         "their earlier turns with a summary (silver records the trajectory's fragments)",
+    )
+    demo.add_argument(
+        "--learn",
+        action="store_true",
+        help="instead: train a tiny model until its reward rises (transformers serve, the "
+        "gateway, the live materializer, a GRPO trainer; needs the train extra)",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="--learn: the run's seed")
+    demo.add_argument(
+        "--versions", type=int, default=40, help="--learn: policy versions to publish at most"
     )
     return parser
 

@@ -73,7 +73,7 @@ class LoopRound:
         )
 
 
-def _materialize_in_background(lake: Lake, stop: threading.Event) -> threading.Thread:
+def materialize_in_background(lake: Lake, stop: threading.Event) -> threading.Thread:
     """The live materializer, following the lake until `stop` is set."""
     live = LiveMaterializer(lake, SilverOptions())
 
@@ -114,7 +114,7 @@ def run_loop(
         publish_policy_version(lake, first_version, by=TRAINER)
     _wait_for_gateway_version(gateway, max(first_version, published or 0))
     stop = threading.Event()
-    worker = _materialize_in_background(lake, stop)
+    worker = materialize_in_background(lake, stop)
     tally = tally or Tally()
     done = []
     try:
@@ -124,7 +124,7 @@ def run_loop(
             for _ in range(groups):  # no policy_version: the gateway stamps the published one
                 keys = white_box_group(llm, gateway, Task.random(rng), rollouts, None, tally)
                 acked[keys[0].rsplit("-r", 1)[0]] = time.time()
-            dataset = _wait_for_dataset(lake, spec.name)
+            dataset = wait_for_dataset(lake, spec.name)
             batch = dataset.next_batch(
                 groups, consumer=TRAINER, min_policy_version=version, timeout=120, poll_s=0.05
             )
@@ -155,7 +155,7 @@ def run_loop(
     return done
 
 
-def _wait_for_dataset(lake: Lake, name: str, timeout: float = 120) -> Dataset:
+def wait_for_dataset(lake: Lake, name: str, timeout: float = 120) -> Dataset:
     """The dataset, once the materializer has written it."""
     deadline = time.monotonic() + timeout
     while True:

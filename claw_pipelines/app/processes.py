@@ -79,7 +79,11 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             command, env=self.env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT
         )
-        wait_until(self._healthy, timeout, what=f"{self.verb} on port {self.port}")
+        try:
+            wait_until(self._healthy, timeout, what=f"{self.verb} on port {self.port}")
+        except BaseException:  # never healthy: stopped, not left behind (no __exit__ runs)
+            self.stop(timeout=10)
+            raise
         return self
 
     def _healthy(self) -> bool:
@@ -123,3 +127,31 @@ class ServiceProcess:
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.stop()
+
+
+class TransformersServe(ServiceProcess):
+    """`transformers serve` (a real third-party OpenAI-compatible server, from transformers;
+    it needs accelerate) on a loopback port: pinned to one local model folder, whose path
+    requests name as their `model`, or, with `model_dir` None, loading whichever local
+    folder a request names (`claw demo --learn`: one checkpoint folder per policy version).
+    Requests are decoded one at a time (its continuous batching starts anew for every other
+    model asked: seconds per policy version)."""
+
+    def __init__(self, model_dir: Path | None, log_dir: Path) -> None:
+        port = free_port()
+        transformers = Path(sys.executable).with_name("transformers")
+        command = [str(transformers), "serve"]
+        command += [str(model_dir)] if model_dir is not None else []
+        command += ["--device", "cpu", "--host", "127.0.0.1", "--port", "{port}"]
+        super().__init__(
+            "transformers-serve",
+            log_dir / f"transformers-serve-{port}.log",
+            port=port,
+            health="/health",
+            command=command,
+            # one core for the model, the other for whoever calls it (a gateway, a test): on
+            # two cores a server that takes both slows every process beside it
+            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"},
+        )
+        self.model = None if model_dir is None else str(model_dir)
+        self.base_url = self.url + "/v1"

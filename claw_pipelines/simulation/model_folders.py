@@ -276,15 +276,68 @@ def tiny_model_folder(root: Path, family: str = "chatml", seed: int = 0) -> Path
     now and then, a multi-digit number (which Qwen2's tokenizer, splitting digits, does not:
     so about half its replies re-encode exactly and half do not), and ends most replies with
     the family's end-of-turn token within a few dozen tokens."""
+    tokenizer_folder(root, family, "v5")
+    tokenizer = _tokenizer_object(FAMILIES[family])
+    return _qwen2_folder(
+        root,
+        family,
+        seed,
+        sampled=_reply_ids(root, tokenizer),
+        ends=True,
+        max_new_tokens=24,
+        # the end-of-turn token grows likelier with every token: replies end on their own
+        exponential_decay_length_penalty=(4, 1.6),
+    )
+
+
+def word_policy_folder(
+    root: Path, words: int = 128, seed: int = 0, max_new_tokens: int = 6
+) -> Path:
+    """A tiny random Qwen2 that says only `words` whole words (chosen by `seed` among the
+    words its tokenizer encodes back to one token each) and never ends a reply by itself:
+    every reply is `max_new_tokens` words, re-encoding exactly. The starting policy of the
+    learning loop (`claw demo --learn`); its generation config's `suppress_tokens` is the
+    sampling distribution's support (`sampled_ids`)."""
+    import random
+
+    tokenizer_folder(root, "chatml", "v5")
+    tokenizer = _tokenizer_object(FAMILIES["chatml"])
+    candidates = _word_ids(root, tokenizer)
+    if len(candidates) < words:
+        raise ValueError(f"words: the tokenizer has {len(candidates)} one-token words, not {words}")
+    chosen = sorted(random.Random(seed).sample(candidates, words))
+    return _qwen2_folder(
+        root, "chatml", seed, sampled=chosen, ends=False, max_new_tokens=max_new_tokens
+    )
+
+
+def sampled_ids(folder: Path) -> list[int]:
+    """The token ids a model folder's generation config lets it sample (those not in
+    `suppress_tokens`), in id order."""
+    config = json.loads((folder / "generation_config.json").read_text())
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    return sorted(set(range(vocab)) - set(config.get("suppress_tokens") or ()))
+
+
+def _qwen2_folder(
+    root: Path,
+    family: str,
+    seed: int,
+    sampled: list[int],
+    ends: bool,
+    max_new_tokens: int,
+    **generation: Any,
+) -> Path:
+    """A random 2-layer Qwen2 (hidden 64) saved beside the tokenizer folder at `root`, whose
+    generation config samples at temperature 1 from `sampled` only (and the family's
+    end-of-turn token when `ends`)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer_folder(root, family, "v5")
     spec = FAMILIES[family]
     tokenizer = _tokenizer_object(spec)
     vocab = tokenizer.get_vocab_size()
     eos = tokenizer.token_to_id(spec.eos)
-    text_ids = _reply_ids(root, tokenizer)
     config = Qwen2Config(
         vocab_size=vocab,
         hidden_size=64,
@@ -299,18 +352,17 @@ def tiny_model_folder(root: Path, family: str = "chatml", seed: int = 0) -> Path
     )
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(str(root))
-    suppressed = sorted(set(range(vocab)) - set(text_ids) - {eos})
+    allowed = set(sampled) | ({eos} if ends else set())
     GenerationConfig(
         do_sample=True,
         temperature=1.0,
         top_k=0,
         top_p=1.0,
-        max_new_tokens=24,
+        max_new_tokens=max_new_tokens,
         eos_token_id=eos,
         pad_token_id=config.pad_token_id,
-        suppress_tokens=suppressed,
-        # the end-of-turn token grows likelier with every token: replies end on their own
-        exponential_decay_length_penalty=(4, 1.6),
+        suppress_tokens=sorted(set(range(vocab)) - allowed),
+        **generation,
     ).save_pretrained(str(root))
     return root
 
@@ -324,20 +376,33 @@ def _reply_ids(folder: Path, tokenizer: Any) -> list[int]:
     numbers, which it does not."""
     import re
 
+    from claw_pipelines.tokenization import token_bytes
+
+    numbers = []
+    for token_id, piece in enumerate(token_bytes(tokenizer)):
+        if re.fullmatch(rb"[0-9]{2,}", piece):
+            numbers.append(token_id)
+    return _word_ids(folder, tokenizer) + numbers[:NUMBERS_SAMPLED]
+
+
+def _word_ids(folder: Path, tokenizer: Any) -> list[int]:
+    """Ids of words with a leading space (two letters or more) that the folder's own
+    tokenizer, as transformers loads it, encodes back to themselves, in id order."""
+    import re
+
     from transformers import AutoTokenizer
 
     from claw_pipelines.tokenization import token_bytes
 
     hf = AutoTokenizer.from_pretrained(str(folder))
-    words, numbers = [], []
+    words = []
     for token_id, piece in enumerate(token_bytes(tokenizer)):
         try:
             text = piece.decode("utf-8")
         except UnicodeDecodeError:
             continue
-        if re.fullmatch(r" [A-Za-z]{2,}", text):
-            if hf.encode(text, add_special_tokens=False) == [token_id]:
-                words.append(token_id)
-        elif re.fullmatch(r"[0-9]{2,}", text):
-            numbers.append(token_id)
-    return words + numbers[:NUMBERS_SAMPLED]
+        if re.fullmatch(r" [A-Za-z]{2,}", text) and hf.encode(text, add_special_tokens=False) == [
+            token_id
+        ]:
+            words.append(token_id)
+    return words

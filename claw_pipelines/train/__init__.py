@@ -7,6 +7,9 @@ extra installs it).
   without a T×T mask;
 - `adapters`: gold steps in the shapes trainers consume (verl's `DataProto`, TRL-style
   rows, a torch `IterableDataset` of batches for every rank);
+- `grpo`: GRPO on tree batches for a Hugging Face checkpoint through the tree attention,
+  with truncated importance sampling against the batch's behaviour log-probs
+  (`TreeGRPO`; `claw demo --learn`);
 - `tiny_policy`: the demo's policy-gradient learner (`claw demo --loop`).
 
 The entry points below load their module (and torch) on first use.
@@ -26,6 +29,7 @@ _EXPORTS = {
     "verl_batch": "claw_pipelines.train.adapters",
     "trl_records": "claw_pipelines.train.adapters",
     "TinyPolicy": "claw_pipelines.train.tiny_policy",
+    "TreeGRPO": "claw_pipelines.train.grpo",
 }
 __all__ = list(_EXPORTS)
 

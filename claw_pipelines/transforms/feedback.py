@@ -263,3 +263,23 @@ def unresolved_targets(steps: pl.DataFrame, facts: pl.DataFrame) -> pl.DataFrame
         how="anti",
     )
     return pl.concat([by_step, by_trajectory])
+
+
+def reward_by_policy_version(steps: pl.DataFrame) -> pl.DataFrame:
+    """Per policy version, oldest first: its steps, those whose reward is final (`rewarded`)
+    and their mean, lowest and highest reward. `steps`: `policy_version`, `reward` and
+    `reward_status` per step (silver's steps with their resolved rewards); steps of no
+    version are left out."""
+    final = pl.col("reward").filter(pl.col("reward_status") == "final")
+    return (
+        steps.drop_nulls("policy_version")
+        .group_by("policy_version")
+        .agg(
+            steps=pl.len().cast(pl.Int64),
+            rewarded=final.len().cast(pl.Int64),
+            mean_reward=final.mean(),
+            min_reward=final.min(),
+            max_reward=final.max(),
+        )
+        .sort("policy_version")
+    )

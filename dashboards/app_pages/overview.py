@@ -1,4 +1,5 @@
-"""Overview: records over time by source, steps, trajectories, tokens, datasets, versions."""
+"""Overview: records over time by source, steps, trajectories, reward by policy version,
+tokens, datasets, versions."""
 
 from __future__ import annotations
 
@@ -48,6 +49,21 @@ if trajectories is not None and trajectories.height:
     )
 else:
     st.caption("No silver yet: run `claw materialize` (or let the Dagster sensor do it).")
+
+st.subheader("Reward by policy version")
+by_version = data.reward_by_version(at)
+if by_version is None or not by_version["rewarded"].sum():
+    st.caption(
+        "No rewarded step yet: rewards come with white-box steps, as feedback, or as a "
+        "trajectory completes."
+    )
+else:
+    st.altair_chart(data.reward_chart(by_version), width="stretch")
+    st.dataframe(by_version, hide_index=True, width="stretch")
+    st.caption(
+        "the mean of each policy version's steps whose reward is final (silver), between the "
+        "lowest and the highest: a training loop whose reward rises shows here"
+    )
 
 st.subheader("Datasets and their freshness")
 lineage = data.table(

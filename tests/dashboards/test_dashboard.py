@@ -17,6 +17,7 @@ from claw_pipelines.build.rescore import load_judge, rescore
 from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec, Readmission
+from claw_pipelines.contracts.tables import SILVER_STEP_REWARDS, SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_specs, save_spec
 from tests.support.lakes import arithmetic_steps, feedback, group_of, land, step
@@ -166,6 +167,23 @@ def test_consumption_shows_what_trainers_fed_back(filled, monkeypatch):
     assert len(worst) == 5 and worst["mean_abs_diff"].tolist() == pytest.approx([0.1] * 5)
     shown = {m.label: m.value for m in app.metric}
     assert shown["ratios outside [0.8, 1.2]"] == "0.0%"
+
+
+def test_overview_shows_reward_by_policy_version(filled, monkeypatch):
+    app = page("overview", filled.uri, monkeypatch)
+    assert not app.exception
+    assert "Reward by policy version" in [h.value for h in app.subheader]
+    shown = next(d.value for d in app.dataframe if "mean_reward" in d.value.columns)
+    steps = filled.read(SILVER_STEPS, columns=["step_key", "policy_version"])
+    rewards = filled.read(SILVER_STEP_REWARDS, columns=["step_key", "reward", "reward_status"])
+    final = steps.join(rewards.filter(pl.col("reward_status") == "final"), on="step_key")
+    expected = final.group_by("policy_version").agg(pl.col("reward").mean()).sort("policy_version")
+    assert list(shown["policy_version"]) == expected["policy_version"].to_list() == [1, 2]
+    assert list(shown["mean_reward"]) == pytest.approx(expected["reward"].to_list())
+    assert (
+        list(shown["steps"])
+        == steps.group_by("policy_version").len().sort("policy_version")["len"].to_list()
+    )
 
 
 def test_representation_shows_judges_side_by_side(tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
-"""Upstreams for proxy tests: `claw sim-llm` as a real process, and a scripted misbehaving
-server (timeouts, 5xx, 4xx, no token ids) on a loopback port."""
+"""Upstreams for proxy tests: `claw sim-llm` as a real process, a scripted misbehaving server
+(timeouts, 5xx, 4xx, no token ids) on a loopback port, and `transformers serve`
+(`claw_pipelines.app.processes.TransformersServe`: the launcher starts it for `claw demo
+--learn`)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ from pathlib import Path
 
 import httpx
 
-from claw_pipelines.app.processes import ServiceProcess
 from gateway.proxy.capture_mode import PROBE_MODEL
 from tests.support.servers import REPO, free_port, wait_until
 
@@ -247,26 +248,3 @@ class ScriptedUpstream:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(5)
-
-
-class TransformersServe(ServiceProcess):
-    """`transformers serve` (a real third-party OpenAI-compatible server) on a loopback port,
-    pinned to one local model folder: requests name that folder as their `model`."""
-
-    def __init__(self, model_dir: Path, log_dir: Path) -> None:
-        port = free_port()
-        transformers = Path(sys.executable).with_name("transformers")
-        command = [str(transformers), "serve", str(model_dir), "--device", "cpu"]
-        command += ["--host", "127.0.0.1", "--port", "{port}"]
-        super().__init__(
-            "transformers-serve",
-            log_dir / f"transformers-serve-{port}.log",
-            port=port,
-            health="/health",
-            command=command,
-            # one core for the model, the other for whoever calls it (a gateway, a test): on
-            # two cores a server that takes both slows every process beside it
-            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"},
-        )
-        self.model = str(model_dir)
-        self.base_url = self.url + "/v1"

@@ -11,7 +11,7 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from claw_pipelines.transforms.feedback import resolve_rewards
+from claw_pipelines.transforms.feedback import resolve_rewards, reward_by_policy_version
 from claw_pipelines.transforms.hashing import (
     content_hashes,
     list_parts,
@@ -242,6 +242,27 @@ def test_feedback_never_crosses_tenants_and_follows_stitched_keys():
     by_key = resolved(steps, given_facts, statuses)
     assert by_key["s:1"]["reward"] == 1.0 and by_key["s:1"]["reward_status"] == "final"
     assert by_key["s:0"]["reward"] is None and by_key["s:0"]["reward_status"] == "missing"
+
+
+def test_reward_by_policy_version_averages_the_final_rewards_of_each_version():
+    steps = stepframe([("a:0", "t", None), ("a:1", "t", None), ("b:0", "t", None)])
+    steps = steps.with_columns(policy_version=pl.Series([1, 1, 2]))
+    given_facts = facts(
+        [
+            ("f1", None, "a", "reward", 0.5, None, "t", 1),  # a's last step; a:0 missing
+            ("f2", None, "a", "completion", None, "complete", "t", 2),
+            ("f3", "b:0", None, "reward", 1.0, None, "t", 3),
+        ]
+    )
+    rewards = pl.DataFrame(list(resolved(steps, given_facts).values()))
+    joined = steps.join(rewards.select("step_key", "reward", "reward_status"), on="step_key")
+    by_version = reward_by_policy_version(joined)
+    assert by_version.select("policy_version", "steps", "rewarded", "mean_reward").rows() == [
+        (1, 2, 1, 0.5),
+        (2, 1, 1, 1.0),
+    ]
+    unversioned = joined.with_columns(policy_version=pl.lit(None, pl.Int64))
+    assert reward_by_policy_version(unversioned).is_empty()
 
 
 def test_trajectory_status_open_complete_abandoned():

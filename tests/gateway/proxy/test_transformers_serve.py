@@ -22,6 +22,7 @@ import polars as pl
 import pytest
 from transformers import AutoTokenizer
 
+from claw_pipelines.app.processes import TransformersServe
 from claw_pipelines.build.gold import build_partition
 from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
@@ -32,7 +33,7 @@ from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.simulation.model_folders import tiny_model_folder
 from claw_pipelines.tokenization import server_messages
 from tests.support.servers import REPO, GatewayProcess, bronze, wait_landed
-from tests.support.upstreams import TransformersServe, proxy_env
+from tests.support.upstreams import proxy_env
 
 pytestmark = pytest.mark.slow
 KEY = "real-server-key"

@@ -1,0 +1,1 @@
+"""claw_pipelines.app: the launcher's own runs (`claw demo --learn`)."""
