@@ -263,7 +263,8 @@ class LearnSummary:
         return (self.trainer_wait_s - self.first_batch_wait_s) / rest if rest > 0 else 0.0
 
     def staleness_tokens(self) -> dict[int, int]:
-        """Trained tokens delivered per staleness (trainer version - the version that generated the token)."""
+        """Trained tokens delivered per staleness (the trainer's version minus the version
+        that generated the token)."""
         total: dict[int, int] = defaultdict(int)
         for step in self.trained:
             for stale, tokens in step.staleness_tokens.items():
