@@ -12,13 +12,17 @@ is its part after a group of the awaited batch was scored (gateway, bronze, silv
 delivery); the rest is generation.
 
 Targets: mean reward >= 0.8 within 40 published versions; the trainer waiting <= 20 % of
-the loop's wall time. Prints one JSON line (progress and the loop's summary on stderr).
+the loop's wall time; batch production with per-token policy versions >= 0.9 x without
+(`benchmarks/consume.py` run both ways in this run, `per_token_versions`). Prints one JSON
+line (progress and the loop's summary on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,17 +37,36 @@ from claw_pipelines.settings import ClawSettings  # noqa: E402
 TARGET_REWARD = 0.8
 TARGET_VERSIONS = 40
 TARGET_WAIT_SHARE = 0.20
+TARGET_TOKEN_VERSIONS = 0.9  # batch production with per-token versions vs without
 TARGET = (
     f"mean reward >= {TARGET_REWARD} within {TARGET_VERSIONS} published versions; the "
-    f"trainer waiting for data <= {TARGET_WAIT_SHARE:.0%} of the loop's wall time"
+    f"trainer waiting for data <= {TARGET_WAIT_SHARE:.0%} of the loop's wall time; batch "
+    f"production with per-token policy versions >= {TARGET_TOKEN_VERSIONS} x without"
 )
 
 
-def per_token_versions_arm() -> dict | None:
-    """PLACE FOR THE PER-TOKEN-VERSIONS ARM (issue 39: batch production with per-token policy
-    versions >= 0.9 x without): to be wired by running benchmarks/consume.py both ways in
-    this run, once it has its with/without switch. Until then: None, and not in target_met."""
-    return None
+def per_token_versions_arm() -> dict:
+    """Batch production with per-token policy versions vs without, in this run:
+    `benchmarks/consume.py` (which builds tree batches both ways on one lake) in a child
+    process, its figures read from its JSON line."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "consume.py")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    ratio = line["ratio"]["token_versions_vs_without"]
+    return {
+        "token_versions_vs_without": ratio,
+        "target": TARGET_TOKEN_VERSIONS,
+        "met": ratio >= TARGET_TOKEN_VERSIONS,
+        "batch_tokens_per_s": line["production"]["batch_tokens_per_s"],
+        "batch_tokens_per_s_without_token_versions": line["production"][
+            "batch_tokens_per_s_without_token_versions"
+        ],
+    }
 
 
 def figures(summary: LearnSummary) -> dict:
@@ -95,6 +118,7 @@ def main() -> None:
         found = figures(summary)
     reached = summary.reached is not None and summary.reached[0] <= TARGET_VERSIONS
     waited = summary.wait_share <= TARGET_WAIT_SHARE
+    versions_arm = per_token_versions_arm()
     emit(
         "learning_loop",
         target=TARGET,
@@ -102,13 +126,14 @@ def main() -> None:
             "mean_reward": TARGET_REWARD,
             "within_versions": TARGET_VERSIONS,
             "trainer_wait_share": TARGET_WAIT_SHARE,
+            "token_versions_vs_without": TARGET_TOKEN_VERSIONS,
         },
-        target_met=reached and waited,
+        target_met=reached and waited and versions_arm["met"],
         baseline=None,
         ratio=None,
         seed=args.seed,
         **found,
-        per_token_versions=per_token_versions_arm(),
+        per_token_versions=versions_arm,
     )
 
 
