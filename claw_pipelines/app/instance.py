@@ -35,4 +35,15 @@ def dagster_home(settings: ClawSettings) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     if not (path / "dagster.yaml").exists():
         (path / "dagster.yaml").write_text(DAGSTER_YAML)
+    initialize_storage(path)
     return path
+
+
+def initialize_storage(home: Path) -> None:
+    """Create (migrate) the Dagster instance's storage under `home` in this process, before
+    a daemon and a webserver start on it: two processes creating a fresh SQLite storage at
+    once can both stamp its schema version, and neither can load the code afterwards."""
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(str(home)):
+        pass

@@ -189,10 +189,15 @@ def black_box_rollout(
                 )
             if compact_every is not None and turn % compact_every == 0:
                 messages = compacted(messages)
+    return complete(gateway_url, api_key, trajectory, task.reward(final), tally)
+
+
+def complete(gateway_url: str, api_key: str, trajectory: str, reward: float, tally: Tally) -> str:
+    """Close `trajectory` with its `reward` through the gateway, counted in `tally`; its id."""
     done = httpx.post(
         f"{gateway_url}/v1/trajectories/{trajectory}/complete",
         headers={"Authorization": f"Bearer {api_key}"},
-        json={"reward": task.reward(final)},
+        json={"reward": reward},
         timeout=30,
     )
     tally.add(done.raise_for_status().json(), "events")
@@ -271,15 +276,7 @@ def partial_rollout(
                 extra_body={"return_token_ids": True},
             )
             text, tally.steps = text + rest.choices[0].text, tally.steps + 1
-    done = httpx.post(
-        f"{gateway_url}/v1/trajectories/{trajectory}/complete",
-        headers={"Authorization": f"Bearer {api_key}"},
-        json={"reward": task.reward(text)},
-        timeout=30,
-    )
-    tally.add(done.raise_for_status().json(), "events")
-    tally.trajectories += 1
-    return trajectory
+    return complete(gateway_url, api_key, trajectory, task.reward(text), tally)
 
 
 def _calculate(expression: str, task: Task) -> int:

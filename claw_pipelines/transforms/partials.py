@@ -34,6 +34,8 @@ import pyarrow as pa
 
 from claw_pipelines.contracts.tables import ABORTED_FINISH_REASONS
 from claw_pipelines.transforms.hashing import content_hashes, slice_content_hashes
+from claw_pipelines.transforms.stitching import NO_PARENT as _NONE
+from claw_pipelines.transforms.stitching import chain_ends
 
 # the columns a step takes part in a join with (stored steps: the silver view's)
 JOIN_COLUMNS = [
@@ -61,7 +63,6 @@ _LISTS = {
     "partial_step_keys": pl.List(pl.String),
     "partial_event_ids": pl.List(pl.String),
 }
-_NONE = -1
 _MEMBERS = {"tail": pl.Int64, "order": pl.Int64, "stored": pl.Boolean, "row": pl.Int64}
 
 
@@ -181,25 +182,13 @@ def find_chains(new: pl.DataFrame, stored: pl.DataFrame) -> Chains:
     child = np.full(count, _NONE, dtype=np.int64)
     child[links["parent"].to_numpy()] = links["child"].to_numpy()
     in_chain = (parent != _NONE) | (child != _NONE)
-    tail_of, _ = _jump(child)  # the chain's last step: the continuation that holds it
-    _, depth = _jump(parent)  # members before it
+    tail_of, _ = chain_ends(child)  # the chain's last step: the continuation that holds it
+    _, depth = chain_ends(parent)  # members before it
     members = nodes.select("stored", "row").with_columns(
         tail=pl.Series(nodes["row"].to_numpy()[tail_of], dtype=pl.Int64),
         order=pl.Series(depth, dtype=pl.Int64),
     )
     return Chains(members.filter(pl.Series(in_chain)).select("tail", "order", "stored", "row"))
-
-
-def _jump(link: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pointer jumping along `link` (_NONE: an end): each node's end and its distance."""
-    up = np.where(link == _NONE, np.arange(len(link)), link)
-    dist = (link != _NONE).astype(np.int64)
-    while True:
-        nxt = up[up]
-        if np.array_equal(nxt, up):
-            return up, dist
-        dist = dist + dist[up]
-        up = nxt
 
 
 def join_chains(

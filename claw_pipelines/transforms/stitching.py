@@ -235,10 +235,11 @@ def _retries_follow_their_attempt(
     return linked
 
 
-def _heads(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pointer jumping: each node's chain head and its distance from it."""
-    up = np.where(parent == NO_PARENT, np.arange(len(parent)), parent)
-    dist = (parent != NO_PARENT).astype(np.int64)
+def chain_ends(link: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pointer jumping along `link` (per node the next one, NO_PARENT at an end): each node's
+    chain end and its distance from it, in O(log length) vectorized rounds."""
+    up = np.where(link == NO_PARENT, np.arange(len(link)), link)
+    dist = (link != NO_PARENT).astype(np.int64)
     while True:
         nxt = up[up]
         if np.array_equal(nxt, up):
@@ -263,7 +264,7 @@ def stitch(data: StitchInput) -> pl.DataFrame:
     )
     parent = _retries_follow_their_attempt(data, parent, received, taken)
     parent = _one_continuation(parent, received, taken)
-    head, dist = _heads(parent)
+    head, dist = chain_ends(parent)
     on_anchor = head < n_anchor
     node_step = np.concatenate(
         [anchors["step_index"].to_numpy().astype(np.int64), np.zeros(calls.height, np.int64)]

@@ -14,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from claw_pipelines.app.instance import DAGSTER_YAML
+from claw_pipelines.app.instance import DAGSTER_YAML, initialize_storage
 from claw_pipelines.app.processes import ServiceProcess, wait_until
 from claw_pipelines.build.failing import failing_builds
 from claw_pipelines.build.silver import watermark
@@ -77,6 +77,7 @@ def test_failed_sensor_runs_are_retried_with_backoff_reported_and_converge(tmp_p
         ],
         ready=lambda: (home / "history").exists(),
     )
+    initialize_storage(home)  # as `claw up` does: one process migrates a fresh storage
     daemon.start(timeout=90)
     try:
         instance = dg.DagsterInstance.from_config(str(home))

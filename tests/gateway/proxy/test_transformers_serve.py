@@ -253,6 +253,21 @@ def _server_counts(input_tokens: int, output_tokens: int) -> SimpleNamespace:
     return SimpleNamespace(prompt_tokens=input_tokens, completion_tokens=output_tokens)
 
 
+def _check_translated(gateway, truth, keys: list[str], usages: list, protocol: str) -> None:
+    """Each call of another protocol landed once, with the ids of the conversation it was
+    translated to (the system prompt and the question) and its label."""
+    rows = _rows(gateway, keys)
+    assert rows.height == len(keys)  # once each, no phantom step
+    system_and_user = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    expected = truth.apply_chat_template(
+        system_and_user, add_generation_prompt=True, return_dict=False
+    )
+    for row, usage in zip(rows.iter_rows(named=True), usages, strict=True):
+        assert row["prompt_ids"] == list(expected)
+        assert json.loads(row["payload"])["metadata"]["protocol"] == protocol
+        _check_labels(row, usage)
+
+
 def test_a_responses_call_reaches_the_real_server_and_lands_its_ids(gateway, served, truth):
     keys, usages = [f"responses-{uuid.uuid4().hex}", f"responses-{uuid.uuid4().hex}"], []
     answer = _client(gateway).responses.create(
@@ -279,16 +294,7 @@ def test_a_responses_call_reaches_the_real_server_and_lands_its_ids(gateway, ser
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert final.output_text == "".join(deltas)  # the streamed text is the final text
     usages.append(_server_counts(final.usage.input_tokens, final.usage.output_tokens))
-    rows = _rows(gateway, keys)
-    assert rows.height == 2  # once each, no phantom step
-    system_and_user = [{"role": "system", "content": "Be brief."}, *QUESTION]
-    expected = truth.apply_chat_template(
-        system_and_user, add_generation_prompt=True, return_dict=False
-    )
-    for row, usage in zip(rows.iter_rows(named=True), usages, strict=True):
-        assert row["prompt_ids"] == list(expected)
-        assert json.loads(row["payload"])["metadata"]["protocol"] == "responses"
-        _check_labels(row, usage)
+    _check_translated(gateway, truth, keys, usages, "responses")
 
 
 def test_a_messages_call_reaches_the_real_server_and_lands_its_ids(gateway, served, truth):
@@ -304,13 +310,4 @@ def test_a_messages_call_reaches_the_real_server_and_lands_its_ids(gateway, serv
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert final.stop_reason in ("end_turn", "max_tokens")
     usages.append(_server_counts(final.usage.input_tokens, final.usage.output_tokens))
-    rows = _rows(gateway, keys)
-    assert rows.height == 2  # once each, no phantom step
-    system_and_user = [{"role": "system", "content": "Be brief."}, *QUESTION]
-    expected = truth.apply_chat_template(
-        system_and_user, add_generation_prompt=True, return_dict=False
-    )
-    for row, usage in zip(rows.iter_rows(named=True), usages, strict=True):
-        assert row["prompt_ids"] == list(expected)
-        assert json.loads(row["payload"])["metadata"]["protocol"] == "messages"
-        _check_labels(row, usage)
+    _check_translated(gateway, truth, keys, usages, "messages")
