@@ -159,6 +159,55 @@ class Brought:
 
 
 @dataclass
+class StoredTrees:
+    """A dataset's stored trees as of its dataset and trees tables' versions: per
+    (policy_version, tree_id) its steps, raw and tree tokens, and whether the trees table
+    holds its segments (`segmented`; not: a killed writer tore it). Read once, then kept
+    current by the increments' own writes, so an increment reads only its scope's rows."""
+
+    dataset_version: int
+    trees_version: int
+    frame: pl.DataFrame
+
+    @classmethod
+    def read(cls, lake: Lake, spec: CurationSpec, pins: dict[str, int]) -> StoredTrees:
+        """Read from the dataset's tables at `pins`."""
+        table, trees_table = gold_dataset_table(spec.name), gold_tree_table(spec.name)
+        columns = ["policy_version", "tree_id", "prompt_len", "response_len"]
+        rows = lake.read(table, pins[table], columns=columns)
+        segments = _stored_segments(lake, spec, pins, None)
+        return cls(pins[table], pins[trees_table], _stored_tree_stats(segments, rows))
+
+    def stands_at(self, lake: Lake, spec: CurationSpec, pins: dict[str, int]) -> bool:
+        """Whether it holds what the tables hold at `pins` (commits since that only
+        compacted them are passed over)."""
+        own = (
+            (gold_dataset_table(spec.name), self.dataset_version),
+            (gold_tree_table(spec.name), self.trees_version),
+        )
+        if any(not lake.only_maintenance(t, v, pins[t]) for t, v in own if pins[t] != v):
+            return False
+        self.dataset_version, self.trees_version = (pins[t] for t, _ in own)
+        return True
+
+    def replaced(
+        self, gone: pl.DataFrame, rows: pa.Table, segments: pa.Table, versions: tuple[int, int]
+    ) -> StoredTrees:
+        """After a write that replaced the trees `gone` (policy_version, tree_id) with the
+        dataset `rows` and tree `segments` it wrote, landing at `versions`."""
+        kept = self.frame.join(gone, on=["policy_version", "tree_id"], how="anti")
+        written = _stored_tree_stats(_frame(segments), _frame(rows))
+        frame = pl.concat([kept, written], how="vertical_relaxed")
+        return StoredTrees(versions[0], versions[1], frame)
+
+
+def _frame(table: pa.Table) -> pl.DataFrame:
+    frame = pl.from_arrow(table)
+    assert isinstance(frame, pl.DataFrame)
+    return frame
+
+
+@dataclass
 class AtHand:
     """What a follower keeps between increments: the token columns of steps silver took
     lately (`tokens`), its silver view (`silver`), what each dataset was last brought up to
@@ -171,6 +220,8 @@ class AtHand:
     _candidates: tuple[tuple, pl.DataFrame] | None = None
     # per dataset: (its rejections table's version, the fingerprints of that version)
     rejections: dict[str, tuple[int, pl.DataFrame]] = field(default_factory=dict)
+    # per dataset: its stored trees' sizes, kept current by its increments' own writes
+    trees: dict[str, StoredTrees] = field(default_factory=dict)
     # the silver marker version increments read at (None: silver's last completed run)
     pinned: int | None = None
 
@@ -179,12 +230,18 @@ class AtHand:
         as it stands now (a snapshot later rounds leave alone), pinned to its marker
         version; what datasets were brought to and their rejections are shared."""
         if self.silver is None:
-            return AtHand(tokens=self.tokens, brought=self.brought, rejections=self.rejections)
+            return AtHand(
+                tokens=self.tokens,
+                brought=self.brought,
+                rejections=self.rejections,
+                trees=self.trees,
+            )
         return AtHand(
             tokens=self.tokens,
             silver=self.silver.snapshot(),
             brought=self.brought,
             rejections=self.rejections,
+            trees=self.trees,
             pinned=self.silver.versions.get(SILVER_TRAJECTORIES),
         )
 
@@ -315,9 +372,9 @@ def _increment_once(
     stored = with_units(
         lake.read(table, pins[table], columns=FINGERPRINTED.names, where=scope.where())
     )
-    segments = _stored_segments(lake, spec, pins, scope.partitions)
+    trees = _stored_trees(lake, spec, pins, at_hand, scope, stored)
     judged = unit_fingerprints(now).join(
-        _torn(unit_fingerprints(stored), segments),
+        _torn(unit_fingerprints(stored), trees.frame.filter("segmented")),
         on=UNIT,
         how="full",
         coalesce=True,
@@ -349,17 +406,20 @@ def _increment_once(
         units = now.filter(pl.col("policy_version").is_in(units["policy_version"].unique()))
         units = units.select(UNIT).unique()
     writing = with_tokens(lake, now.join(units, on=UNIT), versions[SILVER_STEPS], at_hand.tokens)
-    stats = _partition_stats(lake, table, pins, scope, segments, stored, changed)
+    stats = trees.frame.filter(pl.col("policy_version").is_in(changed["policy_version"].implode()))
     landed_at = datetime.now(UTC)
     clauses, dataset_parts, tree_parts, lineages = [], [], [], []
+    replaced: list[tuple[int, list[str]]] = []  # per partition: the trees the write replaces
     for (version,), gone in doomed.group_by("policy_version"):
         version = int(version)
-        trees = gone["trees"].explode().unique().drop_nulls().to_list()
+        doomed_trees = gone["trees"].explode().unique().drop_nulls().to_list()
         if whole:
-            trees = stats.filter(pl.col("policy_version") == version)["tree_id"].to_list()
+            doomed_trees = stats.filter(pl.col("policy_version") == version)["tree_id"].to_list()
             clauses.append(f"(policy_version = {version})")
         else:
-            clauses.append(f"(policy_version = {version} AND tree_id IN ({sql_strings(trees)}))")
+            listed = sql_strings(doomed_trees)
+            clauses.append(f"(policy_version = {version} AND tree_id IN ({listed}))")
+        replaced.append((version, doomed_trees))
         part = GoldPartition(
             spec.name, version, spec, increment.source_versions, reason=_reason(increment, version)
         )
@@ -368,7 +428,9 @@ def _increment_once(
             part.steps, part.forest = merge_trees(rows)
             dataset_parts.append(dataset_rows(part.steps, landed_at))
             tree_parts.append(tree_rows(version, part.steps, part.forest))
-        kept = stats.filter((pl.col("policy_version") == version) & ~pl.col("tree_id").is_in(trees))
+        kept = stats.filter(
+            (pl.col("policy_version") == version) & ~pl.col("tree_id").is_in(doomed_trees)
+        )
         totals = {
             "steps": kept["steps"].sum() + part.steps.height,
             "trees": kept.height + (part.steps["tree_id"].n_unique() if rows.height else 0),
@@ -417,6 +479,19 @@ def _increment_once(
         gold_tree_spec(spec.name),
         tree_parts,
         meta | {"dataset_version": increment.dataset_version, "lineage": lineages},
+    )
+    gone = pl.DataFrame(
+        {
+            "policy_version": [v for v, listed in replaced for _ in listed],
+            "tree_id": [t for _, listed in replaced for t in listed],
+        },
+        schema={"policy_version": pl.Int64, "tree_id": pl.String},
+    )
+    at_hand.trees[spec.name] = trees.replaced(
+        gone,
+        _stack(dataset_parts, gold_dataset_spec(spec.name).schema),
+        _stack(tree_parts, gold_tree_spec(spec.name).schema),
+        (increment.dataset_version, increment.trees_version),
     )
     rows = record_lineage(lake, lineages, increment.dataset_version, increment.trees_version)
     for part, row in zip(increment.partitions.values(), rows, strict=True):
@@ -544,28 +619,27 @@ def _stored_segments(
     )
 
 
-def _partition_stats(
+def _stored_trees(
     lake: Lake,
-    table: str,
+    spec: CurationSpec,
     pins: dict[str, int],
+    at_hand: AtHand,
     scope: Scope,
-    segments: pl.DataFrame,
     stored: pl.DataFrame,
-    changed: pl.DataFrame,
-) -> pl.DataFrame:
-    """`_stored_tree_stats` of the partitions an increment writes (`changed`'s versions):
-    from the rows at hand for a whole-dataset scope, else read for those partitions."""
+) -> StoredTrees:
+    """The dataset's stored trees at `pins`: kept from its last increment when the tables
+    stand there, else from the rows at hand (a whole-dataset scope read them all), else read."""
+    kept = at_hand.trees.get(spec.name)
+    if kept is not None and kept.stands_at(lake, spec, pins):
+        return kept
     if scope.groups is None:
-        return _stored_tree_stats(segments, stored)
-    written = changed["policy_version"].unique().to_list()
-    in_written = pl.col("policy_version").is_in(written)
-    rows = lake.read(
-        table,
-        pins[table],
-        columns=["policy_version", "tree_id", "prompt_len", "response_len"],
-        where=in_written,
-    )
-    return _stored_tree_stats(segments.filter(in_written), rows)
+        segments = _stored_segments(lake, spec, pins, None)
+        table, trees_table = gold_dataset_table(spec.name), gold_tree_table(spec.name)
+        fresh = StoredTrees(pins[table], pins[trees_table], _stored_tree_stats(segments, stored))
+    else:
+        fresh = StoredTrees.read(lake, spec, pins)
+    at_hand.trees[spec.name] = fresh
+    return fresh
 
 
 def _torn(stored_units: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:
@@ -595,9 +669,9 @@ def _stored_tree_stats(segments: pl.DataFrame, stored: pl.DataFrame) -> pl.DataF
     tree_tokens = segments.group_by("policy_version", "tree_id").agg(
         tree_tokens=(pl.col("end_depth") - pl.col("start_depth")).sum()
     )
-    return per_tree.join(tree_tokens, on=["policy_version", "tree_id"], how="left").with_columns(
-        pl.col("tree_tokens").fill_null(0)
-    )
+    joined = per_tree.join(tree_tokens, on=["policy_version", "tree_id"], how="left")
+    tokens = pl.col("tree_tokens")
+    return joined.with_columns(segmented=tokens.is_not_null(), tree_tokens=tokens.fill_null(0))
 
 
 def _reason(increment: GoldIncrement, version: int) -> str:

@@ -58,6 +58,7 @@ HEARTBEAT = "_live/materializer.json"
 HEARTBEAT_S = 5.0  # the heartbeat is rewritten at least this often
 STALE_AFTER_S = 30.0  # a heartbeat older than this: no materializer is running
 SPECS_EVERY_S = 2.0  # spec files are listed again at most this often
+PULLS_EVERY_S = 10.0  # which datasets trainers pull from is read again at most this often
 PULLING_S = 600.0  # a dataset pulled from live within this long has a trainer waiting
 BACKGROUND_S = 15.0  # while trainers wait on some datasets, the others follow this often
 RECENT_S = 300.0  # how much data time of new steps' tokens a follower keeps at hand
@@ -137,6 +138,7 @@ class LiveMaterializer:
         self.at_hand = AtHand()  # silver inputs kept between increments
         self._recovered: set[str] = set()
         self._pulled: set[str] = set()  # datasets trainers pull from live lately
+        self._pulls: tuple[float, dict[str, str]] = (-1e9, {})  # when read, last pull per dataset
         self._brought_at: dict[str, float] = {}  # per dataset: its last increment (monotonic)
         self.rounds = 0
         self._compacted_at = time.monotonic()
@@ -333,11 +335,15 @@ class LiveMaterializer:
 
     def _current_specs(self) -> tuple[dict[str, CurationSpec], dict[str, SpecError]]:
         """The valid specs and the errors of the others, listed at most every SPECS_EVERY_S;
-        datasets a trainer pulled from live come first (in order of their last pull)."""
+        datasets a trainer pulled from live come first (in order of their last pull, read at
+        most every PULLS_EVERY_S: the consumption table grows with a run)."""
         read_at, specs, errors = self._specs
         if time.monotonic() - read_at >= SPECS_EVERY_S:
             shelf = read_specs(self.lake)
-            pulled = live_consumed(self.lake, within_s=PULLING_S)
+            pulls_at, pulled = self._pulls
+            if time.monotonic() - pulls_at >= PULLS_EVERY_S:
+                pulled = live_consumed(self.lake, within_s=PULLING_S)
+                self._pulls = (time.monotonic(), pulled)
             self._pulled = set(pulled)
             first = sorted(shelf.specs, key=lambda n: pulled.get(n, ""), reverse=True)
             specs, errors = {n: shelf.specs[n] for n in first}, shelf.errors

@@ -381,12 +381,17 @@ def _write_derived(
     trajectories: pl.DataFrame,
     meta: dict[str, Any],
     stored: pl.DataFrame | None,
+    stored_rewards: pl.Series | None = None,
 ) -> None:
     """Write derived rows, the trajectories commit last (the run's marker, recording
     `versions`, updated in place). `stored`: the rows of silver/trajectories these replace
-    (only those and their steps' rewards are rewritten); None: the tables are rewritten
-    whole."""
+    (only those and their steps' rewards are rewritten), `stored_rewards` the step keys of
+    those steps' stored rewards; None: the tables are rewritten whole. When every stored
+    row has its successor among the new ones (the common case: trajectories grow), the
+    rows are merged in by key; when some stored row goes (a partial step absorbed), a
+    predicate overwrite names the trajectories."""
     write: dict[str, dict[str, Any]] = {SILVER_STEP_REWARDS: {}, SILVER_TRAJECTORIES: {}}
+    merge: dict[str, dict[str, Any]] = {}
     if stored is not None and stored.height:  # rows written must match the predicate
         both = pl.concat([stored["trajectory_uid"], trajectories["trajectory_uid"]]).unique()
         uids = f"trajectory_uid IN ({sql_strings(both.to_list())})"
@@ -398,6 +403,19 @@ def _write_derived(
             write[SILVER_TRAJECTORIES]["where"] = f"first_seen_at >= {after} AND {uids}"
             recent = f"(created_at IS NULL OR created_at >= {after})"  # null: written before
             write[SILVER_STEP_REWARDS]["where"] = f"{recent} AND {uids}"
+            kept = stored_rewards is not None and (
+                stored["trajectory_uid"].is_in(trajectories["trajectory_uid"].implode()).all()
+                and stored_rewards.is_in(rewards["step_key"].implode()).all()
+            )
+            if kept:
+                merge[SILVER_TRAJECTORIES] = {
+                    "key": ("trajectory_uid",),
+                    "within": f"stored.first_seen_at >= {after}",
+                }
+                merge[SILVER_STEP_REWARDS] = {
+                    "key": ("step_key",),
+                    "within": f"(stored.created_at IS NULL OR stored.created_at >= {after})",
+                }
     marker = meta | {"silver_versions": {t: v for t, v in versions.items() if t != WATERMARK_TABLE}}
     for table, rows, metadata in (
         (SILVER_STEP_REWARDS, rewards, meta),
@@ -405,6 +423,10 @@ def _write_derived(
     ):
         if stored is not None and not write[table]:  # only trajectories new to silver
             versions[table] = lake.append(table, rows.to_arrow(), metadata=metadata, guard=guard)
+        elif table in merge:
+            versions[table] = lake.upsert(
+                table, rows.to_arrow(), metadata=metadata, guard=guard, **merge[table]
+            )
         else:
             versions[table] = lake.overwrite(
                 table, rows.to_arrow(), metadata=metadata, guard=guard, **write[table]
@@ -519,14 +541,16 @@ def _build_once(
         touched = None  # most of silver: rewritten whole rather than listed in a predicate
     if touched is None:
         index, derived_from, stored = view.steps.current(), view.facts.current(), None
+        stored_rewards = None
     else:
         index = view.steps_of(touched)
         derived_from = view.facts_of(index)
         stored = view.trajectories.rows_where("trajectory_uid", touched)
+        stored_rewards = view.rewards.rows_where("trajectory_uid", touched)["step_key"]
     rewards, trajectories = _derive(
         index.select(INDEX_COLUMNS), derived_from, view.clock_us, options
     )
-    _write_derived(lake, guard, versions, rewards, trajectories, meta, stored)
+    _write_derived(lake, guard, versions, rewards, trajectories, meta, stored, stored_rewards)
     view.derived(versions[WATERMARK_TABLE], versions, rewards, trajectories)
     run.steps_added, run.feedback_added = new.height, facts.height
     run.conflicts_added = conflicts.height

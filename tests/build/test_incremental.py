@@ -172,6 +172,7 @@ def test_increments_equal_full_rebuilds_through_late_facts_stitching_specs_and_r
 ):
     if pulled:  # the datasets no trainer pulls from follow every round, beside it
         monkeypatch.setattr(live, "SPECS_EVERY_S", 0.0)
+        monkeypatch.setattr(live, "PULLS_EVERY_S", 0.0)
         monkeypatch.setattr(live, "BACKGROUND_S", 0.0)
     if listed is not None:  # more keys than a predicate lists: silver rewritten whole, gold
         # curated whole and its partitions replaced whole

@@ -218,6 +218,7 @@ def test_a_dataset_trainers_pull_from_goes_first_and_the_others_follow(tmp_path,
     assert {g.dataset for g in live.step().gold} >= {"live", "other"}  # nobody pulls: all
     assert Dataset(lake, "live").next_batch(1, consumer="t", timeout=0).groups == ["1:g0"]
     monkeypatch.setattr("claw_pipelines.build.live.SPECS_EVERY_S", 0.0)
+    monkeypatch.setattr("claw_pipelines.build.live.PULLS_EVERY_S", 0.0)
     monkeypatch.setattr("claw_pipelines.build.live.BACKGROUND_S", 3600.0)
     land(lake, group_of("g1", [2, 5], [1.0, 0.0]))
     done = live.step()
@@ -363,6 +364,7 @@ def test_a_failing_dataset_stops_alone_and_is_tried_again_with_backoff(tmp_path,
     assert third.failed["orphan"].retry_at - time.monotonic() > 2.0
     save_spec(lake, CurationSpec(name="orphan"))  # fixed: built once its wait is over
     monkeypatch.setattr("claw_pipelines.build.live.SPECS_EVERY_S", 0.0)
+    monkeypatch.setattr("claw_pipelines.build.live.PULLS_EVERY_S", 0.0)
     deadline = time.monotonic() + 30
     while "orphan" in live.failing or not lake.exists("gold/datasets/orphan"):
         assert time.monotonic() < deadline, live.failing
