@@ -468,16 +468,20 @@ def _increment_once(
     # append does what the predicate overwrite would, without scanning the stored files
     only_added = not increment.rewritten and not increment.removed and not whole
 
-    def write(table: TableSpec, parts: list[pa.Table], metadata: dict[str, Any]) -> int:
-        rows = _stack(parts, table.schema)
+    def write(table: TableSpec, rows: pa.Table, metadata: dict[str, Any]) -> int:
         if only_added:
             return lake.append(table, rows, metadata=metadata, guard=guard)
         return lake.overwrite(table, rows, metadata=metadata, where=where, guard=guard)
 
-    increment.dataset_version = write(gold_dataset_spec(spec.name), dataset_parts, meta)
+    dataset_spec, tree_spec = gold_dataset_spec(spec.name), gold_tree_spec(spec.name)
+    stacked_rows, stacked_segments = (
+        _stack(dataset_parts, dataset_spec.schema),
+        _stack(tree_parts, tree_spec.schema),
+    )
+    increment.dataset_version = write(dataset_spec, stacked_rows, meta)
     increment.trees_version = write(
-        gold_tree_spec(spec.name),
-        tree_parts,
+        tree_spec,
+        stacked_segments,
         meta | {"dataset_version": increment.dataset_version, "lineage": lineages},
     )
     gone = pl.DataFrame(
@@ -488,10 +492,7 @@ def _increment_once(
         schema={"policy_version": pl.Int64, "tree_id": pl.String},
     )
     at_hand.trees[spec.name] = trees.replaced(
-        gone,
-        _stack(dataset_parts, gold_dataset_spec(spec.name).schema),
-        _stack(tree_parts, gold_tree_spec(spec.name).schema),
-        (increment.dataset_version, increment.trees_version),
+        gone, stacked_rows, stacked_segments, (increment.dataset_version, increment.trees_version)
     )
     rows = record_lineage(lake, lineages, increment.dataset_version, increment.trees_version)
     for part, row in zip(increment.partitions.values(), rows, strict=True):

@@ -381,12 +381,12 @@ def _write_derived(
     trajectories: pl.DataFrame,
     meta: dict[str, Any],
     stored: pl.DataFrame | None,
-    stored_rewards: pl.Series | None = None,
+    steps_stay: bool = False,
 ) -> None:
     """Write derived rows, the trajectories commit last (the run's marker, recording
     `versions`, updated in place). `stored`: the rows of silver/trajectories these replace
-    (only those and their steps' rewards are rewritten), `stored_rewards` the step keys of
-    those steps' stored rewards; None: the tables are rewritten whole. When every stored
+    (only those and their steps' rewards are rewritten; `steps_stay`: every step of theirs is
+    still in silver); None: the tables are rewritten whole. When every stored
     row has its successor among the new ones (the common case: trajectories grow), the
     rows are merged in by key; when some stored row goes (a partial step absorbed), a
     predicate overwrite names the trajectories."""
@@ -403,11 +403,8 @@ def _write_derived(
             write[SILVER_TRAJECTORIES]["where"] = f"first_seen_at >= {after} AND {uids}"
             recent = f"(created_at IS NULL OR created_at >= {after})"  # null: written before
             write[SILVER_STEP_REWARDS]["where"] = f"{recent} AND {uids}"
-            kept = stored_rewards is not None and (
-                stored["trajectory_uid"].is_in(trajectories["trajectory_uid"].implode()).all()
-                and stored_rewards.is_in(rewards["step_key"].implode()).all()
-            )
-            if kept:
+            stay = stored["trajectory_uid"].is_in(trajectories["trajectory_uid"].implode())
+            if steps_stay and stay.all():
                 merge[SILVER_TRAJECTORIES] = {
                     "key": ("trajectory_uid",),
                     "within": f"stored.first_seen_at >= {after}",
@@ -541,16 +538,17 @@ def _build_once(
         touched = None  # most of silver: rewritten whole rather than listed in a predicate
     if touched is None:
         index, derived_from, stored = view.steps.current(), view.facts.current(), None
-        stored_rewards = None
+        steps_stay = False
     else:
         index = view.steps_of(touched)
         derived_from = view.facts_of(index)
         stored = view.trajectories.rows_where("trajectory_uid", touched)
-        stored_rewards = view.rewards.rows_where("trajectory_uid", touched)["step_key"]
+        # every stored reward row has its successor unless a step went (a partial absorbed)
+        steps_stay = absorbed.is_empty()
     rewards, trajectories = _derive(
         index.select(INDEX_COLUMNS), derived_from, view.clock_us, options
     )
-    _write_derived(lake, guard, versions, rewards, trajectories, meta, stored, stored_rewards)
+    _write_derived(lake, guard, versions, rewards, trajectories, meta, stored, steps_stay)
     view.derived(versions[WATERMARK_TABLE], versions, rewards, trajectories)
     run.steps_added, run.feedback_added = new.height, facts.height
     run.conflicts_added = conflicts.height
