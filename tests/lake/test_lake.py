@@ -16,6 +16,7 @@ from claw_pipelines.build.live import LiveMaterializer
 from claw_pipelines.consume.dataset import Dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
+from claw_pipelines.lake import delta
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.policy import publish_policy_version
 from claw_pipelines.lake.specs import save_spec
@@ -195,3 +196,23 @@ def test_an_append_whose_version_another_writer_took_is_retried_and_counted(tmp_
     assert first.append(BRONZE_EVENTS, events(["c"])) == 3  # tried 2 first: taken
     assert first.commit_conflicts == {BRONZE_EVENTS: 1} and second.commit_conflicts == {}
     assert sorted(first.read(BRONZE_EVENTS)["event_id"]) == ["a", "b", "c"]
+
+
+def test_kept_handles_are_opened_again_every_reopen_commits(tmp_path):
+    """A long-running writer's handles do not carry every commit since they were opened
+    (delta-rs makes each write through such a handle pay for them): every REOPEN_COMMITS
+    commits the writer and the reader handle are opened afresh, and nothing changes."""
+    lake = Lake(str(tmp_path / "lake"))
+    lake.append(BRONZE_EVENTS, events(["e0"]))
+    writer, reader = lake._writers[BRONZE_EVENTS], lake._latest(BRONZE_EVENTS)
+    writers, readers = {id(writer)}, {id(reader)}
+    for i in range(1, 2 * delta.REOPEN_COMMITS + 5):
+        version = lake.append(BRONZE_EVENTS, events([f"e{i}"]), transaction=("gw", i))
+        assert lake.version(BRONZE_EVENTS) == version  # reads see every commit at once
+        writers.add(id(lake._writers[BRONZE_EVENTS]))
+        readers.add(id(lake._latest(BRONZE_EVENTS)))
+    assert len(writers) >= 3 and len(readers) >= 3  # opened again, twice at least
+    newest = lake._writers[BRONZE_EVENTS]
+    assert newest.version() - lake._opened_at[id(newest)] < delta.REOPEN_COMMITS
+    assert lake.read(BRONZE_EVENTS)["event_id"].n_unique() == 2 * delta.REOPEN_COMMITS + 5
+    assert lake.transaction_version(BRONZE_EVENTS, "gw") == 2 * delta.REOPEN_COMMITS + 4
