@@ -158,25 +158,55 @@ class Brought:
         )
 
 
+# what StoredTrees keeps per tree
+TREE_STATS = {
+    "policy_version": pl.Int64,
+    "tree_id": pl.String,
+    "steps": pl.Int64,
+    "raw_tokens": pl.Int64,
+    "tree_tokens": pl.Int64,
+    "segmented": pl.Boolean,
+}
+
+
 @dataclass
 class StoredTrees:
-    """A dataset's stored trees as of its dataset and trees tables' versions: per
-    (policy_version, tree_id) its steps, raw and tree tokens, and whether the trees table
-    holds its segments (`segmented`; not: a killed writer tore it). Read once, then kept
+    """A dataset's stored trees as of its dataset and trees tables' versions, per
+    policy-version partition read so far: per (policy_version, tree_id) its steps, raw and
+    tree tokens, and whether the trees table holds its segments (`segmented`; not: a killed
+    writer tore it). A partition is read the first time an increment touches it, then kept
     current by the increments' own writes, so an increment reads only its scope's rows."""
 
     dataset_version: int
     trees_version: int
-    frame: pl.DataFrame
+    parts: dict[int, pl.DataFrame] = field(default_factory=dict)
 
-    @classmethod
-    def read(cls, lake: Lake, spec: CurationSpec, pins: dict[str, int]) -> StoredTrees:
-        """Read from the dataset's tables at `pins`."""
-        table, trees_table = gold_dataset_table(spec.name), gold_tree_table(spec.name)
-        columns = ["policy_version", "tree_id", "prompt_len", "response_len"]
-        rows = lake.read(table, pins[table], columns=columns)
-        segments = _stored_segments(lake, spec, pins, None)
-        return cls(pins[table], pins[trees_table], _stored_tree_stats(segments, rows))
+    def of(
+        self, lake: Lake, spec: CurationSpec, pins: dict[str, int], partitions: list[int]
+    ) -> pl.DataFrame:
+        """The trees of `partitions` (those not read yet are read at `pins`)."""
+        missing = sorted(set(partitions) - set(self.parts))
+        if missing:
+            table = gold_dataset_table(spec.name)
+            columns = ["policy_version", "tree_id", "prompt_len", "response_len"]
+            where = pl.col("policy_version").is_in(missing)
+            rows = lake.read(table, pins[table], columns=columns, where=where)
+            segments = _stored_segments(lake, spec, pins, missing)
+            self.put(missing, _stored_tree_stats(segments, rows))
+        return self.frame(partitions)
+
+    def put(self, partitions: list[int], trees: pl.DataFrame) -> None:
+        """Keep `trees` as the whole of `partitions`."""
+        trees = trees.select(TREE_STATS.keys()).cast(TREE_STATS)
+        for version in partitions:
+            self.parts[int(version)] = trees.clear()
+        for (version,), part in trees.partition_by("policy_version", as_dict=True).items():
+            self.parts[int(version)] = part
+
+    def frame(self, partitions: list[int]) -> pl.DataFrame:
+        """The kept trees of `partitions` (each read before)."""
+        kept = [self.parts[v] for v in sorted(set(partitions))]
+        return pl.concat(kept) if kept else pl.DataFrame(schema=TREE_STATS)
 
     def stands_at(self, lake: Lake, spec: CurationSpec, pins: dict[str, int]) -> bool:
         """Whether it holds what the tables hold at `pins` (commits since that only
@@ -193,12 +223,14 @@ class StoredTrees:
     def replaced(
         self, gone: pl.DataFrame, rows: pa.Table, segments: pa.Table, versions: tuple[int, int]
     ) -> StoredTrees:
-        """After a write that replaced the trees `gone` (policy_version, tree_id) with the
-        dataset `rows` and tree `segments` it wrote, landing at `versions`."""
-        kept = self.frame.join(gone, on=["policy_version", "tree_id"], how="anti")
+        """After a write that replaced the trees `gone` (policy_version, tree_id, of kept
+        partitions) with the dataset `rows` and tree `segments` it wrote, at `versions`."""
         written = _stored_tree_stats(_frame(segments), _frame(rows))
-        frame = pl.concat([kept, written], how="vertical_relaxed")
-        return StoredTrees(versions[0], versions[1], frame)
+        touched = sorted({*gone["policy_version"], *written["policy_version"]})
+        kept = self.frame(touched).join(gone, on=["policy_version", "tree_id"], how="anti")
+        after = StoredTrees(versions[0], versions[1], dict(self.parts))
+        after.put(touched, pl.concat([kept, written], how="vertical_relaxed"))
+        return after
 
 
 def _frame(table: pa.Table) -> pl.DataFrame:
@@ -373,8 +405,11 @@ def _increment_once(
         lake.read(table, pins[table], columns=FINGERPRINTED.names, where=scope.where())
     )
     trees = _stored_trees(lake, spec, pins, at_hand, scope, stored)
+    in_scope = scope.partitions
+    if in_scope is None:  # everything: the partitions it holds
+        in_scope = [int(v) for v in stored["policy_version"].unique()]
     judged = unit_fingerprints(now).join(
-        _torn(unit_fingerprints(stored), trees.frame.filter("segmented")),
+        _torn(unit_fingerprints(stored), trees.of(lake, spec, pins, in_scope).filter("segmented")),
         on=UNIT,
         how="full",
         coalesce=True,
@@ -406,7 +441,7 @@ def _increment_once(
         units = now.filter(pl.col("policy_version").is_in(units["policy_version"].unique()))
         units = units.select(UNIT).unique()
     writing = with_tokens(lake, now.join(units, on=UNIT), versions[SILVER_STEPS], at_hand.tokens)
-    stats = trees.frame.filter(pl.col("policy_version").is_in(changed["policy_version"].implode()))
+    stats = trees.of(lake, spec, pins, [int(v) for v in changed["policy_version"].unique()])
     landed_at = datetime.now(UTC)
     clauses, dataset_parts, tree_parts, lineages = [], [], [], []
     replaced: list[tuple[int, list[str]]] = []  # per partition: the trees the write replaces
@@ -629,16 +664,17 @@ def _stored_trees(
     stored: pl.DataFrame,
 ) -> StoredTrees:
     """The dataset's stored trees at `pins`: kept from its last increment when the tables
-    stand there, else from the rows at hand (a whole-dataset scope read them all), else read."""
+    stand there; else, for a whole-dataset scope, from the rows at hand (it read them all)
+    and every partition's segments; else none yet (partitions are read as they are asked)."""
     kept = at_hand.trees.get(spec.name)
     if kept is not None and kept.stands_at(lake, spec, pins):
         return kept
+    table, trees_table = gold_dataset_table(spec.name), gold_tree_table(spec.name)
+    fresh = StoredTrees(pins[table], pins[trees_table])
     if scope.groups is None:
         segments = _stored_segments(lake, spec, pins, None)
-        table, trees_table = gold_dataset_table(spec.name), gold_tree_table(spec.name)
-        fresh = StoredTrees(pins[table], pins[trees_table], _stored_tree_stats(segments, stored))
-    else:
-        fresh = StoredTrees.read(lake, spec, pins)
+        everything = [int(v) for v in stored["policy_version"].unique()]
+        fresh.put(everything, _stored_tree_stats(segments, stored))
     at_hand.trees[spec.name] = fresh
     return fresh
 

@@ -153,10 +153,15 @@ class GoldSource:
     ) -> pl.DataFrame:
         """(step_key, `columns`: by default prompt_ids, response_ids) of `steps` at version
         `at`: of partition `policy_version` when given, and all of its steps when
-        `every_step` (no key lookup)."""
+        `every_step` (no key lookup); otherwise read from the partitions of `steps` only
+        (their `policy_version`, when they carry it: a live batch's few steps would
+        otherwise be looked for in every file of the dataset)."""
         rows = self.scan(at)
         if policy_version is not None:
             rows = rows.filter(pl.col("policy_version") == policy_version)
+        elif "policy_version" in steps.columns and not steps["policy_version"].has_nulls():
+            partitions = steps["policy_version"].unique().implode()
+            rows = rows.filter(pl.col("policy_version").is_in(partitions))
         if not every_step:
             rows = rows.filter(pl.col("step_key").is_in(steps["step_key"].implode()))
         return rows.select("step_key", *columns).collect()
