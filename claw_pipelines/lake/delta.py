@@ -575,6 +575,17 @@ class Lake:
                 commit_properties=commit,
             )
 
+        return self._replacing(spec, guard, write, commit)
+
+    def _replacing(
+        self,
+        spec: TableSpec,
+        guard: Guard | None,
+        write: Callable[[DeltaTable], None],
+        commit: CommitProperties,
+    ) -> int:
+        """Commit a write that replaces rows: guarded, or unguarded based on the newest
+        state and written again when a concurrent commit came first; the new version."""
         if guard is not None:
             return self._guarded(spec, guard, write, commit)
         table = self.ensure(spec)
@@ -614,13 +625,7 @@ class Lake:
                 commit_properties=commit,
             ).when_matched_update_all().when_not_matched_insert_all().execute()
 
-        if guard is not None:
-            return self._guarded(spec, guard, write, commit)
-        table = self.ensure(spec)
-        written = _retry_conflicts(table, lambda: write(table))
-        self._wrote(spec.name)
-        self._remember(spec.name, written, commit)
-        return written
+        return self._replacing(spec, guard, write, commit)
 
     def maintain(self, name: str, retention_hours: int = 168) -> dict[str, Any]:
         """Compact small files, write a checkpoint, vacuum files unreferenced for longer than
