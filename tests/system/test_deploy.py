@@ -20,6 +20,7 @@ import dagster as dg
 import pytest
 import yaml
 from dagster._cli.api import grpc_command, grpc_health_check_command
+from dagster._cli.instance import migrate_command
 from dagster._daemon.cli import run_command as daemon_run_command
 from dagster_webserver.cli import dagster_webserver
 
@@ -66,6 +67,7 @@ DAGSTER_COMMANDS = {
     ("dagster", "api", "grpc-health-check"): grpc_health_check_command,
     ("dagster-webserver",): dagster_webserver,
     ("dagster-daemon", "run"): daemon_run_command,
+    ("dagster", "instance", "migrate"): migrate_command,
 }
 
 
@@ -168,7 +170,11 @@ def test_compose_mounts_what_each_service_needs():
         if (s.get("entrypoint") or ["claw"])[0].startswith("dagster")
         or s.get("command", [None])[0] == "materialize"
     ]
-    assert len(dagster_writers) == 4, dagster_writers  # code location, webserver, daemon, follow
+    # the storage's one-shot creation, code location, webserver, daemon, follower
+    assert len(dagster_writers) == 5, dagster_writers
+    first = {"condition": "service_completed_successfully"}
+    for name in dagster_writers[1:]:  # none opens the instance before its storage exists
+        assert services[name]["depends_on"]["dagster-storage"] == first, name
     for name in dagster_writers:  # one instance: runs, events, schedules, heartbeats, logs
         mounts = _mount_targets(services[name])
         assert mounts.get(home) == "dagster-home", name
