@@ -234,6 +234,7 @@ class StoredTrees:
 
 
 def _frame(table: pa.Table) -> pl.DataFrame:
+    """`table` as a polars frame."""
     frame = pl.from_arrow(table)
     assert isinstance(frame, pl.DataFrame)
     return frame
@@ -552,8 +553,7 @@ def rejection_fingerprints(
 ) -> pl.DataFrame:
     """Per policy version (or per `by` key): a fingerprint of its `gold/rejections` rows
     (`landed_at` aside)."""
-    frame = rows if isinstance(rows, pl.DataFrame) else pl.from_arrow(rows)
-    assert isinstance(frame, pl.DataFrame)
+    frame = rows if isinstance(rows, pl.DataFrame) else _frame(rows)
     key = list(by)
     frame = frame.drop("landed_at", strict=False)
     return frame.group_by(key).agg(fingerprint=pl.struct(pl.exclude(key)).hash().sum())

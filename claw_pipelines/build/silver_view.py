@@ -224,7 +224,7 @@ class Keyed:
         if rows.is_empty():
             return
         rows = rows.select(self._base.columns) if self._base.width else rows
-        if not self._base.width and self._base.is_empty():
+        if not self._base.width:  # no columns yet: the first rows are the base
             self._base = rows.rechunk()
         elif self._tail is None:
             self._tail = rows.rechunk()

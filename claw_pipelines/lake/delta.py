@@ -174,9 +174,8 @@ class Lake:
         self.storage_options = dict(storage_options or {})
         self._writers: dict[str, DeltaTable] = {}
         self._latest_tables: dict[str, DeltaTable] = {}  # kept current by update_incremental
-        self._opened_at: dict[
-            int, int
-        ] = {}  # per kept handle (its id): the version it was opened at
+        # per kept handle (by id): the version it was opened at (see REOPEN_COMMITS)
+        self._opened_at: dict[int, int] = {}
         self._refreshed_at: dict[str, float] = {}
         self._ensured: set[str] = set()
         # per table: the newest commit this lake made and its claw metadata (a writer that
