@@ -108,8 +108,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--versions", type=int, default=TARGET_VERSIONS)
     parser.add_argument("--workdir", help="keep the lake, checkpoints and logs here")
+    parser.add_argument("--updates", type=int, default=LearnOptions.updates)
+    parser.add_argument("--max-uses", type=int, default=LearnOptions.max_uses)
+    parser.add_argument("--cooldown", type=int, default=LearnOptions.cooldown)
     args = parser.parse_args()
-    options = LearnOptions(seed=args.seed, max_versions=args.versions)
+    options = LearnOptions(
+        seed=args.seed,
+        max_versions=args.versions,
+        max_uses=args.max_uses,
+        cooldown=args.cooldown,
+        updates=args.updates,
+    )
     with contextlib.ExitStack() as stack:
         work = Path(args.workdir or stack.enter_context(tempfile.TemporaryDirectory()))
         settings = ClawSettings().with_overrides(lake_uri=str(work / "lake"))

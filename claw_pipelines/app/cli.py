@@ -95,7 +95,13 @@ def _cmd_materialize(args: argparse.Namespace) -> None:
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
-            follow(_settings(args), poll_s=args.poll_s, stop=stop, say=_say_now)
+            follow(
+                _settings(args),
+                poll_s=args.poll_s,
+                stop=stop,
+                say=_say_now,
+                datasets=args.dataset,
+            )
         except KeyboardInterrupt:
             stop.set()
         return

@@ -8,10 +8,15 @@ target set; the untrained policy scores about 0.125) call it through the gateway
 trajectory and GRPO group, naming the version they ask for, and post each reply's reward as
 the trajectory completes. The gateway computes the ids with the model's tokenizer (the
 server returns none, and no log-probs) and checks them against the server's counts; the
-live materializer (`claw materialize --follow`, its own process) curates complete groups
-into a GRPO dataset; the trainer pulls the groups there are with `Dataset.next_batch`, takes
-one GRPO step through the tree attention (`train.grpo.TreeGRPO`), saves the next checkpoint
-folder and publishes its version.
+live materializer (`claw materialize --follow --dataset learn-grpo`, its own process: only
+the dataset the trainer pulls) curates complete groups into a GRPO dataset; the trainer pulls
+the groups there are with `Dataset.next_batch`, takes one GRPO step through the tree
+attention (`train.grpo.TreeGRPO`: `LearnOptions.updates` optimizer updates, PPO-clipped after
+the first), saves the next checkpoint folder and publishes its version. Its next batch is
+fetched on a thread of its own while it trains (`Prefetcher`); a group may be trained on
+`LearnOptions.max_uses` times (fresh groups first, `cooldown` steps apart: next_batch's
+replay), so the trainer trains on the freshest groups there are instead of idling while the
+next group is generated. The server loads the first checkpoint before the loop's clock starts.
 
 The agents make one group at a time with the newest published version, at most
 `LearnOptions.ahead` groups beyond what the trainer took (unless it waits for data):
@@ -29,6 +34,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +89,9 @@ class LearnOptions:
     staleness: int = 4  # the spec's max_policy_staleness
     judge_groups: int = 2  # the target is judged on the mean of this many latest groups
     lr: float = 1e-2
+    updates: int = 8  # optimizer updates per batch (GRPO's mu; PPO-clipped after the first)
+    max_uses: int = 2  # times a group may be trained on (next_batch's replay, fresh first)
+    cooldown: int = 1  # trainer steps at least between two uses of a group
 
 
 def learn_spec(options: LearnOptions) -> CurationSpec:
@@ -321,11 +330,12 @@ def run_learn(
             "materialize",
             logs / "materializer.log",
             env={"CLAW_LAKE_URI": settings.lake_uri},
-            command=[*CLI, "materialize", "--follow", "--poll-s", "0.05"],
+            command=[*CLI, "materialize", "--follow", "--poll-s", "0.05", "--dataset", SPEC_NAME],
             ready=lambda: materializer_running(lake),
         )
         with gateway, materializer:
             say(f"  transformers serve {server.url} (no model: each request names a folder)")
+            _load(server, folder, task)
             say(f"  gateway {gateway.url}; live materializer (claw materialize --follow)")
             loop = _loop(lake, gateway.url, task, checkpoints, first, options)
             say("  stopping the gateway: it lands every acknowledged record in bronze")
@@ -333,6 +343,16 @@ def run_learn(
     summary = _summary(lake, work, options, checkpoints, first, *loop)
     print(render(summary))
     return summary
+
+
+def _load(server: TransformersServe, folder: Path, task: WordTask) -> None:
+    """Have the server load the first policy's folder before the loop's clock starts (its
+    first call loads the model: seconds), with a call straight to it (nothing lands)."""
+    import httpx
+
+    messages = task.messages(random.Random(0))
+    body = {"model": str(folder), "messages": messages, "max_tokens": 1}
+    httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120).raise_for_status()
 
 
 def _random_policy(folder: Path, options: LearnOptions) -> Path:
@@ -356,7 +376,13 @@ def _loop(
     seconds until the first batch)."""
     from claw_pipelines.train.grpo import TreeGRPO
 
-    trainer = TreeGRPO(checkpoints.folder(first), lr=options.lr, seed=options.seed, threads=1)
+    trainer = TreeGRPO(
+        checkpoints.folder(first),
+        lr=options.lr,
+        seed=options.seed,
+        threads=1,
+        updates_per_step=options.updates,
+    )
     stop = threading.Event()
     generated = Generated()
     agent = WordAgent(gateway_url, LEARN_KEY, task, options.max_tokens)
@@ -364,17 +390,22 @@ def _loop(
     agents = run_agents(agent, lake.uri, checkpoints, generated, options, stop, started)
     trained: list[TrainedVersion] = []
     version, last = first, first + options.max_versions - 1
+    fetcher: Prefetcher | None = None
     try:
         generated.waiting(True)
         dataset = wait_for_dataset(lake, SPEC_NAME)
+        # its own dataset (and table handles): it fetches while the trainer trains
+        fetcher = Prefetcher(Dataset(Lake(lake.uri, lake.storage_options), SPEC_NAME), generated)
+        fetcher.ask(max(first, version - options.staleness), options)
         while generated.reached is None and version < last:
             asked = time.monotonic() if trained else started  # the first: from the start
             generated.waiting(True)
-            floor = max(first, version - options.staleness)  # this run's versions only
-            batch = _next_batch(dataset, generated, floor, options)
+            batch = fetcher.take()
             generated.waiting(False)
             got = time.monotonic()
             generated.take(len(batch.groups))
+            if version + 1 < last:  # the next batch is fetched while this one trains
+                fetcher.ask(max(first, version + 1 - options.staleness), options)
             scored = [generated.finished.get(u.split(":", 1)[1], got) for u in batch.groups]
             waits = (got - asked, got - max(asked, min(scored)))
             done = _train(trainer, dataset, batch, version, waits, len(trained))
@@ -386,6 +417,8 @@ def _loop(
         wall = time.monotonic() - started
     finally:
         stop.set()
+        if fetcher is not None:
+            fetcher.close()
         agents.join(60)
         agent.close()
     if generated.error is not None:
@@ -393,18 +426,59 @@ def _loop(
     return generated, trained, wall, trained[0].waited_s if trained else wall
 
 
-def _next_batch(dataset: Dataset, generated: Generated, floor: int, options: LearnOptions) -> Batch:
+class Prefetcher:
+    """The trainer's next batch, fetched on a thread of its own while the trainer trains on
+    the current one (a data loader's prefetch): delivery (the lake's reads, the durable
+    consumption record) and the wait for fresh groups overlap the optimizer step."""
+
+    def __init__(self, dataset: Dataset, generated: Generated) -> None:
+        self.dataset, self.generated = dataset, generated
+        self.closed = threading.Event()
+        self._pending: Future[Batch] | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+
+    def ask(self, floor: int, options: LearnOptions) -> None:
+        """Start fetching the next batch: groups of policy versions from `floor` on."""
+        self._pending = self._pool.submit(
+            _next_batch, self.dataset, self.generated, floor, options, self.closed
+        )
+
+    def take(self) -> Batch:
+        """The batch asked for (waiting for it)."""
+        if self._pending is None:
+            raise RuntimeError("take() before ask()")
+        pending, self._pending = self._pending, None
+        return pending.result()
+
+    def close(self) -> None:
+        """Stop fetching (a batch fetched and never taken stays recorded as delivered)."""
+        self.closed.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _next_batch(
+    dataset: Dataset,
+    generated: Generated,
+    floor: int,
+    options: LearnOptions,
+    closed: threading.Event,
+) -> Batch:
     """The fresh groups of policy versions from `floor` on there are, within
-    `batch_tokens` (at least one: waiting for it); fails when the agents did."""
+    `batch_tokens` (at least one: waiting for it); fails when the agents did or the loop
+    closed."""
     while True:
+        if closed.is_set():
+            raise RuntimeError("the loop stopped before a batch came")
         if generated.error is not None:
             raise RuntimeError(f"the agents failed: {generated.error}") from generated.error
         batch = dataset.next_batch(
             consumer=TRAINER,
             max_tokens=options.batch_tokens,
             min_policy_version=floor,
-            timeout=1.0,
+            timeout=0.5,
             poll_s=0.05,
+            max_uses=options.max_uses,
+            cooldown=options.cooldown,
         )
         if batch is not None:
             return batch

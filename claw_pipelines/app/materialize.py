@@ -188,8 +188,10 @@ def follow(
     poll_s: float = 0.2,
     stop: threading.Event | None = None,
     say: Callable[[str], None] = print,
+    datasets: Sequence[str] | None = None,
 ) -> None:
-    """`claw materialize --follow`: keep silver and every spec's gold up to date (see
+    """`claw materialize --follow`: keep silver and every spec's gold (or `datasets`) up to
+    date (see
     `claw_pipelines.build.live`) until `stop` is set. Each increment is reported to the Dagster
     instance of `DAGSTER_HOME` (when set) as runless materializations of the same assets,
     with the versions in their metadata, so the UI's asset history shows it."""
@@ -199,7 +201,7 @@ def follow(
 
     stop = stop or threading.Event()
     lake = Lake.from_settings(settings)
-    live = LiveMaterializer(lake, SilverOptions.from_settings(settings))
+    live = LiveMaterializer(lake, SilverOptions.from_settings(settings), datasets or None)
     report = _dagster_reporter() if os.environ.get("DAGSTER_HOME") else None
     say(f"claw materialize --follow: {lake.uri} (every {poll_s:g} s; Ctrl-C stops)")
     failures = 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -130,8 +131,15 @@ class _Aside:
 class LiveMaterializer:
     """Brings silver and gold up to date, one `step()` at a time (see the module doc)."""
 
-    def __init__(self, lake: Lake, options: SilverOptions | None = None) -> None:
+    def __init__(
+        self,
+        lake: Lake,
+        options: SilverOptions | None = None,
+        datasets: Sequence[str] | None = None,
+    ) -> None:
         self.lake, self.options = lake, options or SilverOptions()
+        # the datasets kept up to date (None: every spec's)
+        self.datasets = None if datasets is None else frozenset(datasets)
         self._gold_inputs: dict[str, tuple] = {}  # per dataset: what it was last brought to
         self._specs: tuple[float, dict[str, CurationSpec], dict[str, SpecError]] = (-1e9, {}, {})
         self._beat_at = -1e9
@@ -334,9 +342,10 @@ class LiveMaterializer:
         return time.monotonic() - self._brought_at.get(name, -1e9) >= BACKGROUND_S
 
     def _current_specs(self) -> tuple[dict[str, CurationSpec], dict[str, SpecError]]:
-        """The valid specs and the errors of the others, listed at most every SPECS_EVERY_S;
-        datasets a trainer pulled from live come first (in order of their last pull, read at
-        most every PULLS_EVERY_S: the consumption table grows with a run)."""
+        """The valid specs and the errors of the others (of `datasets` only, when given),
+        listed at most every SPECS_EVERY_S; datasets a trainer pulled from live come first (in
+        order of their last pull, read at most every PULLS_EVERY_S: the consumption table
+        grows with a run)."""
         read_at, specs, errors = self._specs
         if time.monotonic() - read_at >= SPECS_EVERY_S:
             shelf = read_specs(self.lake)
@@ -347,6 +356,9 @@ class LiveMaterializer:
             self._pulled = set(pulled)
             first = sorted(shelf.specs, key=lambda n: pulled.get(n, ""), reverse=True)
             specs, errors = {n: shelf.specs[n] for n in first}, shelf.errors
+            if self.datasets is not None:
+                specs = {n: spec for n, spec in specs.items() if n in self.datasets}
+                errors = {n: error for n, error in errors.items() if n in self.datasets}
             self._specs = (time.monotonic(), specs, errors)
         return specs, errors
 

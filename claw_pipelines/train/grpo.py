@@ -35,6 +35,7 @@ from claw_pipelines.consume.batch import Batch
 from claw_pipelines.train.block_attention import register_hf_tree_attention, tree_plan
 
 IS_CAP = 2.0  # truncated importance sampling: ratios above this weigh this much
+CLIP = 0.2  # PPO's clip of the ratio to the step's starting policy (updates after the first)
 BAND = (0.8, 1.25)  # mismatch report: the share of ratios outside this band
 
 
@@ -90,6 +91,8 @@ class TreeGRPO:
         seed: int = 0,
         threads: int | None = None,
         is_cap: float = IS_CAP,
+        updates_per_step: int = 1,
+        clip: float = CLIP,
     ) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -108,6 +111,9 @@ class TreeGRPO:
         self.support[suppressed] = float("-inf")
         self.temperature = float(self.generation.temperature or 1.0)
         self.is_cap = is_cap
+        if updates_per_step < 1:
+            raise ValueError(f"updates_per_step must be at least 1, not {updates_per_step}")
+        self.updates_per_step, self.clip = updates_per_step, clip
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.updates = 0
 
@@ -125,26 +131,41 @@ class TreeGRPO:
         return torch.where(has_parent, picked, torch.zeros_like(picked))
 
     def step(self, batch: Batch) -> StepReport:
-        """One optimizer step on `batch` (see the module doc)."""
+        """One GRPO step on `batch` (see the module doc): `updates` optimizer updates, the
+        first the plain truncated-IS one, the others clipped against the policy the step
+        started from (GRPO's mu iterations)."""
         if batch.layout != "tree":
             raise ValueError(f"batch: TreeGRPO trains on tree batches, not {batch.layout!r}")
         t = batch.to_torch()
         trained = t["loss_mask"]
+        advantages = t["advantages"]
+        steps = max(1, len(batch.step_keys))
         logp = self.token_log_probs(t)
-        weight, figures = self._weights(batch, logp.detach(), trained)
-        loss = -(weight * t["advantages"] * logp)[trained].sum() / max(1, len(batch.step_keys))
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        self.updates += 1
-        before = torch.where(trained, logp.detach(), torch.zeros_like(logp)).numpy()
+        before = logp.detach()
+        weight, figures = self._weights(batch, before, trained)
+        loss = -(weight * advantages * logp)[trained].sum() / steps
+        self._update(loss)
+        for _ in range(self.updates_per_step - 1):
+            # the ratio where trained only: untrained tokens may be -inf on both sides
+            moved = torch.where(trained, self.token_log_probs(t) - before, 0.0)
+            ratio = moved.exp()
+            clipped = ratio.clamp(1 - self.clip, 1 + self.clip)
+            surrogate = torch.minimum(ratio * advantages, clipped * advantages)
+            self._update(-(weight * surrogate)[trained].sum() / steps)
+        kept = torch.where(trained, before, torch.zeros_like(before)).numpy()
         return StepReport(
             loss=float(loss.detach()),
             steps=len(batch.step_keys),
             trained_tokens=int(trained.sum()),
-            log_probs=before.astype(np.float32),
+            log_probs=kept.astype(np.float32),
             **figures,
         )
+
+    def _update(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.updates += 1
 
     def _weights(
         self, batch: Batch, logp: torch.Tensor, trained: torch.Tensor

@@ -99,14 +99,20 @@ def test_every_version_was_served_by_its_own_checkpoint(learned):
     assert own in stdout
 
 
-def test_the_trainer_took_each_group_once_through_next_batch(learned):
+def test_the_trainer_took_each_group_at_most_max_uses_times_through_next_batch(learned):
     lake, _, stdout = learned
     taken = lake.read(GOLD_CONSUMPTION).filter(
         (pl.col("consumer") == TRAINER) & (pl.col("dataset") == SPEC_NAME)
     )
-    groups = taken["groups"].explode()
-    assert groups.n_unique() == groups.len() > 0
-    assert set(taken["kind"]) == {"next"}
+    assert set(taken["kind"]) == {"next"} and taken.height > 0
+    uses = taken.select("batch_index", "groups", "uses").explode("groups", "uses")
+    per_group = uses.group_by("groups").agg(pl.col("uses").sort(), pl.col("batch_index").sort())
+    for row in per_group.iter_rows(named=True):
+        # each group's uses numbered 1, 2, ... at most max_uses, `cooldown` batches apart
+        assert row["uses"] == list(range(1, len(row["uses"]) + 1)), row
+        assert len(row["uses"]) <= OPTIONS.max_uses, row
+        gaps = [b - a for a, b in zip(row["batch_index"], row["batch_index"][1:], strict=False)]
+        assert all(gap > OPTIONS.cooldown for gap in gaps), row
     steps = taken["step_keys"].list.len()
     assert (steps == taken["groups"].list.len() * OPTIONS.rollouts).all()  # whole groups
     assert "behaviour/trainer mismatch: the server returns no log-probs: IS ratio 1" in stdout

@@ -238,6 +238,20 @@ def test_a_dataset_trainers_pull_from_goes_first_and_the_others_follow(tmp_path,
     assert Dataset(lake, "other").steps()["prompt_uid"].n_unique() == 3
 
 
+def test_a_materializer_for_some_datasets_builds_those_only(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    save_spec(lake, LIVE)
+    save_spec(lake, LIVE.model_copy(update={"name": "other"}))
+    land(lake, group_of("g0", [1, 5], [1.0, 0.0]))
+    live = LiveMaterializer(lake, datasets=["live"])  # `claw materialize --follow --dataset`
+    done = live.step()
+    live.close()
+    assert done.silver is not None and {g.dataset for g in done.gold} == {"live"}
+    assert Dataset(lake, "live").steps()["prompt_uid"].to_list() == ["g0", "g0"]
+    with pytest.raises(LookupError, match="other"):
+        Dataset(lake, "other")
+
+
 class Killed(BaseException):
     """Stands for a SIGKILL between two commits of one increment."""
 

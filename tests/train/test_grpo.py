@@ -105,6 +105,33 @@ def test_a_step_raises_the_advantage_weighted_likelihood(policy, batch):
     assert objective(trainer, batch) > before
 
 
+def test_more_updates_per_step_start_alike_and_stay_within_the_clip(policy, batch):
+    one = TreeGRPO(policy, lr=1e-2, seed=0)
+    several = TreeGRPO(policy, lr=1e-2, seed=0, updates_per_step=4, clip=0.2)
+    start = objective(one, batch)
+    first, report = one.step(batch), several.step(batch)
+    # the step's first update is the single-update step: same loss, same starting log-probs
+    assert report.loss == pytest.approx(first.loss, rel=1e-6)
+    np.testing.assert_array_equal(report.log_probs, first.log_probs)
+    assert several.updates == 4 and one.updates == 1
+    assert objective(several, batch) > objective(one, batch) > start
+    # the clip holds the later updates near the step's start: without it they go further
+    unclipped = TreeGRPO(policy, lr=1e-2, seed=0, updates_per_step=4, clip=1e6)
+    unclipped.step(batch)
+    t = batch.to_torch()
+    start_logp = torch.from_numpy(report.log_probs)[t["loss_mask"]]
+
+    def moved(trainer: TreeGRPO) -> float:
+        with torch.no_grad():
+            logp = trainer.token_log_probs(t)[t["loss_mask"]]
+        assert torch.isfinite(logp).all()
+        return float((logp - start_logp).abs().mean())
+
+    assert moved(several) < moved(unclipped)
+    with pytest.raises(ValueError, match="updates_per_step"):
+        TreeGRPO(policy, updates_per_step=0)
+
+
 def with_behaviour(batch, log_probs: np.ndarray):
     """The batch carrying `log_probs` as its behaviour log-probs on its trained tokens."""
     carried = copy.copy(batch)
