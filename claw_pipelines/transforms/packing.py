@@ -127,20 +127,21 @@ def _weights(
     return loss.astype(np.int8), advantages, rewards.astype(np.float32)
 
 
-_NEWEST = np.iinfo(np.int64).max
-
-
-def _token_versions(response: np.ndarray, versions: np.ndarray, total: int) -> np.ndarray:
+def _token_versions(
+    response: np.ndarray, versions: np.ndarray, holders: np.ndarray, total: int
+) -> np.ndarray:
     """Per token: the version of the steps whose response holds it (the oldest when several
-    do), -1 where none does. Tokens held once are assigned directly; only shared ones
-    (rollouts that sampled the same start) take the minimum."""
+    do: `holders` > 1), -1 where none does. Tokens held once are assigned directly; only the
+    shared ones (rollouts that sampled the same start) are sorted to find their oldest."""
     out = np.full(total, -1, dtype=np.int64)
     out[response] = versions
-    shared = np.bincount(response, minlength=total) > 1
-    if shared.any():
-        again = shared[response]
-        out[shared] = _NEWEST
-        np.minimum.at(out, response[again], versions[again])
+    again = holders[response] > 1
+    if again.any():
+        tokens, held = response[again], versions[again]
+        order = np.lexsort((held, tokens))  # by token, then oldest version first
+        tokens, held = tokens[order], held[order]
+        first = np.r_[True, tokens[1:] != tokens[:-1]]
+        out[tokens[first]] = held[first]
     return out
 
 
@@ -334,7 +335,7 @@ def pack(
     )
     token_policy_versions = np.zeros(0, dtype=np.int64)
     if token_versions and versions is not None:
-        token_policy_versions = _token_versions(response, versions, total)
+        token_policy_versions = _token_versions(response, versions, holders, total)
     return Packed(
         layout=layout,
         input_ids=input_ids,

@@ -1,6 +1,7 @@
 """Packing steps for training (claw_pipelines.transforms.packing): the behaviour log-probs are
 scattered onto each step's response tokens, averaged where a tree shares a token between
-several steps' responses, and absent where a step captured none."""
+several steps' responses, and absent where a step captured none; a token several responses hold
+takes the oldest of their policy versions."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import polars as pl
 import pytest
 
+from claw_pipelines.transforms import packing
 from claw_pipelines.transforms.packing import pack
 
 NAN = math.nan
@@ -77,3 +79,17 @@ def test_without_the_column_nothing_is_captured():
     steps = frame().drop("rollout_log_probs")
     packed = pack(steps, steps["tree"].to_numpy(), "tree")
     assert not packed.has_behaviour_log_probs.any() and not packed.behaviour_log_probs.any()
+
+
+def test_a_token_several_responses_hold_takes_the_oldest_version():
+    rng = np.random.default_rng(0)
+    total = 50
+    response = rng.integers(0, 40, 300)  # tokens 40.. held by no response
+    versions = rng.integers(1, 9, 300)
+    holders = np.bincount(response, minlength=total)
+    got = packing._token_versions(response, versions, holders, total)
+    expected = np.full(total, -1)
+    for token, version in zip(response.tolist(), versions.tolist(), strict=True):
+        expected[token] = version if expected[token] < 0 else min(expected[token], version)
+    np.testing.assert_array_equal(got, expected)
+    assert (holders[:40] > 1).any() and (got[40:] == -1).all()
