@@ -88,8 +88,9 @@ class LearnOptions:
     ahead: int = 8  # groups the agents may have generated beyond what the trainer took
     staleness: int = 4  # the spec's max_policy_staleness
     judge_groups: int = 2  # the target is judged on the mean of this many latest groups
+    stop_at_target: bool = True  # else the loop trains on to `max_versions` (a whole run)
     lr: float = 1e-2
-    updates: int = 8  # optimizer updates per batch (GRPO's mu; PPO-clipped after the first)
+    updates: int = 12  # optimizer updates per batch (GRPO's mu; PPO-clipped after the first)
     max_uses: int = 2  # times a group may be trained on (next_batch's replay, fresh first)
     cooldown: int = 1  # trainer steps at least between two uses of a group
 
@@ -397,7 +398,7 @@ def _loop(
         # its own dataset (and table handles): it fetches while the trainer trains
         fetcher = Prefetcher(Dataset(Lake(lake.uri, lake.storage_options), SPEC_NAME), generated)
         fetcher.ask(max(first, version - options.staleness), options)
-        while generated.reached is None and version < last:
+        while version < last and (generated.reached is None or not options.stop_at_target):
             asked = time.monotonic() if trained else started  # the first: from the start
             generated.waiting(True)
             batch = fetcher.take()

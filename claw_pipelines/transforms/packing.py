@@ -133,6 +133,8 @@ def _token_versions(
     """Per token: the version of the steps whose response holds it (the oldest when several
     do: `holders` > 1), -1 where none does. Tokens held once are assigned directly; only the
     shared ones (rollouts that sampled the same start) are sorted to find their oldest."""
+    if len(versions) and versions.min() == versions.max():  # one version (a partition's)
+        return (holders > 0).astype(np.int64) * (int(versions[0]) + 1) - 1
     out = np.full(total, -1, dtype=np.int64)
     out[response] = versions
     again = holders[response] > 1

@@ -93,3 +93,12 @@ def test_a_token_several_responses_hold_takes_the_oldest_version():
         expected[token] = version if expected[token] < 0 else min(expected[token], version)
     np.testing.assert_array_equal(got, expected)
     assert (holders[:40] > 1).any() and (got[40:] == -1).all()
+
+
+def test_token_versions_of_one_version_match_the_general_rule():
+    response = np.array([0, 1, 1, 3, 5, 5, 5])
+    holders = np.bincount(response, minlength=8)
+    one = packing._token_versions(response, np.full(7, 4), holders, 8)
+    np.testing.assert_array_equal(one, [4, 4, -1, 4, -1, 4, -1, -1])
+    mixed = packing._token_versions(response, np.array([4, 4, 2, 4, 4, 3, 4]), holders, 8)
+    np.testing.assert_array_equal(mixed, [4, 2, -1, 4, -1, 3, -1, -1])
