@@ -185,14 +185,20 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--scale", type=int, default=300, help="response tokens per turn")
     parser.add_argument("--compute-groups", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the compute arms")
+    parser.add_argument(
+        "--production-rounds",
+        type=int,
+        default=15,
+        help="rounds of the production arms (~0.1 s each: the fastest of many is the figure)",
+    )
     args = parser.parse_args()
     vocab = 4096
     with tempfile.TemporaryDirectory(prefix="claw-bench-consume-") as tmp:
         big = grpo_lake(
             Path(tmp) / "big", args.groups, args.rollouts, args.turns, args.scale, vocab
         )
-        produced = production(big, args.rounds)
+        produced = production(big, args.production_rounds)
         small = grpo_lake(Path(tmp) / "small", args.compute_groups, 4, 3, 40, vocab)
         computed = compute(small, args.rounds, vocab)
     compute_target = COMPUTE_SLACK * computed["token_ratio"]

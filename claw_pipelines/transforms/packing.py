@@ -137,8 +137,9 @@ def _token_versions(
         return (holders > 0).astype(np.int64) * (int(versions[0]) + 1) - 1
     out = np.full(total, -1, dtype=np.int64)
     out[response] = versions
-    again = holders[response] > 1
-    if again.any():
+    shared = holders > 1
+    if shared.any():
+        again = shared[response]
         tokens, held = response[again], versions[again]
         order = np.lexsort((held, tokens))  # by token, then oldest version first
         tokens, held = tokens[order], held[order]
