@@ -234,6 +234,7 @@ class TrainedVersion:
     staleness_tokens: dict[int, int]  # staleness -> trained tokens delivered that stale
     behaviour_tokens: int
     mismatch: dict[str, float | None]
+    step_keys: list[str] = field(default_factory=list)  # the batch's steps
 
 
 @dataclass
@@ -516,6 +517,7 @@ def _train(
         loss=report.loss,
         staleness_tokens=staleness,
         behaviour_tokens=report.behaviour_tokens,
+        step_keys=list(batch.step_keys),
         mismatch={
             "mean_abs_diff": report.mean_abs_diff,
             "kl_k1": report.kl_k1,
@@ -569,18 +571,23 @@ def _summary(
         trained=trained,
         served_by_own_checkpoint=(int((served == joined["policy_version"]).sum()), joined.height),
         token_sources=dict(sources.iter_rows()),
-        discarded_tokens=_discarded(lake, steps),
+        discarded_tokens=_discarded(lake, steps, trained),
     )
 
 
-def _discarded(lake: Lake, steps: pl.DataFrame) -> dict[str, int]:
+def _discarded(lake: Lake, steps: pl.DataFrame, trained: list[TrainedVersion]) -> dict[str, int]:
     """Reply tokens of `steps` generated and never trained on, by why: the reason the learn
     spec leaves the step out now (`stale`: past `max_policy_staleness` before the trainer
-    took it, ...), `kept, never taken` (generated ahead when the loop stopped), or `not
-    curated` (landed after the materializer's last round)."""
+    took it, ...), `delivered, never trained` (the batch fetched ahead when the loop
+    stopped), `kept, never taken` (generated ahead when the loop stopped), or `not curated`
+    (landed after the materializer's last round)."""
     dataset = Dataset(lake, SPEC_NAME)
-    taken = dataset.consumed(TRAINER)["step_keys"].explode()
+    taken = pl.Series([key for t in trained for key in t.step_keys], dtype=pl.String)
     left = steps.filter(~pl.col("step_key").is_in(taken.implode()))
+    delivered = dataset.consumed(TRAINER)["step_keys"].explode().unique()
+    fetched = pl.DataFrame({"step_key": delivered}).select(
+        "step_key", reason=pl.lit("delivered, never trained")
+    )
     kept = dataset.steps().select("step_key", reason=pl.lit("kept, never taken"))
     table = gold_rejection_table(SPEC_NAME)
     rejected = (
@@ -588,7 +595,7 @@ def _discarded(lake: Lake, steps: pl.DataFrame) -> dict[str, int]:
         if lake.exists(table)
         else pl.DataFrame(schema={"step_key": pl.String, "reason": pl.String})
     )
-    why = pl.concat([kept, rejected]).unique("step_key", keep="first")
+    why = pl.concat([fetched, kept, rejected]).unique("step_key", keep="first")
     left = left.join(why, on="step_key", how="left").with_columns(
         pl.col("reason").fill_null("not curated")
     )
