@@ -18,7 +18,10 @@ advantages (GRPO's group-normalized ones, summed over the steps sharing the toke
 log-probs come from the batch where it carries them (`Batch.behaviour_log_probs` and
 `Batch.has_behaviour_log_probs`, see `behaviour_log_probs`); a server that returns none
 (`transformers serve`) leaves `w_t = 1`: the update is then the on-policy one, exact only
-for steps of the trainer's own version, and the report says so.
+for steps of the trainer's own version, and the report says so. With `updates_per_step`
+= mu > 1 (GRPO's iterations), the updates after the first minimize `-sum_t w_t min(r_t A_t,
+clip(r_t, 1 - CLIP, 1 + CLIP) A_t) / steps`, `r_t` the ratio of the current log-prob to the
+one the step started from.
 """
 
 from __future__ import annotations
@@ -131,9 +134,9 @@ class TreeGRPO:
         return torch.where(has_parent, picked, torch.zeros_like(picked))
 
     def step(self, batch: Batch) -> StepReport:
-        """One GRPO step on `batch` (see the module doc): `updates` optimizer updates, the
-        first the plain truncated-IS one, the others clipped against the policy the step
-        started from (GRPO's mu iterations)."""
+        """One GRPO step on `batch` (see the module doc): `updates_per_step` optimizer
+        updates, the first the plain truncated-IS one, the others PPO's clipped surrogate
+        against the log-probs the step started from (GRPO's mu iterations)."""
         if batch.layout != "tree":
             raise ValueError(f"batch: TreeGRPO trains on tree batches, not {batch.layout!r}")
         t = batch.to_torch()
