@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument(
         "--production-rounds",
         type=int,
-        default=15,
+        default=25,
         help="rounds of the production arms (~0.1 s each: the fastest of many is the figure)",
     )
     args = parser.parse_args()

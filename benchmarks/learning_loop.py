@@ -137,6 +137,9 @@ def main() -> None:
         updates=args.updates,
         stop_at_target=args.stop_at_target,
     )
+    # first, on a quiet machine: after the loop, its processes' exit and its checkpoints'
+    # writeback would land on one arm's rounds more than the other's
+    versions_arm = per_token_versions_arm()
     with contextlib.ExitStack() as stack:
         work = Path(args.workdir or stack.enter_context(tempfile.TemporaryDirectory()))
         settings = ClawSettings().with_overrides(lake_uri=str(work / "lake"))
@@ -145,7 +148,6 @@ def main() -> None:
         found = figures(summary)
     reached = summary.reached is not None and summary.reached[0] <= TARGET_VERSIONS
     waited = summary.wait_share <= TARGET_WAIT_SHARE
-    versions_arm = per_token_versions_arm()
     emit(
         "learning_loop",
         target=TARGET,

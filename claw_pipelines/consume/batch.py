@@ -7,7 +7,8 @@ merged them) in depth-first order. Per token: `input_ids`, `parent` (the previou
 its path, -1 at a root), `position_ids` (its position in its original sequence),
 `loss_mask` (1 where it is a trained response token of some step), `advantages` and
 `token_rewards` (summed over the steps whose response holds the token: the sum of per-step
-losses is then the same on the tree as on the flat sequences), `token_policy_versions` (int64:
+losses is then the same on the tree as on the flat sequences), `token_policy_versions` (int32,
+int64 in `to_torch()`:
 the policy version that generated the token, per run for a joined partial rollout, else its
 step's; -1 on prompt tokens; a spec with token-level staleness masks older response tokens
 out of `loss_mask`), `behaviour_log_probs` (the log-prob the generating policy gave each
@@ -55,7 +56,7 @@ class Batch:
     step_starts: np.ndarray  # per step: the depth where its own tokens start (0 when flat)
     step_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # per token: the policy version that generated it (see the module doc)
-    token_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    token_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     # per token: the behaviour policy's log-prob as captured (0 where none), and where one was
     behaviour_log_probs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     has_behaviour_log_probs: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))

@@ -47,7 +47,7 @@ class Packed:
     loss_mask: np.ndarray
     advantages: np.ndarray
     token_rewards: np.ndarray
-    token_policy_versions: np.ndarray  # int64 per token (empty when not asked for)
+    token_policy_versions: np.ndarray  # int32 per token (empty when not asked for)
     behaviour_log_probs: np.ndarray  # float32 per token, 0 where no step captured one
     has_behaviour_log_probs: np.ndarray  # bool per token
     step_keys: list[str]
@@ -134,8 +134,8 @@ def _token_versions(
     do: `holders` > 1), -1 where none does. Tokens held once are assigned directly; only the
     shared ones (rollouts that sampled the same start) are sorted to find their oldest."""
     if len(versions) and versions.min() == versions.max():  # one version (a partition's)
-        return (holders > 0).astype(np.int64) * (int(versions[0]) + 1) - 1
-    out = np.full(total, -1, dtype=np.int64)
+        return (holders > 0).astype(np.int32) * np.int32(int(versions[0]) + 1) - np.int32(1)
+    out = np.full(total, -1, dtype=np.int32)
     out[response] = versions
     shared = holders > 1
     if shared.any():
@@ -336,7 +336,7 @@ def pack(
     behaviour, has_behaviour = _behaviour(
         response, holders, tokens["response_len"], log_probs, order, total
     )
-    token_policy_versions = np.zeros(0, dtype=np.int64)
+    token_policy_versions = np.zeros(0, dtype=np.int32)
     if token_versions and versions is not None:
         token_policy_versions = _token_versions(response, versions, holders, total)
     return Packed(

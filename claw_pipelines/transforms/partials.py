@@ -330,16 +330,16 @@ def response_versions(steps: pl.DataFrame) -> np.ndarray:
     step's runs, any other step's `policy_version` (null: 0) for all its tokens. Vectorized:
     the few joined steps' runs are expanded with one repeat and scattered into place."""
     lengths = _response_lengths(steps)
-    version = steps["policy_version"].fill_null(0).to_numpy().astype(np.int64)
+    version = steps["policy_version"].fill_null(0).to_numpy().astype(np.int32)
     runs = "policy_version_runs" in steps.columns
     joined = np.flatnonzero(steps["policy_version_runs"].is_not_null().to_numpy()) if runs else []
     if not len(joined):
         if len(version) and version.min() == version.max():  # one version: no repeat
-            return np.full(int(lengths.sum()), version[0], dtype=np.int64)
+            return np.full(int(lengths.sum()), version[0], dtype=np.int32)
         return np.repeat(version, lengths)
     out = np.repeat(version, lengths)
     runs = steps[joined].select(v="policy_version_runs", n="policy_run_lengths").explode("v", "n")
-    values = np.repeat(runs["v"].to_numpy().astype(np.int64), runs["n"].to_numpy())
+    values = np.repeat(runs["v"].to_numpy().astype(np.int32), runs["n"].to_numpy())
     sizes = lengths[joined]
     starts = (np.cumsum(lengths) - lengths)[joined]
     within = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)

@@ -71,6 +71,7 @@ def test_batches_carry_each_tokens_policy_version(lake, layout):
     tensors = batch.to_torch()
     assert tensors["token_policy_versions"].tolist() == batch.token_policy_versions.tolist()
     assert str(tensors["token_policy_versions"].dtype) == "torch.int64"
+    assert batch.token_policy_versions.dtype == np.int32  # as input_ids; int64 in torch
 
 
 def test_token_versions_can_be_left_out(lake):
