@@ -95,10 +95,8 @@ def figures(summary: LearnSummary) -> dict:
         "trainer_steps": len(summary.trained),
         "trainer_wait_share": round(summary.wait_share, 4),
         "trainer_wait_share_until_target": None
-        if summary.reached is None
-        else round(
-            sum(t.waited_s for t in summary.trained if t.version < reached_version) / reached_s, 4
-        ),
+        if summary.wait_share_until_target is None
+        else round(summary.wait_share_until_target, 4),
         "stopped_at_target": summary.options.stop_at_target,
         "trainer_wait_share_after_first_batch": round(summary.steady_wait_share, 4),
         "trainer_wait_share_lake": round(summary.lake_wait_share, 4),

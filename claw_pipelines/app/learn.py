@@ -268,6 +268,16 @@ class LearnSummary:
         return sum(t.lake_wait_s for t in self.trained) / self.wall_s if self.wall_s else 0.0
 
     @property
+    def wait_share_until_target(self) -> float | None:
+        """The share of the loop's wall time until the target was first reached that the
+        trainer spent waiting for data (None when it was not reached)."""
+        if self.reached is None:
+            return None
+        version, seconds = self.reached
+        waited = sum(t.waited_s for t in self.trained if t.version < version)
+        return waited / seconds if seconds else 0.0
+
+    @property
     def steady_wait_share(self) -> float:
         """The same after the first batch arrived (start-up: the first group generated)."""
         rest = self.wall_s - self.first_batch_wait_s
@@ -397,8 +407,9 @@ def _loop(
         generated.waiting(True)
         dataset = wait_for_dataset(lake, SPEC_NAME)
         # its own dataset (and table handles): it fetches while the trainer trains
-        fetcher = Prefetcher(Dataset(Lake(lake.uri, lake.storage_options), SPEC_NAME), generated)
-        fetcher.ask(max(first, version - options.staleness), options)
+        own = Dataset(Lake(lake.uri, lake.storage_options), SPEC_NAME)
+        fetcher = Prefetcher(own, generated, options, first)
+        fetcher.ask(version)
         while version < last and (generated.reached is None or not options.stop_at_target):
             asked = time.monotonic() if trained else started  # the first: from the start
             generated.waiting(True)
@@ -407,7 +418,7 @@ def _loop(
             got = time.monotonic()
             generated.take(len(batch.groups))
             if version + 1 < last:  # the next batch is fetched while this one trains
-                fetcher.ask(max(first, version + 1 - options.staleness), options)
+                fetcher.ask(version + 1)
             scored = [generated.finished.get(u.split(":", 1)[1], got) for u in batch.groups]
             waits = (got - asked, got - max(asked, min(scored)))
             done = _train(trainer, dataset, batch, version, waits, len(trained))
@@ -433,16 +444,21 @@ class Prefetcher:
     the current one (a data loader's prefetch): delivery (the lake's reads, the durable
     consumption record) and the wait for fresh groups overlap the optimizer step."""
 
-    def __init__(self, dataset: Dataset, generated: Generated) -> None:
-        self.dataset, self.generated = dataset, generated
+    def __init__(
+        self, dataset: Dataset, generated: Generated, options: LearnOptions, first: int
+    ) -> None:
+        self.dataset, self.generated, self.options = dataset, generated, options
+        self.first = first  # this run's first version: older ones are never fetched
         self.closed = threading.Event()
         self._pending: Future[Batch] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
 
-    def ask(self, floor: int, options: LearnOptions) -> None:
-        """Start fetching the next batch: groups of policy versions from `floor` on."""
+    def ask(self, version: int) -> None:
+        """Start fetching the batch the trainer will train at `version`: groups of this run's
+        policy versions at most `options.staleness` older."""
+        floor = max(self.first, version - self.options.staleness)
         self._pending = self._pool.submit(
-            _next_batch, self.dataset, self.generated, floor, options, self.closed
+            _next_batch, self.dataset, self.generated, floor, self.options, self.closed
         )
 
     def take(self) -> Batch:

@@ -190,11 +190,10 @@ def follow(
     say: Callable[[str], None] = print,
     datasets: Sequence[str] | None = None,
 ) -> None:
-    """`claw materialize --follow`: keep silver and every spec's gold (or `datasets`) up to
-    date (see
-    `claw_pipelines.build.live`) until `stop` is set. Each increment is reported to the Dagster
-    instance of `DAGSTER_HOME` (when set) as runless materializations of the same assets,
-    with the versions in their metadata, so the UI's asset history shows it."""
+    """`claw materialize --follow`: keep silver and every spec's gold (or `datasets`') up to
+    date (see `claw_pipelines.build.live`) until `stop` is set. Each increment is reported to
+    the Dagster instance of `DAGSTER_HOME` (when set) as runless materializations of the same
+    assets, with the versions in their metadata, so the UI's asset history shows it."""
     from claw_pipelines.build.live import LiveMaterializer
     from claw_pipelines.build.silver import SilverOptions
     from claw_pipelines.lake.delta import Lake
