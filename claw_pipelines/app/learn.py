@@ -14,8 +14,10 @@ the groups there are with `Dataset.next_batch`, takes one GRPO step through the 
 attention (`train.grpo.TreeGRPO`: `LearnOptions.updates` optimizer updates, PPO-clipped after
 the first), saves the next checkpoint folder and publishes its version. Its next batch is
 fetched on a thread of its own while it trains (`Prefetcher`); a group may be trained on
-`LearnOptions.max_uses` times (fresh groups first, `cooldown` steps apart: next_batch's
-replay), so the trainer trains on the freshest groups there are instead of idling while the
+`LearnOptions.max_uses` times (fresh groups first: next_batch's replay; with `cooldown` 0
+a group may come back in the batch right after its first, fetched while that one trains: a
+group arrives fresh a few versions old, and two steps later it would be past the staleness
+bound), so the trainer trains on the freshest groups there are instead of idling while the
 next group is generated. The server loads the first checkpoint before the loop's clock starts.
 
 The agents make one group at a time with the newest published version, at most
@@ -92,7 +94,7 @@ class LearnOptions:
     lr: float = 1e-2
     updates: int = 12  # optimizer updates per batch (GRPO's mu; PPO-clipped after the first)
     max_uses: int = 2  # times a group may be trained on (next_batch's replay, fresh first)
-    cooldown: int = 1  # trainer steps at least between two uses of a group
+    cooldown: int = 0  # trainer steps at least between two uses of a group
 
 
 def learn_spec(options: LearnOptions) -> CurationSpec:
