@@ -103,7 +103,11 @@ def test_representation_opens_the_step_a_filter_finds(dashboard, filled):
     dashboard.page.get_by_label("id contains (step, trajectory or group)").fill(key)
     dashboard.page.keyboard.press("Enter")
     dashboard.settle()
-    assert dashboard.page.get_by_text("1 of").count() >= 1
+    # under load the rerun the Enter starts may begin after settle() looked: wait for it
+    from playwright.sync_api import expect
+
+    expect(dashboard.page.get_by_text("1 of").first).to_be_visible(timeout=60_000)
+    dashboard.settle()
     header = dashboard.page.locator('[data-testid="stMarkdownContainer"]', has_text=key)
     assert header.count() >= 1
     assert dashboard.page.get_by_text("Trajectory timeline").count() == 1
