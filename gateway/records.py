@@ -138,44 +138,99 @@ def fact_record(
 # -- Arrow ----------------------------------------------------------------------------------
 
 
-def _list_column(packed: list[bytes | None], dtype: np.dtype, arrow_type) -> pa.Array:
-    """A list column from per-row packed arrays: one concatenation, no per-value work."""
-    n = len(packed)
-    nbytes = np.fromiter((0 if p is None else len(p) for p in packed), np.int64, n)
+@dataclass(frozen=True, slots=True)
+class PackedColumn:
+    """One token array of many records: their packed bytes back to back, each row's byte
+    count (0 when null) and whether it is null."""
+
+    values: bytes
+    nbytes: np.ndarray  # int64 per row
+    is_null: np.ndarray  # bool per row
+
+    @classmethod
+    def of(cls, packed: Sequence[bytes | None]) -> PackedColumn:
+        """The column of per-record packed arrays (None: null)."""
+        n = len(packed)
+        return cls(
+            b"".join(p for p in packed if p is not None),
+            np.fromiter((0 if p is None else len(p) for p in packed), np.int64, n),
+            np.fromiter((p is None for p in packed), bool, n),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RecordColumns:
+    """Bronze records as columns (what a micro-batch needs to become Arrow): the envelope as
+    lists, the payloads as one string array, the token arrays packed (TOKEN_FIELDS order)."""
+
+    event_id: list[str]
+    kind: list[str]
+    tenant: list[str]
+    received_us: np.ndarray  # int64
+    token_source: list[str | None]
+    payload: pa.StringArray
+    arrays: tuple[PackedColumn, ...]
+
+    def __len__(self) -> int:
+        return len(self.event_id)
+
+    @classmethod
+    def of(cls, records: Sequence[BronzeRecord]) -> RecordColumns:
+        """The columns of records held one by one."""
+        n = len(records)
+        return cls(
+            [r.event_id for r in records],
+            [r.kind for r in records],
+            [r.tenant for r in records],
+            np.fromiter((r.received_us for r in records), np.int64, n),
+            [r.token_source for r in records],
+            pa.array([r.payload.decode() for r in records], pa.string()),
+            tuple(PackedColumn.of([getattr(r, name) for r in records]) for name in TOKEN_FIELDS),
+        )
+
+
+def _list_column(packed: PackedColumn, dtype: np.dtype, arrow_type) -> pa.Array:
+    """A list column from rows' packed arrays: one buffer, no per-value work."""
+    n = len(packed.nbytes)
     offsets = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(nbytes // dtype.itemsize, out=offsets[1:])
-    values = np.frombuffer(b"".join(p for p in packed if p is not None), dtype=dtype)
-    is_null = np.fromiter((p is None for p in packed), bool, n)
+    np.cumsum(packed.nbytes // dtype.itemsize, out=offsets[1:])
+    values = np.frombuffer(packed.values, dtype=dtype)
     return pa.ListArray.from_arrays(
-        pa.array(offsets), pa.array(values), mask=pa.array(is_null)
+        pa.array(offsets), pa.array(values), mask=pa.array(packed.is_null)
     ).cast(arrow_type)
 
 
 def to_bronze_table(records: Sequence[BronzeRecord], gateway_id: str, batch_seq: int) -> pa.Table:
     """One micro-batch of records as a `bronze/events` Arrow table (vectorized per column)."""
+    return bronze_table(RecordColumns.of(records), gateway_id, batch_seq)
+
+
+def bronze_table(records: RecordColumns, gateway_id: str, batch_seq: int) -> pa.Table:
+    """One micro-batch of records, as columns, as a `bronze/events` Arrow table."""
     n = len(records)
-    received = np.fromiter((r.received_us for r in records), np.int64, n)
-    payloads = [r.payload.decode() for r in records]
+    received = records.received_us
     scalars = (
-        pl.Series("payload", payloads).str.json_decode(_SCALAR_STRUCT).struct.unnest().to_arrow()
+        pl.Series("payload", records.payload)
+        .str.json_decode(_SCALAR_STRUCT)
+        .struct.unnest()
+        .to_arrow()
     )
     columns: dict[str, pa.Array] = {
-        "event_id": pa.array([r.event_id for r in records], pa.string()),
-        "kind": pa.array([r.kind for r in records], pa.string()),
-        "tenant": pa.array([r.tenant for r in records], pa.string()),
+        "event_id": pa.array(records.event_id, pa.string()),
+        "kind": pa.array(records.kind, pa.string()),
+        "tenant": pa.array(records.tenant, pa.string()),
         "received_at": pa.array(received, pa.timestamp("us", tz="UTC")),
         "ingest_date": pa.array((received // _US_PER_DAY).astype(np.int32), pa.date32()),
         "gateway_id": pa.array([gateway_id] * n, pa.string()),
         "batch_seq": pa.array(np.full(n, batch_seq, np.int64)),
         "schema_version": pa.array(np.full(n, SCHEMA_VERSION, np.int32)),
-        "payload": pa.array(payloads, pa.string()),
-        "token_source": pa.array([r.token_source for r in records], pa.string()),
+        "payload": records.payload,
+        "token_source": pa.array(records.token_source, pa.string()),
     }
     for field in _SCALAR_COLUMNS:
         columns[field.name] = scalars.column(field.name).cast(field.type)
     fields = {f.name: f.type for f in BRONZE_STEP_COLUMNS}
     for i, name in enumerate(TOKEN_FIELDS):
-        column = [getattr(r, name) for r in records]
-        columns[name] = _list_column(column, _ARRAY_DTYPES[i], fields[name])
+        columns[name] = _list_column(records.arrays[i], _ARRAY_DTYPES[i], fields[name])
     schema = BRONZE_EVENTS_SPEC.schema
     return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)

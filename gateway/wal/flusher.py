@@ -22,8 +22,8 @@ from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.policy import published_version
 from claw_pipelines.settings import ClawSettings
-from gateway.records import to_bronze_table
-from gateway.wal.frames import read_segment
+from gateway.records import bronze_table
+from gateway.wal.frames import read_segments
 from gateway.wal.layout import (
     FLUSHER_LOCK,
     STATUS_FILE,
@@ -80,13 +80,13 @@ class BronzeFlusher:
         if self._landed_seq is None:  # first commit of this process: ask the table
             self._landed_seq = self.lake.transaction_version(BRONZE_EVENTS, self.gateway_id) or 0
         pending = [p for p in paths if segment_seq(p) > self._landed_seq]
-        records = [r for path in pending for r in read_segment(path)]
-        if records:
+        records = read_segments(pending)
+        if len(records):
             started = time.perf_counter()
             try:
                 self.lake.append(
                     BRONZE_EVENTS_SPEC,
-                    to_bronze_table(records, self.gateway_id, batch_seq),
+                    bronze_table(records, self.gateway_id, batch_seq),
                     metadata={
                         "gateway_id": self.gateway_id,
                         "batch_seq": batch_seq,

@@ -7,9 +7,13 @@ import json
 import logging
 import struct
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
-from gateway.records import TOKEN_FIELDS, BronzeRecord
+import numpy as np
+import pyarrow as pa
+
+from gateway.records import TOKEN_FIELDS, BronzeRecord, PackedColumn, RecordColumns
 
 log = logging.getLogger(__name__)
 _NULL_LEN = 0xFFFFFFFF
@@ -44,12 +48,10 @@ def encode_record(record: BronzeRecord) -> bytes:
     return b"".join(parts)
 
 
-def decode_frames(buffer: bytes) -> tuple[list[BronzeRecord], int]:
-    """Decode consecutive frames; stop at the first torn or corrupt one, or at zeros.
-
-    Returns the records and the number of valid bytes (a torn tail was never acknowledged).
-    """
-    records: list[BronzeRecord] = []
+def _bodies(buffer: bytes) -> tuple[list[tuple[int, int]], int]:
+    """The (start, end) of each valid frame's body, and the number of valid bytes: frames
+    end at the first torn or corrupt one, or at zeros (a torn tail was never acknowledged)."""
+    bodies: list[tuple[int, int]] = []
     view = memoryview(buffer)
     offset = 0
     while offset + _PREFIX.size <= len(buffer):
@@ -59,29 +61,103 @@ def decode_frames(buffer: bytes) -> tuple[list[BronzeRecord], int]:
         start, end = offset + _PREFIX.size, offset + _PREFIX.size + length
         if end > len(buffer) or zlib.crc32(view[start:end]) != crc:
             break
-        records.append(_decode_body(view[start:end]))
+        bodies.append((start, end))
         offset = end
-    return records, offset
+    return bodies, offset
 
 
-def _decode_body(body: memoryview) -> BronzeRecord:
-    pos = 0
-
-    def take(n: int) -> memoryview:
-        nonlocal pos
-        chunk = body[pos : pos + n]
-        pos += n
-        return chunk
-
-    (header_len,) = _U32.unpack(take(4))
-    event_id, kind, tenant, received_us, token_source = json.loads(bytes(take(header_len)))
-    (payload_len,) = _U32.unpack(take(4))
-    payload = bytes(take(payload_len))
-    arrays: list[bytes | None] = []
+def _parts(buffer: bytes, start: int) -> tuple[int, int, int, int, list[tuple[int, int] | None]]:
+    """Where a body's parts lie in `buffer`: header start and length, payload start and
+    length, and each token array's (start, length), None when null."""
+    unpack = _U32.unpack_from
+    (header_len,) = unpack(buffer, start)
+    header = start + 4
+    (payload_len,) = unpack(buffer, header + header_len)
+    pos = payload = header + header_len + 4
+    pos += payload_len
+    arrays: list[tuple[int, int] | None] = []
     for _ in TOKEN_FIELDS:
-        (n,) = _U32.unpack(take(4))
-        arrays.append(None if n == _NULL_LEN else bytes(take(n)))
-    return BronzeRecord(event_id, kind, tenant, received_us, payload, token_source, *arrays)
+        (n,) = unpack(buffer, pos)
+        pos += 4
+        if n == _NULL_LEN:
+            arrays.append(None)
+        else:
+            arrays.append((pos, n))
+            pos += n
+    return header, header_len, payload, payload_len, arrays
+
+
+def decode_frames(buffer: bytes) -> tuple[list[BronzeRecord], int]:
+    """Decode consecutive frames; stop at the first torn or corrupt one, or at zeros.
+
+    Returns the records and the number of valid bytes (a torn tail was never acknowledged).
+    """
+    bodies, valid = _bodies(buffer)
+    return [_decode_body(buffer, start) for start, _end in bodies], valid
+
+
+def _decode_body(buffer: bytes, start: int) -> BronzeRecord:
+    header, header_len, payload, payload_len, arrays = _parts(buffer, start)
+    event_id, kind, tenant, received_us, token_source = json.loads(
+        buffer[header : header + header_len]
+    )
+    packed = [None if a is None else buffer[a[0] : a[0] + a[1]] for a in arrays]
+    return BronzeRecord(
+        event_id,
+        kind,
+        tenant,
+        received_us,
+        buffer[payload : payload + payload_len],
+        token_source,
+        *packed,
+    )
+
+
+def decode_columns(buffers: Sequence[bytes]) -> tuple[RecordColumns, list[int]]:
+    """The records of consecutive frames in each buffer (stopping as `decode_frames` does),
+    as columns, and each buffer's valid bytes: the flusher's path, with no Python object
+    per record beyond its header's."""
+    headers: list[memoryview] = []
+    payloads: list[memoryview] = []
+    parts: list[list[memoryview]] = [[] for _ in TOKEN_FIELDS]
+    sizes: list[list[int]] = [[] for _ in TOKEN_FIELDS]
+    valid: list[int] = []
+    for buffer in buffers:
+        view = memoryview(buffer)
+        bodies, ok = _bodies(buffer)
+        valid.append(ok)
+        for start, _end in bodies:
+            header, header_len, payload, payload_len, arrays = _parts(buffer, start)
+            headers.append(view[header : header + header_len])
+            payloads.append(view[payload : payload + payload_len])
+            for i, array in enumerate(arrays):
+                if array is None:
+                    sizes[i].append(-1)
+                else:
+                    parts[i].append(view[array[0] : array[0] + array[1]])
+                    sizes[i].append(array[1])
+    envelope = json.loads(b"[" + b",".join(headers) + b"]")
+    n = len(envelope)
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum(np.fromiter((len(p) for p in payloads), np.int64, n), out=offsets[1:])
+    payload = pa.StringArray.from_buffers(
+        n, pa.py_buffer(offsets), pa.py_buffer(b"".join(payloads))
+    )
+    payload.validate(full=True)  # UTF-8, as the records were accepted
+    packed = []
+    for i in range(len(TOKEN_FIELDS)):
+        nbytes = np.asarray(sizes[i], np.int64)
+        packed.append(PackedColumn(b"".join(parts[i]), np.maximum(nbytes, 0), nbytes < 0))
+    columns = RecordColumns(
+        [e[0] for e in envelope],
+        [e[1] for e in envelope],
+        [e[2] for e in envelope],
+        np.fromiter((e[3] for e in envelope), np.int64, n),
+        [e[4] for e in envelope],
+        payload,
+        tuple(packed),
+    )
+    return columns, valid
 
 
 def read_segment(path: Path) -> list[BronzeRecord]:
@@ -89,6 +165,19 @@ def read_segment(path: Path) -> list[BronzeRecord]:
     zeros of a spare a crash left unfilled)."""
     data = path.read_bytes()
     records, valid = decode_frames(data)
+    _check_tail(path, data, valid)
+    return records
+
+
+def read_segments(paths: Sequence[Path]) -> RecordColumns:
+    """The records of segment files, as columns (what `read_segment` reads, for landing)."""
+    buffers = [path.read_bytes() for path in paths]
+    columns, valid = decode_columns(buffers)
+    for path, data, ok in zip(paths, buffers, valid, strict=True):
+        _check_tail(path, data, ok)
+    return columns
+
+
+def _check_tail(path: Path, data: bytes, valid: int) -> None:
     if valid != len(data) and data.count(0, valid) != len(data) - valid:
         log.warning("WAL %s: ignoring %d torn bytes at the tail", path, len(data) - valid)
-    return records

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS_SPEC
-from gateway.records import BronzeRecord, to_bronze_table, typed_arrays
+from gateway.records import BronzeRecord, bronze_table, to_bronze_table, typed_arrays
 from gateway.wal import scheduling
-from gateway.wal.frames import decode_frames, encode_frame, read_segment
+from gateway.wal.frames import decode_columns, decode_frames, encode_frame, read_segment
 from gateway.wal.layout import SPARE, sealed_segments
 from gateway.wal.log import Write, WriteAheadLog
 from gateway.wal.scheduling import WalUnavailable
@@ -51,6 +51,18 @@ def test_a_corrupt_frame_ends_the_readable_log():
     data[first + 20] ^= 0xFF
     decoded, valid = decode_frames(bytes(data))
     assert [r.event_id for r in decoded] == ["e0"] and valid == first
+
+
+def test_frames_read_as_columns_land_the_rows_frames_read_one_by_one_do():
+    first = [record(i, with_tokens=i % 2 == 0) for i in range(5)]
+    second = [record(i) for i in range(5, 8)]
+    torn = b"".join(encode_frame(r) for r in first) + encode_frame(record(9))[:-3]
+    spare = b"".join(encode_frame(r) for r in second) + bytes(64)  # a spare's zeros
+    columns, valid = decode_columns([torn, spare])
+    assert valid == [len(torn) - len(encode_frame(record(9))) + 3, len(spare) - 64]
+    expected = to_bronze_table(first + second, "gw", 3)
+    assert bronze_table(columns, "gw", 3).equals(expected)
+    assert expected.column("event_id").to_pylist() == [f"e{i}" for i in range(8)]
 
 
 def test_bronze_batch_matches_the_contract_schema():
