@@ -148,7 +148,7 @@ class PackedColumn:
     is_null: np.ndarray  # bool per row
 
     @classmethod
-    def of(cls, packed: Sequence[bytes | None]) -> PackedColumn:
+    def of(cls, packed: Sequence[bytes | memoryview | None]) -> PackedColumn:
         """The column of per-record packed arrays (None: null)."""
         n = len(packed)
         return cls(

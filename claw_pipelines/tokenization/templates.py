@@ -108,7 +108,11 @@ def _bundled() -> Any:
     """The bundled ChatML template, ours, compiled outside the sandbox (same options, same
     output; the sandbox's checks on every attribute were a third of its render time)."""
     return _configured(
-        Environment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation])
+        Environment(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[_Generation, "jinja2.ext.loopcontrols"],
+        )
     ).from_string(DEFAULT_CHAT_TEMPLATE)
 
 

@@ -119,23 +119,18 @@ def decode_columns(buffers: Sequence[bytes]) -> tuple[RecordColumns, list[int]]:
     per record beyond its header's."""
     headers: list[memoryview] = []
     payloads: list[memoryview] = []
-    parts: list[list[memoryview]] = [[] for _ in TOKEN_FIELDS]
-    sizes: list[list[int]] = [[] for _ in TOKEN_FIELDS]
+    arrays: list[list[memoryview | None]] = [[] for _ in TOKEN_FIELDS]
     valid: list[int] = []
     for buffer in buffers:
         view = memoryview(buffer)
         bodies, ok = _bodies(buffer)
         valid.append(ok)
         for start, _end in bodies:
-            header, header_len, payload, payload_len, arrays = _parts(buffer, start)
+            header, header_len, payload, payload_len, spans = _parts(buffer, start)
             headers.append(view[header : header + header_len])
             payloads.append(view[payload : payload + payload_len])
-            for i, array in enumerate(arrays):
-                if array is None:
-                    sizes[i].append(-1)
-                else:
-                    parts[i].append(view[array[0] : array[0] + array[1]])
-                    sizes[i].append(array[1])
+            for column, span in zip(arrays, spans, strict=True):
+                column.append(None if span is None else view[span[0] : span[0] + span[1]])
     envelope = json.loads(b"[" + b",".join(headers) + b"]")
     n = len(envelope)
     offsets = np.zeros(n + 1, np.int32)
@@ -144,10 +139,6 @@ def decode_columns(buffers: Sequence[bytes]) -> tuple[RecordColumns, list[int]]:
         n, pa.py_buffer(offsets), pa.py_buffer(b"".join(payloads))
     )
     payload.validate(full=True)  # UTF-8, as the records were accepted
-    packed = []
-    for i in range(len(TOKEN_FIELDS)):
-        nbytes = np.asarray(sizes[i], np.int64)
-        packed.append(PackedColumn(b"".join(parts[i]), np.maximum(nbytes, 0), nbytes < 0))
     columns = RecordColumns(
         [e[0] for e in envelope],
         [e[1] for e in envelope],
@@ -155,7 +146,7 @@ def decode_columns(buffers: Sequence[bytes]) -> tuple[RecordColumns, list[int]]:
         np.fromiter((e[3] for e in envelope), np.int64, n),
         [e[4] for e in envelope],
         payload,
-        tuple(packed),
+        tuple(PackedColumn.of(column) for column in arrays),
     )
     return columns, valid
 

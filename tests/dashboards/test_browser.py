@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import expect
 
 from claw_pipelines.build.gold import build_partition, policy_versions
 from claw_pipelines.build.silver import build_silver
@@ -104,8 +105,6 @@ def test_representation_opens_the_step_a_filter_finds(dashboard, filled):
     dashboard.page.keyboard.press("Enter")
     dashboard.settle()
     # under load the rerun the Enter starts may begin after settle() looked: wait for it
-    from playwright.sync_api import expect
-
     expect(dashboard.page.get_by_text("1 of").first).to_be_visible(timeout=60_000)
     dashboard.settle()
     header = dashboard.page.locator('[data-testid="stMarkdownContainer"]', has_text=key)
