@@ -94,29 +94,21 @@ class _Generation(Extension):
 def compiled(template: str) -> Any:
     """A template compiled in the environment transformers renders chat templates in (a
     sandbox: a model folder's template is code from elsewhere)."""
-    return _configured(
-        ImmutableSandboxedEnvironment(
-            trim_blocks=True,
-            lstrip_blocks=True,
-            extensions=[_Generation, "jinja2.ext.loopcontrols"],
-        )
-    ).from_string(template)
+    return _environment(ImmutableSandboxedEnvironment).from_string(template)
 
 
 @lru_cache(maxsize=1)
 def _bundled() -> Any:
     """The bundled ChatML template, ours, compiled outside the sandbox (same options, same
     output; the sandbox's checks on every attribute were a third of its render time)."""
-    return _configured(
-        Environment(
-            trim_blocks=True,
-            lstrip_blocks=True,
-            extensions=[_Generation, "jinja2.ext.loopcontrols"],
-        )
-    ).from_string(DEFAULT_CHAT_TEMPLATE)
+    return _environment(Environment).from_string(DEFAULT_CHAT_TEMPLATE)
 
 
-def _configured(env: Environment) -> Environment:
+def _environment(kind: type[Environment]) -> Environment:
+    """A Jinja environment of `kind` set up as transformers sets up chat templates'."""
+    env = kind(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
