@@ -12,6 +12,7 @@ from starlette.types import Receive, Scope
 
 from claw_pipelines.contracts.limits import MAX_UID_CHARS, UID_PATTERN, is_uid
 from gateway.auth import DEFAULT_TENANT, KeyRing, presented_key
+from gateway.deadlines import ReadDeadlines
 from gateway.errors import ApiError, from_pydantic
 from gateway.services import GatewayServices
 
@@ -59,8 +60,8 @@ class Incoming:
 
     async def body(self) -> bytes:
         """The body, bounded by `CLAW_MAX_BODY_BYTES` (413) and in time (408)."""
-        settings = self.services.settings
-        return await read_body(self.receive, settings.max_body_bytes, settings.body_read_timeout_s)
+        services = self.services
+        return await read_body(self.receive, services.settings.max_body_bytes, services.deadlines)
 
     async def json(self, model: type[ModelT], *, optional: bool = False) -> ModelT:
         """The body validated against `model` (400 for bad JSON, 422 naming the field)."""
@@ -100,26 +101,30 @@ def idempotency_key_of(headers: Mapping[str, str]) -> str | None:
     return value
 
 
-async def read_body(receive: Receive, limit: int, timeout_s: float) -> bytes:
-    """An ASGI request body, bounded in size (413) and in time (408)."""
+async def read_body(receive: Receive, limit: int, deadlines: ReadDeadlines) -> bytes:
+    """An ASGI request body, bounded in size (413) and in time (408: `deadlines` cuts it)."""
     chunks, size = [], 0
+    task = deadlines.watch()
     try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ApiError(400, "client disconnected", code="client_disconnected")
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(
-                        413, f"body exceeds the limit of {limit} bytes", code="body_too_large"
-                    )
-                chunks.append(chunk)
-                if not message.get("more_body"):
-                    return b"".join(chunks)
-    except TimeoutError:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ApiError(400, "client disconnected", code="client_disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(
+                    413, f"body exceeds the limit of {limit} bytes", code="body_too_large"
+                )
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+    except asyncio.CancelledError:
+        if not deadlines.was_cut(task):
+            raise
         raise ApiError(408, "body not received in time", code="body_timeout") from None
+    finally:
+        deadlines.done(task)
 
 
 def parse_json(model: type[ModelT], body: bytes, *, optional: bool = False) -> ModelT:

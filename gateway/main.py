@@ -15,6 +15,7 @@ import claw_pipelines
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.settings import ClawSettings
 from gateway.auth import KeyRing
+from gateway.deadlines import ReadDeadlines
 from gateway.dispatch import Dispatcher
 from gateway.errors import install_error_handlers
 from gateway.landing import Landing
@@ -100,7 +101,8 @@ def create_app(
             if capture.probe is not None and capture.probe.token_ids is False:
                 upstream.refuses_token_ids(stream=False)  # known at start: not asked again
         proxy = ProxyService(settings, landed, upstream, metrics.registry, capture)
-        services = GatewayServices(settings, keys, metrics, landed, proxy, upstream)
+        deadlines = ReadDeadlines(settings.body_read_timeout_s)
+        services = GatewayServices(settings, keys, metrics, landed, proxy, deadlines, upstream)
         await landed.start()
         metrics.info.labels(settings.gateway_id, landed.lake.uri).set(1)
         app.dispatcher.services = services
@@ -110,6 +112,7 @@ def create_app(
         try:
             yield
         finally:
+            deadlines.stop()
             if upstream is not None:
                 await upstream.aclose()
             await landed.stop()

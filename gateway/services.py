@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from claw_pipelines.settings import ClawSettings
 from gateway.auth import KeyRing
+from gateway.deadlines import ReadDeadlines
 from gateway.landing import Landing
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import ProxyService
@@ -21,4 +22,5 @@ class GatewayServices:
     metrics: GatewayMetrics
     landing: Landing
     proxy: ProxyService
+    deadlines: ReadDeadlines  # of request-body reads (CLAW_BODY_READ_TIMEOUT_S)
     upstream: Replicas | None = None  # the inference replicas the proxy forwards to
