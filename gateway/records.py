@@ -174,20 +174,6 @@ class RecordColumns:
     def __len__(self) -> int:
         return len(self.event_id)
 
-    @classmethod
-    def of(cls, records: Sequence[BronzeRecord]) -> RecordColumns:
-        """The columns of records held one by one."""
-        n = len(records)
-        return cls(
-            [r.event_id for r in records],
-            [r.kind for r in records],
-            [r.tenant for r in records],
-            np.fromiter((r.received_us for r in records), np.int64, n),
-            [r.token_source for r in records],
-            pa.array([r.payload.decode() for r in records], pa.string()),
-            tuple(PackedColumn.of([getattr(r, name) for r in records]) for name in TOKEN_FIELDS),
-        )
-
 
 def _list_column(packed: PackedColumn, dtype: np.dtype, arrow_type) -> pa.Array:
     """A list column from rows' packed arrays: one buffer, no per-value work."""
@@ -198,11 +184,6 @@ def _list_column(packed: PackedColumn, dtype: np.dtype, arrow_type) -> pa.Array:
     return pa.ListArray.from_arrays(
         pa.array(offsets), pa.array(values), mask=pa.array(packed.is_null)
     ).cast(arrow_type)
-
-
-def to_bronze_table(records: Sequence[BronzeRecord], gateway_id: str, batch_seq: int) -> pa.Table:
-    """One micro-batch of records as a `bronze/events` Arrow table (vectorized per column)."""
-    return bronze_table(RecordColumns.of(records), gateway_id, batch_seq)
 
 
 def bronze_table(records: RecordColumns, gateway_id: str, batch_seq: int) -> pa.Table:
