@@ -79,7 +79,14 @@ class ClawSettings(BaseSettings):
     api_keys: str | None = Field(
         None, description="'key=tenant,key2=tenant2'; keys may be given as sha256:<hex> hashes"
     )
-    api_keys_file: Path | None = Field(None, description="file of 'sha256:<hex> tenant' lines")
+    api_keys_file: Path | None = Field(
+        None, description="file of 'sha256:<hex> tenant [admin]' lines"
+    )
+    api_key: str | None = Field(
+        None,
+        description="the key this process presents to read the lake (trainers, exports, the "
+        "CLI): its tenant's data only, unless it is an admin key",
+    )
 
     gateway_id: str = Field(default_factory=default_gateway_id)
     wal_dir: Path | None = Field(None, description="default: <lake>/_wal when the lake is local")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import errno
 import gc
-import ipaddress
 import logging
 import socket
 
 import uvicorn
 
+from claw_pipelines.contracts.access import is_loopback
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.object_store import verify_lake_store
 from claw_pipelines.lake.tokenizers import save_tokenizer
@@ -17,16 +17,6 @@ from claw_pipelines.settings import ClawSettings
 from gateway.auth import KeyRing
 from gateway.proxy.capture_mode import CaptureMode, probe_upstream
 from gateway.proxy.replicas import upstream_urls
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` binds only the loopback interface."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class GatewayRefused(Exception):

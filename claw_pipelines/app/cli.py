@@ -42,13 +42,14 @@ def _cmd_sim_llm(args: argparse.Namespace) -> None:
 
 
 def _cmd_keys_create(args: argparse.Namespace) -> None:
-    from gateway.auth import create_key
+    from claw_pipelines.contracts.access import create_key
 
-    key, line = create_key(args.tenant)
+    key, line = create_key(args.tenant, admin=args.admin)
     if args.file:
         with open(args.file, "a", encoding="utf-8") as handle:
             handle.write(line + "\n")
-        print(f"added tenant {args.tenant!r} to {args.file}", file=sys.stderr)
+        role = " (admin: reads every tenant)" if args.admin else ""
+        print(f"added tenant {args.tenant!r} to {args.file}{role}", file=sys.stderr)
     else:
         print(f"hash line for CLAW_API_KEYS_FILE: {line}", file=sys.stderr)
     print(key)
@@ -505,6 +506,11 @@ def build_parser() -> argparse.ArgumentParser:
     key_verbs = keys.add_subparsers(dest="keys_verb", required=True, metavar="ACTION")
     create = key_verbs.add_parser("create", help="mint a key for a tenant; prints it once")
     create.add_argument("--tenant", required=True)
+    create.add_argument(
+        "--admin",
+        action="store_true",
+        help="an admin key: reads every tenant's data (or one, naming it)",
+    )
     create.add_argument("--file", help="append the key's hash to this keys file")
     create.set_defaults(handler=_cmd_keys_create)
 

@@ -9,6 +9,7 @@ names what is wrong: the file, the field, the step, what does exist):
     ├── ChatLogError (ValueError)       a chat log line that cannot be imported
     ├── UnsafeStore (ValueError)        a store that would let concurrent commits be lost
     ├── ContractViolation (RuntimeError) a batch breaking a check its spec makes blocking
+    ├── Forbidden (PermissionError)     a caller asking for another tenant's data, or no key
     └── WriteConflict                   a concurrent writer moved what a write read
 
 Callers catch `ClawError` for "the lakehouse said no" (the CLI prints it in one line and
@@ -64,6 +65,11 @@ class ContractViolation(ClawError, RuntimeError):
         super().__init__(
             f"batch of {report.dataset} v{report.dataset_version} refused: " + "; ".join(parts)
         )
+
+
+class Forbidden(ClawError, PermissionError):
+    """The caller may not read this: another tenant's data, or no valid key where keys are
+    configured; the message names the tenant."""
 
 
 class WriteConflict(ClawError):
