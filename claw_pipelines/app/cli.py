@@ -25,6 +25,14 @@ def _settings(args: argparse.Namespace) -> ClawSettings:
     return ClawSettings().with_overrides(lake_uri=getattr(args, "lake", None))
 
 
+def _caller(args: argparse.Namespace, tenant: str | None = None):
+    """Whose data this command may read: `CLAW_API_KEY` against the configured keys (local
+    mode when none is configured), narrowed to `--tenant` (an admin key's scope)."""
+    from claw_pipelines.contracts.access import caller_from_settings
+
+    return caller_from_settings(_settings(args), tenant or getattr(args, "tenant", None))
+
+
 def _cmd_gateway(args: argparse.Namespace) -> None:
     from claw_pipelines.lake.object_store import UnsafeStore
     from gateway.serve import GatewayRefused, serve_gateway
@@ -145,6 +153,7 @@ def _cmd_rescore(args: argparse.Namespace) -> None:
     from claw_pipelines.build.silver import build_silver
     from claw_pipelines.lake.specs import SpecError, load_spec
 
+    _caller(args).require_every_tenant("claw rescore")
     lake = _open_lake(args)
     try:
         judge = load_judge(args.judge, args.judge_version)
@@ -165,6 +174,7 @@ def _cmd_rescore(args: argparse.Namespace) -> None:
 def _cmd_check(args: argparse.Namespace) -> None:
     from claw_pipelines.ops.integrity import check_lake
 
+    _caller(args).require_every_tenant("claw check")
     lake = _open_lake(args)
     problems = check_lake(lake)
     for problem in problems:
@@ -178,6 +188,7 @@ def _cmd_repair(args: argparse.Namespace) -> None:
     from claw_pipelines.build.silver import SilverOptions
     from claw_pipelines.ops.integrity import repair_lake
 
+    _caller(args).require_every_tenant("claw repair")
     lake = _open_lake(args)
     options = SilverOptions.from_settings(_settings(args))
     report = repair_lake(lake, options, progress=lambda line: print(line, file=sys.stderr))
@@ -223,9 +234,14 @@ def _cmd_spec_list(args: argparse.Namespace) -> None:
     from claw_pipelines.contracts.specs import BUILTIN_SPECS
     from claw_pipelines.lake.specs import read_specs
 
+    caller = _caller(args)
     shelf = read_specs(_open_lake(args))
     for name, spec in sorted(shelf.specs.items()):
-        print(f"{name}  {spec.spec_hash}  built  {spec.description}")
+        if caller.may_read(spec.tenant):
+            owner = f"  tenant {spec.tenant}" if spec.tenant else ""
+            print(f"{name}  {spec.spec_hash}  built{owner}  {spec.description}")
+    if not caller.sees_every_tenant:  # the built-in specs curate every tenant's steps
+        return
     for name in sorted(set(BUILTIN_SPECS) - set(shelf.specs) - set(shelf.errors)):
         print(
             f"{name}  {BUILTIN_SPECS[name].spec_hash}  built in, not added  "
@@ -238,6 +254,7 @@ def _cmd_spec_list(args: argparse.Namespace) -> None:
 def _cmd_spec_add(args: argparse.Namespace) -> None:
     from claw_pipelines.lake.specs import SpecError, add_builtin
 
+    _caller(args).require_every_tenant("claw spec add (a built-in spec curates every tenant)")
     lake = _open_lake(args)
     try:
         spec = add_builtin(lake, args.name)
@@ -249,17 +266,22 @@ def _cmd_spec_add(args: argparse.Namespace) -> None:
 def _cmd_ledger(args: argparse.Namespace) -> None:
     import polars as pl
 
-    from claw_pipelines.lake.catalog import gold_datasets
+    from claw_pipelines.lake.catalog import dataset_tenants, gold_datasets
     from claw_pipelines.ops.ledger import waste_ledger
 
+    caller = _caller(args)
     lake = _open_lake(args)
-    known = gold_datasets(lake)
+    every = gold_datasets(lake)
+    known = gold_datasets(lake, caller)
+    for name in args.dataset or []:
+        if name in every and name not in known:
+            caller.require(dataset_tenants(lake).get(name), f"dataset {name!r}")
     unknown = [name for name in args.dataset or [] if name not in known]
     if unknown:
         raise CliError(
             f"no gold dataset {unknown[0]!r} in {lake.uri} (datasets: {', '.join(known) or 'none'})"
         )
-    ledger = waste_ledger(lake, args.dataset)
+    ledger = waste_ledger(lake, args.dataset or known)
     if ledger.is_empty():
         print("no gold dataset yet: `claw materialize` builds them")
         return
@@ -295,7 +317,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
 
     settings = _settings(args)
     try:
-        dataset = open_dataset(args.dataset, settings.lake_uri, args.version)
+        dataset = open_dataset(args.dataset, settings.lake_uri, args.version, tenant=args.tenant)
         tokenizer = args.tokenizer or settings.tokenizer
         written = export(dataset, args.policy_version, args.format, Path(args.out), tokenizer)
     except LookupError as exc:
@@ -314,6 +336,7 @@ def _cmd_import(args: argparse.Namespace) -> None:
     from claw_pipelines.lake.delta import Lake
     from claw_pipelines.tokenization import load_chat_tokenizer
 
+    _caller(args, args.tenant)  # a tenant's key imports only for itself; an admin's for any
     lake = Lake.from_settings(_settings(args)) if args.create else _open_lake(args, "; --create")
     tokenizer = None
     if args.tokenizer is not None:
@@ -413,6 +436,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, help="file to write")
     exp.add_argument("--version", type=int, help="dataset Delta version (default: newest)")
     exp.add_argument(
+        "--tenant",
+        help="an admin key's scope: only this tenant's data (a tenant's key may name only itself)",
+    )
+    exp.add_argument(
         "--tokenizer",
         metavar="FOLDER",
         help="the model's tokenizer folder, for steps that name none (default CLAW_TOKENIZER); "
@@ -486,6 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
     spec_verbs = specs.add_subparsers(dest="spec_verb", required=True, metavar="ACTION")
     listing = spec_verbs.add_parser("list", help="the lake's specs, and the built-in ones")
     listing.add_argument("--lake", help="lake URI (overrides CLAW_LAKE_URI)")
+    listing.add_argument(
+        "--tenant",
+        help="an admin key's scope: only this tenant's data (a tenant's key may name only itself)",
+    )
     listing.set_defaults(handler=_cmd_spec_list)
     add = spec_verbs.add_parser(
         "add", help="add a built-in spec (sft-successes, preference-pairs) to the lake"
@@ -501,6 +532,10 @@ def build_parser() -> argparse.ArgumentParser:
         "admitted, rejected by reason, and re-admitted by another dataset",
     )
     ledger.add_argument("--dataset", action="append", help="only these datasets; repeatable")
+    ledger.add_argument(
+        "--tenant",
+        help="an admin key's scope: only this tenant's data (a tenant's key may name only itself)",
+    )
 
     keys = verbs.add_parser("keys", help="manage gateway API keys")
     key_verbs = keys.add_subparsers(dest="keys_verb", required=True, metavar="ACTION")

@@ -30,12 +30,13 @@ from claw_pipelines.consume.dataset import (
     publish_policy_version,
 )
 from claw_pipelines.consume.offline import BatchPlan
-from claw_pipelines.contracts.errors import NotFound
+from claw_pipelines.contracts.errors import Forbidden, NotFound
 
 __all__ = [
     "Batch",
     "BatchPlan",
     "Dataset",
+    "Forbidden",
     "NotFound",
     "current_policy_version",
     "open_dataset",

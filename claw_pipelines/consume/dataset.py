@@ -48,7 +48,8 @@ from claw_pipelines.consume.source import (
     GoldSource,
     require_lake,
 )
-from claw_pipelines.contracts.errors import NotFound
+from claw_pipelines.contracts.access import Caller, caller_from_settings
+from claw_pipelines.contracts.errors import Forbidden, NotFound
 from claw_pipelines.contracts.tables import gold_dataset_table, gold_tree_table
 from claw_pipelines.lake import policy
 from claw_pipelines.lake.delta import Lake
@@ -62,6 +63,7 @@ __all__ = [  # the names this module has always given (some now defined beside i
     "Batch",
     "BatchPlan",
     "Dataset",
+    "Forbidden",
     "Layout",
     "NotFound",
     "current_policy_version",
@@ -73,15 +75,23 @@ __all__ = [  # the names this module has always given (some now defined beside i
 
 
 class Dataset:
-    """A gold dataset at one Delta version (the newest unless pinned)."""
+    """A gold dataset at one Delta version (the newest unless pinned), read for one caller:
+    a key of the tenant the dataset belongs to, or an admin's (`Forbidden` otherwise).
+    Without `caller`, this process's `CLAW_API_KEY` decides (local mode when no keys are
+    configured)."""
 
-    def __init__(self, lake: Lake, name: str, version: int | None = None) -> None:
+    def __init__(
+        self, lake: Lake, name: str, version: int | None = None, caller: Caller | None = None
+    ) -> None:
         self.lake, self.name = lake, name
         self.table = gold_dataset_table(name)
         self.trees_table = gold_tree_table(name)
         lineage = Lineage(lake, name)
         self._source = GoldSource(lake, name, lineage)
         self.version: int = self._source.pinned(version)
+        self.caller = caller_from_settings(ClawSettings()) if caller is None else caller
+        if not self.caller.sees_every_tenant:
+            self.caller.require(lineage.tenant(), f"dataset {name!r}")
         self._judge = Judge(lake, name, lineage)
         self._live = Live(self._source, self._judge)
 
@@ -90,7 +100,7 @@ class Dataset:
 
     def __reduce__(self):
         """Pickles as lake, name and pinned version (e.g. into spawned DataLoader workers)."""
-        return Dataset, (self.lake, self.name, self.version)
+        return Dataset, (self.lake, self.name, self.version, self.caller)
 
     @property
     def token_versions(self) -> bool:
@@ -294,11 +304,20 @@ class Dataset:
         return self._judge.staleness_floor()
 
 
-def open_dataset(name: str, lake_uri: str | None = None, version: int | None = None) -> Dataset:
+def open_dataset(
+    name: str,
+    lake_uri: str | None = None,
+    version: int | None = None,
+    key: str | None = None,
+    tenant: str | None = None,
+) -> Dataset:
     """A gold dataset by name, from `lake_uri` (default: `CLAW_LAKE_URI`), at a Delta version
-    (default: the newest)."""
-    settings = ClawSettings().with_overrides(lake_uri=lake_uri)
-    return Dataset(Lake.from_settings(settings), name, version)
+    (default: the newest), read with API key `key` (default: `CLAW_API_KEY`) against the
+    configured keys; `tenant` narrows an admin key to one tenant. `Forbidden`, naming the
+    tenant, for another tenant's dataset."""
+    settings = ClawSettings().with_overrides(lake_uri=lake_uri, api_key=key)
+    caller = caller_from_settings(settings, tenant)
+    return Dataset(Lake.from_settings(settings), name, version, caller)
 
 
 def publish_policy_version(

@@ -11,6 +11,7 @@ import polars as pl
 from claw_pipelines.consume.kept import Kept
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import GOLD_LINEAGE
+from claw_pipelines.lake.catalog import owner_of
 from claw_pipelines.lake.delta import Lake
 
 # what a dataset keeps of its lineage rows: which spec wrote each partition, and the trees
@@ -75,6 +76,14 @@ class Lineage:
         if new is None:
             new = self.lake.read(GOLD_LINEAGE, lineage, columns=LINEAGE_COLUMNS, where=mine)
         return self._rows.put(lineage, new.sort("written_at", maintain_order=True))
+
+    def tenant(self) -> str | None:
+        """The tenant whose data the dataset holds (`owner_of` every spec that wrote it)."""
+        lineage = self.lake.version(GOLD_LINEAGE)
+        if lineage is None:
+            return None
+        hashes = self.rows(lineage)["spec_hash"].unique().to_list()
+        return owner_of({self.spec_of(spec_hash).tenant for spec_hash in hashes})
 
     def spec_of(self, spec_hash: str) -> CurationSpec:
         """The spec with this hash, as lineage recorded it (read once per hash)."""

@@ -18,9 +18,9 @@ import ipaddress
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from claw_pipelines.contracts.errors import Forbidden
-from claw_pipelines.settings import ClawSettings
 
 DEFAULT_TENANT = "default"
 KEY_PREFIX = "claw-"
@@ -84,6 +84,14 @@ class Caller:
         """Whether rows of `tenant` (None: rows of several tenants) are this caller's."""
         return self.tenant is None or (tenant is not None and tenant == self.tenant)
 
+    def require_every_tenant(self, what: str) -> None:
+        """Refuse unless this caller reads every tenant's data (an admin key, local mode)."""
+        if not self.sees_every_tenant:
+            raise Forbidden(
+                f"{what} reads every tenant's data: it needs an admin key, and this key is "
+                f"tenant {self.tenant!r}'s"
+            )
+
     def require(self, tenant: str | None, what: str) -> None:
         """Refuse, naming the tenant, unless `what` (owned by `tenant`; None: shared by every
         tenant) is this caller's to read."""
@@ -145,8 +153,9 @@ class KeyRing:
         return Caller(None if admin else owner, admin=admin).scoped(tenant)
 
     @classmethod
-    def from_settings(cls, settings: ClawSettings) -> KeyRing:
-        """Keys from `CLAW_API_KEYS` ('key=tenant,...') and `CLAW_API_KEYS_FILE`."""
+    def from_settings(cls, settings: Any) -> KeyRing:
+        """Keys from `CLAW_API_KEYS` ('key=tenant,...') and `CLAW_API_KEYS_FILE` (`settings`:
+        a `ClawSettings`, which sits beside this layer)."""
         ring = cls()
         for item in (settings.api_keys or "").split(","):
             item = item.strip()
@@ -173,7 +182,7 @@ class KeyRing:
             self.add(parts[0], parts[1], admin=len(parts) == 3)
 
 
-def caller_from_settings(settings: ClawSettings, tenant: str | None = None) -> Caller:
+def caller_from_settings(settings: Any, tenant: str | None = None) -> Caller:
     """The caller this process is: its `CLAW_API_KEY` against the configured keys (local mode
     when none is configured), narrowed to `tenant` when given."""
     return KeyRing.from_settings(settings).caller_for(settings.api_key, tenant)

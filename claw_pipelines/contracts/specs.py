@@ -86,6 +86,7 @@ _LATER_FIELDS = {
     "blocking": [],
     "require_log_probs": False,
     "staleness": "step",
+    "tenant": None,
 }
 
 
@@ -99,6 +100,12 @@ class CurationSpec(BaseModel):
 
     name: DatasetName = Field(description="the dataset: gold/datasets/<name>")
     description: str = ""
+    tenant: Label | None = Field(
+        None,
+        description="the tenant the spec and its dataset belong to: only that tenant's steps "
+        "are curated (not rejected: never seen), and only its keys (or an admin's) read the "
+        "dataset; none: every tenant's steps, read by admin keys only when keys are configured",
+    )
     reward_status: list[RewardStatus] = Field(
         default_factory=lambda: ["final"], description="keep steps whose reward status is one of"
     )
@@ -213,6 +220,10 @@ class CurationSpec(BaseModel):
             a, b = getattr(self, low), getattr(self, high)
             if a is not None and b is not None and a > b:
                 raise ValueError(f"{low} ({a}) is above {high} ({b})")
+        if self.tenant is not None and self.tenants not in (None, [self.tenant]):
+            raise ValueError(
+                f"tenants: a spec of tenant {self.tenant!r} curates only that tenant's steps"
+            )
         if self.readmit is not None and self.readmit.dataset == self.name:
             raise ValueError("readmit: a dataset cannot re-admit its own rejections")
         return self

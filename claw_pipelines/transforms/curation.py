@@ -348,7 +348,10 @@ def classify(
     null for the steps the spec keeps). Staleness counts from `newest` (default: the newest
     version in `frame`); deadlines from `clock` (default: the newest trajectory activity in
     `frame`). Given both, `frame` may hold some groups of silver only: each group is judged
-    on its own rows."""
+    on its own rows. A spec of one tenant sees that tenant's steps only (others' are not its
+    rejections)."""
+    if spec.tenant is not None:
+        frame = frame.filter(pl.col("tenant") == spec.tenant)
     frame = with_runs(frame)
     if newest is None:
         top = frame["policy_version"].max()
