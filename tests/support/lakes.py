@@ -144,7 +144,12 @@ def land(lake: Lake, rows: list[dict]) -> int:
 
 
 def group_of(
-    group: str, prompt: list[int], returns: list[float], version: int = 1, turns: int = 1
+    group: str,
+    prompt: list[int],
+    returns: list[float],
+    version: int = 1,
+    turns: int = 1,
+    tenant: str = "t",
 ) -> list[dict]:
     """A GRPO group: one trajectory per return, `turns` nested steps each, then completions."""
     rows = []
@@ -153,9 +158,13 @@ def group_of(
         history = list(prompt)
         for turn in range(turns):
             response = [1000 + n, 2000 + turn]
-            rows.append(step(trajectory, turn, history, response, group=group, version=version))
+            rows.append(
+                step(
+                    trajectory, turn, history, response, group=group, version=version, tenant=tenant
+                )
+            )
             history = [*history, *response, 3000 + turn]
-        rows.append(completion(trajectory, value))
+        rows.append(completion(trajectory, value, tenant=tenant))
     return rows
 
 
@@ -220,6 +229,34 @@ def train_lake(root: Path) -> Lake:
     build_silver(lake)
     for version in (1, 2):
         build_partition(lake, TRAIN_SPEC, version)
+    return lake
+
+
+def tenant_spec(name: str, tenant: str | None) -> CurationSpec:
+    """A GRPO spec over complete groups of one tenant (None: every tenant's)."""
+    return TRAIN_SPEC.model_copy(update={"name": name, "tenant": tenant})
+
+
+def tenants_lake(root: Path) -> Lake:
+    """Two tenants on one lake: `acme` (groups acme-g0, acme-g1; rewards 0.25/0.75) and
+    `globex` (globex-g0, globex-g1; rewards 0.1/0.9), both over policy versions 1 and 2 and
+    with the same prompts (their trees would merge if curated together); datasets
+    `acme-train` (tenant acme), `globex-train` (tenant globex) and `everyone` (no tenant)."""
+    lake = Lake(str(root))
+    rows = []
+    for tenant, returns in (("acme", [0.25, 0.75]), ("globex", [0.1, 0.9])):
+        for g in range(2):
+            group = f"{tenant}-g{g}"
+            rows += group_of(group, [9, g, 9], returns, version=1 + g, turns=2, tenant=tenant)
+    land(lake, rows)
+    build_silver(lake)
+    for spec in (
+        tenant_spec("acme-train", "acme"),
+        tenant_spec("globex-train", "globex"),
+        tenant_spec("everyone", None),
+    ):
+        for version in (1, 2):
+            build_partition(lake, spec, version)
     return lake
 
 
