@@ -166,13 +166,19 @@ class ProxyService:
 
     # -- calls ------------------------------------------------------------------------------
     async def translate(
-        self, protocol: str, body: dict[str, Any], scope: Scope, headers: Mapping[str, str]
+        self,
+        protocol: str,
+        body: dict[str, Any],
+        scope: Scope,
+        headers: Mapping[str, str],
+        tenant: str,
     ) -> DialectCall:
         """A call in another protocol (`responses`, `messages`) as a chat completion; a
-        Responses call continuing an earlier response joins its trajectory, after its step."""
+        Responses call continuing an earlier response (of its own tenant) joins its
+        trajectory, after its step."""
         if protocol == "messages":
             return open_messages(body, headers, scope)
-        translated = await self.responses.open(body, scope)
+        translated = await self.responses.open(body, scope, tenant)
         if translated.previous is not None and translated.scope.via == "previous_response":
             previous = translated.previous
             self.book.ensure_next(previous.trajectory_uid, previous.step_index + 1)

@@ -107,7 +107,9 @@ async def forward(
     body, request_json = parse_request(await incoming.body())
     dialect = audit = None
     if protocol is not None:
-        dialect = await incoming.services.proxy.translate(protocol, body, scope, incoming.headers)
+        dialect = await incoming.services.proxy.translate(
+            protocol, body, scope, incoming.headers, tenant
+        )
         scope, audit, body = dialect.scope, request_json, dialect.chat
         request_json = pydantic_core.to_json(body)
     call = ProxyCall(endpoint, body, request_json, scope, tenant, idempotency_key, received)

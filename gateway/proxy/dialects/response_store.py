@@ -19,6 +19,7 @@ from typing import Any
 import polars as pl
 import pydantic_core
 
+from claw_pipelines.contracts.access import DEFAULT_TENANT
 from claw_pipelines.contracts.tables import BRONZE_EVENTS
 from claw_pipelines.lake.delta import Lake
 from gateway.proxy.capture import CHAT_KIND
@@ -38,6 +39,7 @@ class StoredResponse:
     prompt_uid: str | None
     conversation: list[dict[str, Any]]  # the chat messages it answered (no instructions)
     reply: dict[str, Any]  # its answer as a chat assistant message
+    tenant: str = DEFAULT_TENANT  # whose call it was: only that tenant's calls continue it
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -57,7 +59,7 @@ def reply_message(output: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def _stored(payload: dict[str, Any]) -> StoredResponse | None:
+def _stored(payload: dict[str, Any], tenant: str) -> StoredResponse | None:
     response = payload.get("response")
     conversation = payload.get("conversation")
     if not isinstance(response, dict) or not isinstance(conversation, dict):
@@ -68,7 +70,8 @@ def _stored(payload: dict[str, Any]) -> StoredResponse | None:
         return None
     if not isinstance(index, int):
         return None
-    return StoredResponse(response["id"], uid, index, payload.get("prompt_uid"), messages, reply)
+    prompt_uid = payload.get("prompt_uid")
+    return StoredResponse(response["id"], uid, index, prompt_uid, messages, reply, tenant)
 
 
 def find_recorded(
@@ -78,18 +81,18 @@ def find_recorded(
     needle = f'"response_id":"{response_id}"'
     for record in wal_records(wal_dir) if wal_dir.is_dir() else ():
         if record.kind == CHAT_KIND and needle.encode() in record.payload:
-            found = _stored(pydantic_core.from_json(record.payload))
+            found = _stored(pydantic_core.from_json(record.payload), record.tenant)
             if found is not None and found.response_id == response_id:
                 return found
     rows = lake.read(
         BRONZE_EVENTS,
-        columns=["payload"],
+        columns=["payload", "tenant"],
         where=(pl.col("ingest_date") >= since)
         & (pl.col("kind") == CHAT_KIND)
         & pl.col("payload").str.contains(needle, literal=True),
     )
-    for (payload,) in rows.iter_rows():
-        found = _stored(pydantic_core.from_json(payload))
+    for payload, tenant in rows.iter_rows():
+        found = _stored(pydantic_core.from_json(payload), tenant)
         if found is not None and found.response_id == response_id:
             return found
     return None

@@ -18,6 +18,7 @@ from typing import Any
 
 import pydantic_core
 
+from claw_pipelines.contracts.access import DEFAULT_TENANT
 from gateway.errors import ApiError, envelope
 from gateway.proxy.dialects.base import DialectCall, DialectStream, new_id, sse
 from gateway.proxy.dialects.response_store import ResponseStore, StoredResponse
@@ -205,11 +206,13 @@ class ResponsesCall(DialectCall):
         previous: StoredResponse | None,
         scope: Scope,
         store: ResponseStore,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         self.request = body
         self.previous = previous
         self.scope = scope
         self.store = store
+        self.tenant = tenant
         self.response_id = new_id("resp_")
         self.created_at = int(time.time())
         include = body.get("include") or ()
@@ -349,6 +352,7 @@ class ResponsesCall(DialectCall):
             self.scope.prompt_uid,
             self.messages,
             reply,
+            self.tenant,
         )
         self.store.add(stored)
 
@@ -538,9 +542,12 @@ class Responses:
     def __init__(self, store: ResponseStore) -> None:
         self.store = store
 
-    async def open(self, body: dict[str, Any], scope: Scope) -> ResponsesCall:
+    async def open(
+        self, body: dict[str, Any], scope: Scope, tenant: str = DEFAULT_TENANT
+    ) -> ResponsesCall:
         """The translated call: its previous response resolved (404 naming the field when
-        unknown), its scope that response's trajectory unless the call names one."""
+        unknown, 403 when another tenant's), its scope that response's trajectory unless the
+        call names one."""
         ResponsesCall.check(body)
         previous = None
         if (previous_id := body.get("previous_response_id")) is not None:
@@ -552,6 +559,14 @@ class Responses:
                     param="previous_response_id",
                     code="previous_response_not_found",
                 )
+            if previous.tenant != tenant:  # never continue, nor read, another tenant's
+                raise ApiError(
+                    403,
+                    f"previous_response_id: response {previous_id!r} belongs to another "
+                    f"tenant than this key's ({tenant!r})",
+                    param="previous_response_id",
+                    code="previous_response_forbidden",
+                )
             if scope.trajectory_uid is None:
                 scope = Scope(
                     previous.trajectory_uid,
@@ -559,4 +574,4 @@ class Responses:
                     scope.policy_version,
                     "previous_response",
                 )
-        return ResponsesCall(body, previous, scope, self.store)
+        return ResponsesCall(body, previous, scope, self.store, tenant)

@@ -220,6 +220,37 @@ def test_an_unscoped_chain_survives_a_gateway_restart(sim, tmp_path):
     assert silver.filter(pl.col("trajectory_uid") == one["trajectory_uid"]).height == 2
 
 
+def test_another_tenants_response_is_refused_from_memory_and_after_a_restart(sim, tmp_path):
+    other_key, other = "responses-other-key", "tenant-other"
+    env = proxy_env(sim.url, KEY, TENANT)
+    env["CLAW_API_KEYS"] += f",{other_key}={other}"
+    stranger = {"Authorization": f"Bearer {other_key}"}
+
+    def continued_by_the_other_tenant(gw, previous: str) -> httpx.Response:
+        body = {"model": MODEL, "previous_response_id": previous, "input": "And then?"}
+        headers = stranger | {"Idempotency-Key": key()}
+        return httpx.post(gw.url + "/v1/responses", json=body, headers=headers, timeout=30)
+
+    with GatewayProcess(tmp_path / "lake", **env) as gw:
+        first = agent(gw).responses.create(model=MODEL, input="A secret: 41 + 1?")
+        refused = continued_by_the_other_tenant(gw, first.id)
+        assert refused.status_code == 403
+        error = refused.json()["error"]
+        assert error["param"] == "previous_response_id"
+        assert error["code"] == "previous_response_forbidden"
+        assert error["message"] == (
+            f"previous_response_id: response {first.id!r} belongs to another tenant than "
+            f"this key's ({other!r})"
+        )
+        assert "41" not in refused.text
+    with GatewayProcess(tmp_path / "lake", **env) as gw:  # read back from the WAL or bronze
+        assert continued_by_the_other_tenant(gw, first.id).status_code == 403
+        own = agent(gw).responses.create(model=MODEL, previous_response_id=first.id, input="+1?")
+        assert own.id
+    landed = bronze(tmp_path / "lake")
+    assert set(landed.filter(pl.col("kind") == "chat_completion")["tenant"]) == {TENANT}
+
+
 def test_bad_input_is_refused_naming_the_field_and_lands_nothing(gw):
     client = agent(gw)
     before = bronze(gw.lake).height
