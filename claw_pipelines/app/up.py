@@ -23,6 +23,8 @@ import polars as pl
 from claw_pipelines.app.instance import dagster_home
 from claw_pipelines.app.processes import ServiceProcess, free_port
 from claw_pipelines.build.live import materializer_running
+from claw_pipelines.contracts.access import KeyRing, is_loopback
+from claw_pipelines.contracts.errors import ClawError
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.settings import ClawSettings
@@ -260,7 +262,13 @@ def run_up(
     dagster_port: int = 3000,
     demo_traffic: bool = False,
 ) -> None:
-    """Start the stack and supervise it until Ctrl-C, SIGTERM or a child's death."""
+    """Start the stack and supervise it until Ctrl-C, SIGTERM or a child's death. The gateway
+    binds `host`; a non-loopback one needs API keys (refused before anything starts)."""
+    if not is_loopback(host) and not KeyRing.from_settings(settings).enabled:
+        raise ClawError(
+            f"refusing to bind the gateway to {host}: no API keys configured (set "
+            "CLAW_API_KEYS_FILE, made with `claw keys create`, or CLAW_API_KEYS; or bind 127.0.0.1)"
+        )
     stack = Stack(settings, host)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())

@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from claw_pipelines.app.cli import build_parser
+from claw_pipelines.app.cli import build_parser, main
 from claw_pipelines.lake.delta import Lake
 from tests.support.servers import TEST_KEY
 
@@ -69,3 +69,17 @@ def test_the_dashboard_and_the_stack_bind_loopback_by_default():
     assert parser.parse_args(["dashboard"]).host == "127.0.0.1"
     assert parser.parse_args(["gateway"]).host == "127.0.0.1"
     assert parser.parse_args(["up"]).host == "127.0.0.1"
+
+
+def test_claw_up_on_another_address_without_keys_refuses_before_starting_anything(
+    tmp_path, monkeypatch, capsys
+):
+    for name in ("CLAW_API_KEYS", "CLAW_API_KEYS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    lake = tmp_path / "lake"
+    code = main(["up", "--host", "0.0.0.0", "--lake", str(lake)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("claw: error: refusing to bind the gateway to 0.0.0.0: no API keys")
+    assert "CLAW_API_KEYS_FILE" in err
+    assert not lake.exists()  # nothing started, nothing written
