@@ -15,7 +15,7 @@ TRAINER_AND_OPERATOR = {
     "open_dataset", "Dataset", "Batch", "BatchPlan", "publish_policy_version",
     "current_policy_version", "ClawSettings", "ClawError", "NotFound", "SpecError",
     "JudgeError", "ChatLogError", "ContractViolation", "Undecodable", "UnsafeStore",
-    "WriteConflict", "__version__",
+    "WriteConflict", "Forbidden", "__version__",
 }  # fmt: skip
 
 
@@ -33,10 +33,11 @@ def test_the_front_door_exports_the_trainer_and_operator_names():
 def test_every_error_is_a_claw_error_and_still_its_builtin():
     family = [getattr(errors, name) for name in dir(errors) if name[0].isupper()]
     family = [cls for cls in family if isinstance(cls, type) and issubclass(cls, Exception)]
-    assert len(family) == 9
+    assert len(family) == 10
     assert all(issubclass(cls, errors.ClawError) for cls in family)
     assert issubclass(errors.NotFound, LookupError)
     assert issubclass(errors.SpecError, ValueError)
+    assert issubclass(errors.Forbidden, PermissionError)
     assert claw_pipelines.NotFound is errors.NotFound
 
 
