@@ -126,6 +126,11 @@ class ClawSettings(BaseSettings):
     dagster_url: str | None = Field(
         None, description="Dagster webserver the dashboard asks for runs (GraphQL)"
     )
+    dashboard_users_file: Path | None = Field(
+        None,
+        description="file of 'email tenant [admin]' lines: the tenant each identity of the "
+        "dashboard's OpenID Connect login reads (an identity without a line sees nothing)",
+    )
     run_retries: int = Field(
         4,
         ge=0,

@@ -1,5 +1,10 @@
 """Everything the dashboard reads, in one place: lazy lake scans of small columns, cached by
-table version (so a new commit shows at once, and repeated interactions hit the cache)."""
+table version (so a new commit shows at once, and repeated interactions hit the cache).
+
+Every read is the caller's (`Where.caller`, set by the login gate): a tenant's reads are
+filtered to its rows in the scan (`tenant` column; step rewards by its steps' keys; gold
+tables by the datasets it owns), and every cache is keyed by `Where`, caller included, so a
+frame cached for one tenant never serves another."""
 
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from claw_pipelines.build.live import materializer_running
 from claw_pipelines.consume.dataset import Batch, Dataset
 from claw_pipelines.consume.delivery import UNIT_COLUMNS, consumer_positions, unit_keys
 from claw_pipelines.consume.feedback import FeedbackReport, feedback_report
+from claw_pipelines.contracts.access import Caller
+from claw_pipelines.contracts.errors import Forbidden
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -27,6 +34,7 @@ from claw_pipelines.contracts.tables import (
     GOLD_POLICY_VERSIONS,
     GOLD_TRAINER_FEEDBACK,
     SILVER_FEEDBACK,
+    SILVER_STEP_CONFLICTS,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
     SILVER_TRAJECTORIES,
@@ -35,7 +43,7 @@ from claw_pipelines.contracts.tables import (
     gold_rejection_table,
     gold_tree_table,
 )
-from claw_pipelines.lake.catalog import gold_datasets
+from claw_pipelines.lake.catalog import gold_datasets, tenant_filter
 from claw_pipelines.lake.decoding import resolver
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.ops.ledger import LEDGER_SCHEMA, waste_ledger
@@ -48,6 +56,7 @@ from claw_pipelines.transforms.curation import (
     kept_steps,
 )
 from claw_pipelines.transforms.feedback import reward_by_policy_version
+from dashboards.login import current_caller
 
 TABLES = (
     BRONZE_EVENTS,
@@ -67,6 +76,10 @@ SOURCE_OF_KIND = {
     "trajectory_complete": "services",
 }
 TTL = 30
+# tables whose rows name their tenant, and gold tables whose rows name their dataset
+TENANT_TABLES = (BRONZE_EVENTS, SILVER_STEPS, SILVER_STEP_CONFLICTS, SILVER_FEEDBACK)
+TENANT_TABLES += (SILVER_TRAJECTORIES,)
+DATASET_TABLES = (GOLD_LINEAGE, GOLD_CONSUMPTION, GOLD_TRAINER_FEEDBACK)
 # silver's columns the step browser and the curation preview read: one cached read each
 SILVER_COLUMNS = {
     SILVER_STEPS: (*CANDIDATE_STEP_COLUMNS, "created_at"),
@@ -97,6 +110,8 @@ class Where:
     gateway_url: str | None
     dagster_url: str | None
     gateway_key: str | None = field(default=None, repr=False)  # a secret: never shown
+    # whose data: part of every cache key, so one tenant's frames never serve another
+    caller: Caller = field(default_factory=Caller.local)
 
     def lake(self) -> Lake:
         """The lake: one object per process, so its table handles are kept between reruns
@@ -110,7 +125,7 @@ def _lake(uri: str, storage_options: str) -> Lake:
 
 
 def where() -> Where:
-    """From `CLAW_` settings."""
+    """From `CLAW_` settings, for the caller this session signed in as."""
     settings = ClawSettings()
     return Where(
         Lake.from_settings(settings).uri,
@@ -118,6 +133,7 @@ def where() -> Where:
         settings.gateway_url,
         settings.dagster_url,
         settings.gateway_key,
+        current_caller(),
     )
 
 
@@ -130,13 +146,61 @@ def versions(at: Where) -> dict[str, int | None]:
 
 @st.cache_data(ttl=5, show_spinner=False)
 def datasets(at: Where) -> list[str]:
-    """Names of the gold datasets written so far (from lineage)."""
-    return gold_datasets(at.lake())
+    """Names of the gold datasets written so far (from lineage) that the caller may read:
+    a tenant's own; the shared ones (no tenant) are an admin's."""
+    return gold_datasets(at.lake(), at.caller)
+
+
+def require_dataset(at: Where, name: str) -> None:
+    """Refuse (`Forbidden`) a dataset the caller may not read."""
+    if not at.caller.sees_every_tenant and name not in datasets(at):
+        raise Forbidden(f"dataset {name!r} is not tenant {at.caller.tenant!r}'s")
+
+
+def rows_filter(at: Where, table: str) -> pl.Expr | None:
+    """The rows of a fixed table the caller may read, as a filter for its scan (None: every
+    row). A tenant reads its own rows (`tenant`), the rewards of its own steps, and the gold
+    rows of its own datasets; every other table is an admin's."""
+    caller = at.caller
+    if caller.sees_every_tenant:
+        return None
+    if table in TENANT_TABLES:
+        return tenant_filter(caller)
+    if table == SILVER_STEP_REWARDS:
+        return pl.col("step_key").is_in(tenant_step_keys(at).implode())
+    if table in DATASET_TABLES:
+        return pl.col("dataset").is_in(pl.Series(datasets(at), dtype=pl.String).implode())
+    raise Forbidden(f"{table} holds every tenant's data: an admin's to read")
+
+
+def _scope(at: Where, table: str) -> tuple:
+    """What a tenant's rows of `table` depend on besides its version (a cache key part)."""
+    if at.caller.sees_every_tenant:
+        return ()
+    if table == SILVER_STEP_REWARDS:
+        return (versions(at)[SILVER_STEPS],)
+    if table in DATASET_TABLES:
+        return tuple(datasets(at))
+    return ()
+
+
+def tenant_step_keys(at: Where) -> pl.Series:
+    """The step keys of the caller's silver steps (empty before silver exists)."""
+    steps = table(at, SILVER_STEPS, ("step_key",))
+    return pl.Series("step_key", [], pl.String) if steps is None else steps["step_key"]
+
+
+def scan(at: Where, name: str, version: int | None = None) -> pl.LazyFrame:
+    """A lazy scan of a fixed table holding only the caller's rows (the filter pushed into
+    the scan)."""
+    rows = at.lake().scan(name, version)
+    where = rows_filter(at, name)
+    return rows if where is None else rows.filter(where)
 
 
 def ledger(at: Where, dataset: str | None = None) -> pl.DataFrame:
-    """The waste ledger of one dataset, or of every one (cached per version of the gold
-    tables it reads: every dataset's rows, for re-admissions)."""
+    """The waste ledger of one dataset, or of every one the caller may read (cached per
+    version of the gold tables it reads: every such dataset's rows, for re-admissions)."""
     lake = at.lake()
     every = tuple(datasets(at))
     tables = [f(name) for name in every for f in (gold_dataset_table, gold_rejection_table)]
@@ -147,14 +211,32 @@ def ledger(at: Where, dataset: str | None = None) -> pl.DataFrame:
 
 @frame_cache()
 def _ledger(at: Where, names: tuple[str, ...], table_versions: tuple[int | None, ...]):
-    """The ledger at those table versions (they are only the cache key)."""
-    return waste_ledger(at.lake(), list(names)) if names else pl.DataFrame(schema=LEDGER_SCHEMA)
+    """The ledger at those table versions (they are only the cache key); a tenant's names
+    only its own datasets among those that re-admitted its rejections."""
+    if not names:
+        return pl.DataFrame(schema=LEDGER_SCHEMA)
+    found = waste_ledger(at.lake(), list(names))
+    if at.caller.sees_every_tenant:
+        return found
+    mine = pl.Series(datasets(at), dtype=pl.String)
+    return found.with_columns(
+        pl.col("readmitted_by").list.filter(pl.element().is_in(mine.implode()))
+    )
+
+
+def read(at: Where, table: str, version: int | None, columns: tuple[str, ...]) -> pl.DataFrame:
+    """Some columns of a fixed table's rows the caller may read, at a version (cached per
+    version)."""
+    return _read(at, table, version, columns, _scope(at, table))
 
 
 @frame_cache()
-def read(at: Where, table: str, version: int | None, columns: tuple[str, ...]) -> pl.DataFrame:
-    """Some columns of a table at a version (cached per version)."""
-    return at.lake().read(table, version=version, columns=list(columns))
+def _read(
+    at: Where, table: str, version: int | None, columns: tuple[str, ...], scope: tuple
+) -> pl.DataFrame:
+    """The read at that version and scope (the scope is only the cache key)."""
+    where = rows_filter(at, table)
+    return at.lake().read(table, version=version, columns=list(columns), where=where)
 
 
 def table(at: Where, name: str, columns: tuple[str, ...]) -> pl.DataFrame | None:
@@ -173,21 +255,27 @@ def rows_of_step(
     return (
         None
         if version is None
-        else _rows_of_step(at, name, version, step_key, trajectory_uid, columns)
+        else _rows_of_step(at, name, version, step_key, trajectory_uid, columns, _scope(at, name))
     )
 
 
 @frame_cache()
 def _rows_of_step(
-    at: Where, name: str, version: int, step_key: str, trajectory_uid: str, columns: tuple
+    at: Where,
+    name: str,
+    version: int,
+    step_key: str,
+    trajectory_uid: str,
+    columns: tuple,
+    scope: tuple,
 ) -> pl.DataFrame:
-    """The step's rows at a table version."""
+    """The step's rows at a table version (of the caller's rows)."""
     where = pl.col("step_key") == step_key
     if "trajectory_uid" in columns:
         where = where | (pl.col("trajectory_uid") == trajectory_uid)
     if "judge" in columns:
         where = where | pl.col("judge").is_not_null()
-    return at.lake().scan(name, version).filter(where).select(columns).collect()
+    return scan(at, name, version).filter(where).select(columns).collect()
 
 
 @frame_cache()
@@ -195,8 +283,7 @@ def records_per_second(at: Where, version: int, buckets: int = 240) -> pl.DataFr
     """Bronze records per second by source, over time, in at most `buckets` time buckets
     (every bucket present, zero when nothing arrived, so lines do not bridge gaps)."""
     frame = (
-        at.lake()
-        .scan(BRONZE_EVENTS, version)
+        scan(at, BRONZE_EVENTS, version)
         .select(
             "received_at", source=pl.col("kind").replace_strict(SOURCE_OF_KIND, default="other")
         )
@@ -239,8 +326,7 @@ def token_fidelity(at: Where, version: int) -> pl.DataFrame:
     and the share whose ids are exact (not `local_unverified`), from bronze's small
     columns."""
     counts = (
-        at.lake()
-        .scan(BRONZE_EVENTS, version)
+        scan(at, BRONZE_EVENTS, version)
         .filter(pl.col("kind").is_in(STEP_KINDS))
         .group_by("gateway_id", pl.col("token_source").fill_null("unknown"))
         .agg(steps=pl.len())
@@ -277,7 +363,7 @@ def bronze_lag(at: Where, version: int, commits: int = 50) -> pl.DataFrame:
         return pl.DataFrame()
     batches = pl.DataFrame(landed)
     received = (
-        lake.scan(BRONZE_EVENTS, version)
+        scan(at, BRONZE_EVENTS, version)
         .select("gateway_id", "batch_seq", "received_at")
         .join(batches.lazy().select("gateway_id", "batch_seq"), on=["gateway_id", "batch_seq"])
         .group_by("gateway_id", "batch_seq")
@@ -305,12 +391,24 @@ def bronze_lag(at: Where, version: int, commits: int = 50) -> pl.DataFrame:
     )
 
 
+@frame_cache(ttl=5)
+def latest_records(at: Where, version: int, count: int = 50) -> pl.DataFrame:
+    """The newest bronze records (their envelope and source), newest first."""
+    return (
+        scan(at, BRONZE_EVENTS, version)
+        .select("received_at", "kind", "tenant", "gateway_id", "trajectory_uid", "event_id")
+        .top_k(count, by="received_at")
+        .sort("received_at", descending=True)
+        .collect()
+        .with_columns(source=pl.col("kind").replace_strict(SOURCE_OF_KIND, default="other"))
+    )
+
+
 @frame_cache()
 def steps_matching(at: Where, version: int, column: str, value: str) -> pl.DataFrame:
     """Silver steps whose `column` equals `value` (filter pushed into the scan)."""
     return (
-        at.lake()
-        .scan(SILVER_STEPS, version)
+        scan(at, SILVER_STEPS, version)
         .filter(pl.col(column) == value)
         .sort("trajectory_uid", "step_index")
         .collect()
@@ -321,8 +419,7 @@ def steps_matching(at: Where, version: int, column: str, value: str) -> pl.DataF
 def bronze_event(at: Where, version: int, event_id: str) -> pl.DataFrame:
     """The bronze envelope of one record (its lineage)."""
     return (
-        at.lake()
-        .scan(BRONZE_EVENTS, version)
+        scan(at, BRONZE_EVENTS, version)
         .filter(pl.col("event_id") == event_id)
         .select("event_id", "kind", "tenant", "received_at", "gateway_id", "batch_seq", "payload")
         .collect()
@@ -332,6 +429,7 @@ def bronze_event(at: Where, version: int, event_id: str) -> pl.DataFrame:
 @frame_cache()
 def dataset_steps(at: Where, name: str, version: int, columns: tuple[str, ...]) -> pl.DataFrame:
     """Some columns of a gold dataset at a version."""
+    require_dataset(at, name)
     return at.lake().read(gold_dataset_table(name), version=version, columns=list(columns))
 
 
@@ -344,6 +442,7 @@ def version_diff(at: Where, name: str, old: int, new: int) -> pl.DataFrame:
     policy_version, reward and advantage `_before` and now; null: absent), cached. From the
     dataset's change feed when it covers old..new (each step's first change tells its row
     before, its last its row after), else by comparing the two versions whole."""
+    require_dataset(at, name)
     lake, table = at.lake(), gold_dataset_table(name)
     feed = lake.change_feed(table, old, new, list(DIFF_COLUMNS)) if old < new else None
     if feed is not None:
@@ -369,7 +468,7 @@ def version_diff(at: Where, name: str, old: int, new: int) -> pl.DataFrame:
 @frame_cache()
 def dataset_partitions(at: Where, name: str, version: int) -> list[int]:
     """The policy versions a dataset version holds (cached per version)."""
-    return Dataset(at.lake(), name, version).policy_versions()
+    return Dataset(at.lake(), name, version, caller=at.caller).policy_versions()
 
 
 @frame_cache()
@@ -378,13 +477,15 @@ def first_batch(
 ) -> Batch | None:
     """The first batch `Dataset.batches` yields for these arguments (cached: a dataset
     version never changes)."""
-    batches = Dataset(at.lake(), name, version).batches(policy_version, size, layout=layout)
+    dataset = Dataset(at.lake(), name, version, caller=at.caller)
+    batches = dataset.batches(policy_version, size, layout=layout)
     return next(batches, None)
 
 
 @frame_cache()
 def tree_segments(at: Where, name: str, policy_version: int) -> pl.DataFrame:
     """A dataset partition's stored tree segments (without their tokens)."""
+    require_dataset(at, name)
     return (
         at.lake()
         .scan(gold_tree_table(name))
@@ -415,7 +516,7 @@ def silver_versions(at: Where) -> tuple[int | None, ...]:
     return tuple(found[t] for t in SILVER_COLUMNS)
 
 
-@frame_cache(ttl=TTL, max_entries=2)
+@frame_cache(ttl=TTL, max_entries=4)
 def _candidates(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFrame:
     """The candidates at those table versions (they are only the cache key)."""
     steps, rewards, trajectories = (table(at, t, c) for t, c in SILVER_COLUMNS.items())
@@ -431,7 +532,7 @@ def reward_by_version(at: Where) -> pl.DataFrame | None:
     return None if keys[0] is None else _reward_by_version(at, keys)
 
 
-@frame_cache(ttl=TTL, max_entries=2)
+@frame_cache(ttl=TTL, max_entries=4)
 def _reward_by_version(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFrame:
     steps = table(at, SILVER_STEPS, ("step_key", "policy_version"))
     rewards = table(at, SILVER_STEP_REWARDS, ("step_key", "reward", "reward_status"))
@@ -455,7 +556,7 @@ def candidate_choices(at: Where) -> dict[str, list]:
     return _choices(at, keys)
 
 
-@frame_cache(ttl=TTL, max_entries=2)
+@frame_cache(ttl=TTL, max_entries=4)
 def _choices(at: Where, table_versions: tuple[int | None, ...]) -> dict[str, list]:
     frame = curation_candidates(at)
     columns = ("finish_reason", "tenant", "policy_version")
@@ -536,7 +637,7 @@ def step_table(at: Where) -> pl.DataFrame:
     return _step_table(at, keys)
 
 
-@frame_cache(ttl=TTL, max_entries=2)
+@frame_cache(ttl=TTL, max_entries=4)
 def _step_table(at: Where, table_versions: tuple[int | None, ...]) -> pl.DataFrame:
     """The step table at those table versions (they are only the cache key): silver's
     columns joined, none of curation's derived ones (no retry detection over all steps)."""
@@ -739,7 +840,7 @@ def open_page(title: str, needs: str) -> tuple[Where, dict[str, int | None]]:
     at = where()
     found = versions(at)
     if found[needs] is None:
-        st.info(empty_lake_help())
+        st.info(empty_lake_help(at))
         st.stop()
     return at, found
 
@@ -750,23 +851,36 @@ def open_dataset_page(title: str) -> tuple[Where, list[str]]:
     at = where()
     names = datasets(at)
     if not names:
-        st.info("No gold dataset yet. " + empty_lake_help())
+        st.info("No gold dataset yet. " + empty_lake_help(at))
         st.stop()
     return at, names
 
 
-def empty_lake_help() -> str:
-    """What to do on an empty lake."""
+def empty_lake_help(at: Where | None = None) -> str:
+    """What to do on an empty lake (or, for a tenant, one that holds nothing of its own)."""
+    if at is not None and not at.caller.sees_every_tenant:
+        return (
+            f"No data of tenant `{at.caller.tenant}` here yet: point agents at `claw gateway` "
+            "with one of its keys, then `claw materialize` (its datasets come from specs of "
+            "this tenant, saved on the Curation page)."
+        )
     return (
         "The lake is empty. Run `make demo` (or `claw demo`) to fill it with simulated "
         "agents, or point agents at `claw gateway`, then `claw materialize`."
     )
 
 
+def is_admin(at: Where) -> bool:
+    """Whether the caller reads every tenant (an admin, or local mode): what is not per
+    tenant (gateway /metrics, Dagster runs, table versions) is shown to it only."""
+    return at.caller.sees_every_tenant
+
+
 @frame_cache()
 def freshness(at: Where, name: str, version: int) -> pl.DataFrame:
     """Per prompt group of a gold dataset version, newest landed first: when its last step was
     acknowledged, when it became available to trainers, and the lag between (seconds)."""
+    require_dataset(at, name)
     steps = at.lake().read(
         gold_dataset_table(name), version=version, columns=[*UNIT_COLUMNS, "created_at"]
     )
@@ -787,6 +901,7 @@ def consumers(at: Where, name: str, version: int) -> pl.DataFrame:
     """Each consumer rank's position in a dataset: batches, distinct groups taken and their
     deliveries (reuses included), the newest policy version taken, when, and (live
     consumers) how many groups it has not been given yet."""
+    require_dataset(at, name)
     lake = at.lake()
     positions = consumer_positions(lake, name)
     if positions.is_empty():
@@ -814,6 +929,7 @@ def trainer_feedback(at: Where, name: str) -> FeedbackReport | None:
     """The behaviour-vs-trainer mismatch of what trainers fed back on a dataset (None before
     any feedback), cached per version of gold/trainer_feedback; it reads the steps' figures,
     not their log-prob lists."""
+    require_dataset(at, name)
     version = at.lake().version(GOLD_TRAINER_FEEDBACK)
     return None if version is None else _trainer_feedback(at, name, version)
 
@@ -825,9 +941,13 @@ def _trainer_feedback(at: Where, name: str, version: int) -> FeedbackReport | No
     return report if report.by_batch.height else None
 
 
-def failing_builds(at: Where) -> list[FailingBuild]:
-    """The builds that keep failing, as the live materializer and the Dagster sensors say."""
-    return failing.failing_builds(at.lake())
+def failing_builds(at: Where, mine: set[str] | None = None) -> list[FailingBuild]:
+    """The builds that keep failing, as the live materializer and the Dagster sensors say: a
+    tenant's of its own datasets (`mine`: the names of its specs) only."""
+    found = failing.failing_builds(at.lake())
+    if at.caller.sees_every_tenant:
+        return found
+    return [b for b in found if b.what.split("|", 1)[0] in (mine or set())]
 
 
 def materializer_status(at: Where) -> bool:

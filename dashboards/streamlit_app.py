@@ -1,4 +1,5 @@
-"""The Claw lakehouse dashboard: the data lifecycle, read from the lake only."""
+"""The Claw lakehouse dashboard: the data lifecycle, read from the lake only, for the caller
+who signed in (their tenant's data; an admin's or local mode: every tenant's)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ from pathlib import Path
 
 import streamlit as st
 
+from dashboards import login
 from dashboards.data import where
 
 PAGES = Path(__file__).resolve().parent / "app_pages"
 
 st.set_page_config(page_title="Claw lakehouse", page_icon=":material/database:", layout="wide")
+caller = login.gate()  # the login page, and a stop, until someone is signed in
+login.sidebar(caller)
 st.sidebar.caption(f"lake: `{where().lake_uri}`")
 navigation = st.navigation(
     [

@@ -298,11 +298,29 @@ def _cmd_dashboard(args: argparse.Namespace) -> None:
     import os
 
     import dashboards
+    from dashboards.access import (
+        LoginConfigError,
+        UserMap,
+        auth_section,
+        bind_refusal,
+        doors,
+        secrets_files,
+    )
 
+    settings = _settings(args)
+    try:  # a login that cannot work is refused here, in one line, before Streamlit starts
+        found = doors(settings, auth_section(secrets_files(args.secrets)))
+        UserMap.load(settings.dashboard_users_file)
+    except (LoginConfigError, ValueError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    if (why := bind_refusal(args.host, found)) is not None:
+        raise CliError(why)
     app = Path(dashboards.__file__).parent / "streamlit_app.py"
-    os.environ["CLAW_LAKE_URI"] = _settings(args).lake_uri
+    os.environ["CLAW_LAKE_URI"] = settings.lake_uri
     command = [sys.executable, "-m", "streamlit", "run", str(app)]
     command += ["--server.address", args.host, "--server.port", str(args.port)]
+    if args.secrets is not None:
+        command += ["--secrets.files", str(Path(args.secrets).resolve())]
     command += ["--server.headless", "true", "--browser.gatherUsageStats", "false"]
     # a served dashboard does not watch its sources: the watcher walks every imported
     # module after each first run (a second of a cold page's load on 2 cores)
@@ -418,8 +436,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     dash = verb("dashboard", _cmd_dashboard, "run the Streamlit dashboard on the lake")
-    dash.add_argument("--host", default="127.0.0.1", help="loopback by default")
+    dash.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="loopback by default; another address needs a login (keys, or [auth] secrets)",
+    )
     dash.add_argument("--port", type=int, default=8501)
+    dash.add_argument(
+        "--secrets",
+        default=None,
+        help="the secrets.toml whose [auth] section configures the OpenID Connect login "
+        "(default: ~/.streamlit/secrets.toml and ./.streamlit/secrets.toml, as Streamlit reads)",
+    )
 
     exp = verb(
         "export",

@@ -12,13 +12,20 @@ from dashboards import data
 
 st.title("Collection")
 at = data.where()
-urls = st.text_input(
-    "gateway URLs for /metrics (comma-separated)",
-    value=at.gateway_url or "http://127.0.0.1:8080",
-    help="only gateways writing this lake are shown (their claw_gateway_info names the lake); "
-    "with API keys set, give the dashboard one in CLAW_GATEWAY_KEY (or start the gateways "
-    "with CLAW_METRICS_PUBLIC=true)",
-)
+if data.is_admin(at):  # a gateway's /metrics counts every tenant's records
+    urls = st.text_input(
+        "gateway URLs for /metrics (comma-separated)",
+        value=at.gateway_url or "http://127.0.0.1:8080",
+        help="only gateways writing this lake are shown (their claw_gateway_info names the "
+        "lake); with API keys set, give the dashboard one in CLAW_GATEWAY_KEY (or start the "
+        "gateways with CLAW_METRICS_PUBLIC=true)",
+    )
+else:
+    urls = ""
+    st.caption(
+        "The gateways' live figures (/metrics) count every tenant's records: an admin's to "
+        "see. Below, your records as the lake holds them."
+    )
 
 
 def gateway_figures(scrape: data.GatewayScrape) -> None:
@@ -68,7 +75,7 @@ def live() -> None:
     versions = data.versions(at)
     gateways(at.lake().uri)
     if versions[BRONZE_EVENTS] is None:
-        st.info(data.empty_lake_help())
+        st.info(data.empty_lake_help(at))
         return
     st.subheader("Acknowledged → bronze, per gateway (its newest 50 commits)")
     lag = data.bronze_lag(at, versions[BRONZE_EVENTS])
@@ -103,16 +110,8 @@ def live() -> None:
     per_second = data.records_per_second(at, versions[BRONZE_EVENTS])
     st.subheader("Records entering, by source")
     st.altair_chart(data.records_chart(per_second), width="stretch")
-    recent = (
-        at.lake()
-        .scan(BRONZE_EVENTS, versions[BRONZE_EVENTS])
-        .select("received_at", "kind", "tenant", "gateway_id", "trajectory_uid", "event_id")
-        .top_k(50, by="received_at")
-        .sort("received_at", descending=True)
-        .collect()
-        .with_columns(source=pl.col("kind").replace_strict(data.SOURCE_OF_KIND, default="other"))
-    )
     st.subheader("Latest records")
+    recent = data.latest_records(at, versions[BRONZE_EVENTS])
     st.dataframe(recent, hide_index=True, width="stretch")
     live_lag()
 

@@ -1,4 +1,5 @@
-"""Curation: build a spec with a widget per filter, watch what it keeps, save it, build it."""
+"""Curation: build a spec with a widget per filter, watch what it keeps, save it, build it. A
+tenant's specs are its own (`tenant` set to it) and preview over its own steps only."""
 
 from __future__ import annotations
 
@@ -7,16 +8,18 @@ import streamlit as st
 
 from claw_pipelines.contracts.specs import BUILTIN_SPECS, REJECTION_REASONS
 from claw_pipelines.contracts.tables import TOKEN_SOURCES
+from claw_pipelines.lake.catalog import dataset_tenants
 from claw_pipelines.lake.specs import SpecError, read_specs, save_spec, to_yaml, validate_spec
 from dashboards import dagster_graphql, data, ledger_view
 
 st.title("Curation")
 at = data.where()
 lake = at.lake()
+admin = data.is_admin(at)
 versions = data.versions(at)
 frame = data.curation_candidates(at)
 if frame is None or frame.is_empty():
-    st.info(data.empty_lake_help())
+    st.info(data.empty_lake_help(at))
     st.stop()
 
 
@@ -28,12 +31,16 @@ def options(column: str) -> list:
 
 
 shelf = read_specs(lake)
-existing = BUILTIN_SPECS | shelf.specs
-for error in shelf.errors.values():  # one bad file stops only its own dataset
-    st.warning(f"not built until fixed: {error}")
-for build in data.failing_builds(at):  # the others keep building
+# a tenant's own specs (the built-in ones are templates: their datasets are shared)
+mine = {n: s for n, s in shelf.specs.items() if admin or s.tenant == at.caller.tenant}
+existing = BUILTIN_SPECS | mine
+if admin:  # a file that does not parse names no tenant: an admin's to fix
+    for error in shelf.errors.values():  # one bad file stops only its own dataset
+        st.warning(f"not built until fixed: {error}")
+for build in data.failing_builds(at, set(mine)):  # the others keep building
     st.error(f"failing: {build.line()}")
-start_from = st.selectbox("start from", sorted(existing))
+starts = sorted(existing)  # the built-in default first, whatever was saved since
+start_from = st.selectbox("start from", starts, starts.index("default"))
 base = existing[start_from]
 with st.form("spec"):
     name = st.text_input("name", value=base.name if base.name != "default" else "my-dataset")
@@ -65,7 +72,20 @@ with st.form("spec"):
     sources = c.multiselect(
         "sources (empty: all)", ["white_box", "proxy", "claw_r1"], base.sources or []
     )
-    tenants = a.multiselect("tenants (empty: all)", options("tenant"), base.tenants or [])
+    if admin:
+        shared = "(shared: every tenant's steps)"
+        owners = [shared, *sorted(set(options("tenant")) | ({base.tenant} - {None}))]
+        owner = a.selectbox(
+            "belongs to tenant",
+            owners,
+            owners.index(base.tenant) if base.tenant in owners else 0,
+            help="a tenant's spec curates only that tenant's steps, and its dataset is read "
+            "by that tenant's keys (and admins'); a shared one by admins only",
+        )
+        owner = None if owner == shared else owner
+        tenants = a.multiselect("tenants (empty: all)", options("tenant"), base.tenants or [])
+    else:
+        owner, tenants = at.caller.tenant, []
     trajectory_status = b.multiselect(
         "trajectory status (empty: all)",
         ["open", "complete", "abandoned"],
@@ -104,7 +124,8 @@ with st.form("spec"):
         base.require_log_probs,
         help="off-policy correction needs them; steps without are left out (reason log_probs)",
     )
-    others = ["(silver)", *sorted(n for n in existing if n != base.name)]
+    drawable = existing if admin else mine  # rejections of datasets the caller may read
+    others = ["(silver)", *sorted(n for n in drawable if n != base.name)]
     source = base.readmit.dataset if base.readmit else "(silver)"
     readmit_from = a.selectbox(
         "draw from: silver, or what another dataset rejects",
@@ -123,6 +144,7 @@ with st.form("spec"):
 fields = {
     "name": name,
     "description": description,
+    "tenant": owner,
     "reward_status": reward_status,
     "reward_min": reward_min,
     "reward_max": reward_max,
@@ -191,22 +213,36 @@ if preview.kept:
     )
 st.code(to_yaml(spec), language="yaml")
 
+
+def taken(name: str) -> bool:
+    """Whether `name` is a dataset or spec another tenant (or every tenant) owns."""
+    if name in BUILTIN_SPECS:
+        return True
+    if name in shelf.specs and shelf.specs[name].tenant != at.caller.tenant:
+        return True
+    owners = dataset_tenants(lake)
+    return name in owners and owners[name] != at.caller.tenant
+
+
 if saved:
-    try:
-        save_spec(lake, spec)
-        st.success(f"saved specs/{spec.name}.yaml (hash {spec.spec_hash})")
-    except SpecError as exc:
-        st.error(f"invalid spec: {exc}")
+    if not admin and taken(spec.name):
+        st.error(f"the name {spec.name!r} is taken: choose another")
+    else:
+        try:
+            save_spec(lake, spec)
+            st.success(f"saved specs/{spec.name}.yaml (hash {spec.spec_hash})")
+        except SpecError as exc:
+            st.error(f"invalid spec: {exc}")
 
 if st.button("build this dataset now"):
     saved_spec = read_specs(lake).specs.get(spec.name)
-    if saved_spec is None:
+    if saved_spec is None or not (admin or saved_spec.tenant == at.caller.tenant):
         st.error("save the spec first")
         st.stop()
     from claw_pipelines.build.gold import policy_versions as all_versions
 
-    versions_to_build = all_versions(lake)
-    if dagster_graphql.is_up(at.dagster_url):
+    versions_to_build = all_versions(lake) if admin else options("policy_version")
+    if admin and dagster_graphql.is_up(at.dagster_url):  # Dagster's runs are an admin's
         try:
             runs = dagster_graphql.launch_gold(at.dagster_url, spec.name, versions_to_build)
         except dagster_graphql.DagsterUnavailable as exc:

@@ -70,7 +70,11 @@ lineage = data.table(
     at, GOLD_LINEAGE, ("dataset", "policy_version", "dataset_version", "steps", "written_at")
 )
 if lineage is None or lineage.is_empty():
-    st.caption("No gold dataset yet: `claw materialize` builds the built-in `default` one.")
+    st.caption(
+        "No gold dataset yet: `claw materialize` builds the built-in `default` one."
+        if data.is_admin(at)
+        else "No dataset of yours yet: save a spec on the Curation page, then build it."
+    )
 else:
     latest = (
         lineage.sort("written_at")
@@ -80,8 +84,9 @@ else:
     )
     st.dataframe(latest, hide_index=True, width="stretch")
 
-st.subheader("Table versions")
-st.dataframe(
-    pl.DataFrame({"table": list(versions), "delta version": list(versions.values())}),
-    hide_index=True,
-)
+if data.is_admin(at):  # every tenant's commits move them: an admin's to see
+    st.subheader("Table versions")
+    st.dataframe(
+        pl.DataFrame({"table": list(versions), "delta version": list(versions.values())}),
+        hide_index=True,
+    )
