@@ -60,28 +60,31 @@ def _key_caller(ring: KeyRing, stored: str) -> Caller | None:
     return found
 
 
-def gate() -> Caller:
-    """This session's caller; or the login page (or why nobody may look), then stop."""
+def gate(pages: list) -> Caller:
+    """This session's caller; or the login page (or why nobody may look), then stop. `pages`:
+    the app's pages, registered but hidden and not run while nobody is signed in (so the page
+    a link named opens after the login, and no link shows before)."""
     settings = ClawSettings()
     ring = _key_ring(settings.api_keys, _text(settings.api_keys_file))
     try:
         providers = oidc_providers(_auth_secrets(), "[auth] in the dashboard's secrets.toml")
         users = _users(_text(settings.dashboard_users_file))
     except LoginConfigError as exc:
-        _stop_with(f"The login is misconfigured: {exc}")
+        _stop_with(f"The login is misconfigured: {exc}", pages)
     doors = Doors(ring.enabled, providers)
     if doors.local:
         if not _served_on_loopback():
             _stop_with(
                 "No login is configured, and this server listens beyond loopback: set "
                 "CLAW_API_KEYS_FILE (key logins) or an [auth] section in secrets.toml "
-                "(OpenID Connect), or run `claw dashboard` on 127.0.0.1."
+                "(OpenID Connect), or run `claw dashboard` on 127.0.0.1.",
+                pages,
             )
         caller = Caller.local()
     else:
-        caller = _signed_in(doors, ring, users)
+        caller = _signed_in(doors, ring, users, pages)
     if caller is None:
-        _login_page(doors, ring)
+        _login_page(doors, ring, pages)
         st.stop()
     st.session_state[CALLER] = caller
     return caller
@@ -91,13 +94,19 @@ def _text(path: Any) -> str | None:
     return None if path is None else str(path)
 
 
-def _stop_with(message: str) -> None:
+def _title(pages: list) -> None:
+    """The login page's title; the pages stay registered, hidden, and are not run."""
+    st.navigation(pages, position="hidden")
     st.title("Log in")
+
+
+def _stop_with(message: str, pages: list) -> None:
+    _title(pages)
     st.error(message)
     st.stop()
 
 
-def _signed_in(doors: Doors, ring: KeyRing, users: UserMap) -> Caller | None:
+def _signed_in(doors: Doors, ring: KeyRing, users: UserMap, pages: list) -> Caller | None:
     """The caller this session signed in as (None: nobody yet); an identity with no tenant
     is told so, and the run stops."""
     if doors.keys and KEY_HASH in st.session_state:
@@ -110,15 +119,15 @@ def _signed_in(doors: Doors, ring: KeyRing, users: UserMap) -> Caller | None:
         identity = st.user.to_dict()
         caller = users.caller_for(identity)
         if caller is None:
-            _no_tenant(identity)
+            _no_tenant(identity, pages)
         return caller
     return None
 
 
-def _no_tenant(identity: Mapping[str, Any]) -> None:
+def _no_tenant(identity: Mapping[str, Any], pages: list) -> None:
     """An identity the users file does not map: it sees nothing, and is told why."""
     email = identity.get("email") or identity.get("sub") or "this identity"
-    st.title("Log in")
+    _title(pages)
     if identity.get("email_verified") is False:
         st.error(
             f"You are signed in as {email}, but your provider says that email is not verified."
@@ -134,9 +143,9 @@ def _no_tenant(identity: Mapping[str, Any]) -> None:
     st.stop()
 
 
-def _login_page(doors: Doors, ring: KeyRing) -> None:
+def _login_page(doors: Doors, ring: KeyRing, pages: list) -> None:
     """The login page: a key form and/or a button per identity provider; nothing of the lake."""
-    st.title("Log in")
+    _title(pages)
     st.caption("Claw lakehouse dashboard: log in to see your tenant's data.")
     if (why := st.session_state.pop("claw_login_error", None)) is not None:
         st.error(why)
@@ -209,6 +218,6 @@ def sidebar(caller: Caller) -> None:
     if st.sidebar.button("Log out", key="logout"):
         _forget()
         if caller.how == "identity":
-            st.logout()
-        else:
-            st.rerun()
+            st.logout()  # the browser is sent to Streamlit's logout, which drops the cookie
+            st.stop()
+        st.rerun()

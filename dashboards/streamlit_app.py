@@ -13,17 +13,15 @@ from dashboards.data import where
 PAGES = Path(__file__).resolve().parent / "app_pages"
 
 st.set_page_config(page_title="Claw lakehouse", page_icon=":material/database:", layout="wide")
-caller = login.gate()  # the login page, and a stop, until someone is signed in
+pages = [
+    st.Page(PAGES / "overview.py", title="Overview", icon=":material/home:", default=True),
+    st.Page(PAGES / "collection.py", title="Collection", icon=":material/input:"),
+    st.Page(PAGES / "representation.py", title="Representation", icon=":material/search:"),
+    st.Page(PAGES / "curation.py", title="Curation", icon=":material/filter_alt:"),
+    st.Page(PAGES / "optimization.py", title="Optimization", icon=":material/account_tree:"),
+    st.Page(PAGES / "consumption.py", title="Consumption", icon=":material/model_training:"),
+]
+caller = login.gate(pages)  # the login page, and a stop, until someone is signed in
 login.sidebar(caller)
 st.sidebar.caption(f"lake: `{where().lake_uri}`")
-navigation = st.navigation(
-    [
-        st.Page(PAGES / "overview.py", title="Overview", icon=":material/home:", default=True),
-        st.Page(PAGES / "collection.py", title="Collection", icon=":material/input:"),
-        st.Page(PAGES / "representation.py", title="Representation", icon=":material/search:"),
-        st.Page(PAGES / "curation.py", title="Curation", icon=":material/filter_alt:"),
-        st.Page(PAGES / "optimization.py", title="Optimization", icon=":material/account_tree:"),
-        st.Page(PAGES / "consumption.py", title="Consumption", icon=":material/model_training:"),
-    ]
-)
-navigation.run()
+st.navigation(pages).run()

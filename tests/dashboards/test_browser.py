@@ -1,9 +1,12 @@
 """The dashboard in headless Chromium (Playwright, Debian's `chromium`): every page on an empty
-and a filled lake without an exception, a screenshot of each, and the key interactions."""
+and a filled lake without an exception, a screenshot of each, and the key interactions; the
+login (a tenant's key, an admin's, a wrong one; OpenID Connect through a provider on loopback)
+on a two-tenant lake, judged by what the page shows and by every message the server sent."""
 
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -12,12 +15,15 @@ from playwright.sync_api import expect
 from claw_pipelines.build.gold import build_partition, policy_versions
 from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
+from claw_pipelines.contracts.access import create_key
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_specs
 from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
-from tests.support.browser import PAGES, DashboardProcess, browser, chromium_path
+from tests.support.browser import PAGES, DashboardProcess, chromium, chromium_path
+from tests.support.lakes import feedback, land, tenants_lake
+from tests.support.oidc import oidc_provider
 from tests.support.servers import REPO
 
 pytestmark = [
@@ -40,21 +46,28 @@ def filled(tmp_path_factory) -> Lake:
 
 
 @pytest.fixture(scope="module")
-def dashboard(filled, tmp_path_factory):
+def browser():
+    """One headless Chromium for the module (Playwright's sync API runs one at a time)."""
+    with chromium() as launched:
+        yield launched
+
+
+@pytest.fixture(scope="module")
+def dashboard(browser, filled, tmp_path_factory):
     """`claw dashboard` on the filled lake, and a browser tab on it."""
     process = DashboardProcess(Path(filled.uri), tmp_path_factory.mktemp("logs") / "dash.log")
     process.start()
     try:
-        with browser(process.url) as tab:
+        with browser.tab(process.url) as tab:
             yield tab
     finally:
         process.stop()
 
 
-def test_every_page_explains_an_empty_lake(tmp_path):
+def test_every_page_explains_an_empty_lake(browser, tmp_path):
     process = DashboardProcess(tmp_path / "empty", tmp_path / "dash.log").start()
     try:
-        with browser(process.url) as tab:
+        with browser.tab(process.url) as tab:
             for name in PAGES:
                 visit = tab.visit(name)
                 tab.screenshot(SCREENSHOTS / f"empty-{name.lower()}.png")
@@ -125,3 +138,189 @@ def test_consumption_shows_the_policy_version_picked(dashboard, filled):
     assert metric(dashboard, "tokens") == f"{batch.num_tokens:,}"
     first_batch = next(open_dataset("default", filled.uri).batches(versions[0], 32))
     assert first == f"{first_batch.num_tokens:,}"
+
+
+# -- the login, on a two-tenant lake ------------------------------------------------------
+
+ACME_KEY, ACME_LINE = create_key("acme")
+GLOBEX_KEY, GLOBEX_LINE = create_key("globex")
+ADMIN_KEY, ADMIN_LINE = create_key("ops", admin=True)
+# what each tenant's data looks like on the wire: its trajectory ids and its dataset's name
+# (every other name of its data starts with the tenant's), and the shared dataset
+ACME, GLOBEX, SHARED = ("acme-g0-r0", "acme-train"), ("globex-g0-r0", "globex-train"), "everyone"
+# a reward of each tenant no figure of the other could equal by chance, as a float64 is held
+# in a table's or a chart's data
+ACME_REWARD, GLOBEX_REWARD = 0.613_579_246_8, 0.864_213_579_1
+ACME_REWARDS, GLOBEX_REWARDS = (
+    (struct.pack("<d", ACME_REWARD),),
+    (struct.pack("<d", GLOBEX_REWARD),),
+)
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory) -> Lake:
+    """`tenants_lake` (acme's and globex's steps, rewards and datasets, and a shared one), and
+    a reward of each tenant's from its feedback service on the last turn of one trajectory."""
+    lake = tenants_lake(tmp_path_factory.mktemp("browser-tenants") / "lake")
+    land(
+        lake,
+        [
+            feedback({"step_key": "acme-g0-r0:1"}, "reward", ACME_REWARD, tenant="acme"),
+            feedback({"step_key": "globex-g0-r0:1"}, "reward", GLOBEX_REWARD, tenant="globex"),
+        ],
+    )
+    build_silver(lake)
+    return lake
+
+
+@pytest.fixture(scope="module")
+def keyed(tenants, tmp_path_factory):
+    """`claw dashboard` on the two-tenant lake, with a keys file (acme, globex, an admin)."""
+    base = tmp_path_factory.mktemp("keyed")
+    keys = base / "api-keys"
+    keys.write_text("\n".join([ACME_LINE, GLOBEX_LINE, ADMIN_LINE]) + "\n")
+    process = DashboardProcess(Path(tenants.uri), base / "dash.log", CLAW_API_KEYS_FILE=str(keys))
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def login_page(tab, name: str) -> None:
+    """Load page `name` fresh (a new session) and wait for the login page it shows instead."""
+    tab.page.goto(f"{tab.base_url}/{PAGES[name]}")
+    tab.wait("Log in")
+
+
+def shows_nothing_of(tab, *marks: str | bytes) -> None:
+    """Neither the page nor any message the server sent holds one of `marks`."""
+    text = tab.text()
+    for mark in marks:
+        assert isinstance(mark, bytes) or mark not in text, mark
+        assert not tab.was_sent(mark), mark
+
+
+def test_with_keys_no_page_shows_anything_before_login(browser, keyed, tenants):
+    with browser.tab(keyed.url) as tab:
+        for name in PAGES:
+            login_page(tab, name)
+            assert tab.page.get_by_label("API key", exact=True).count() == 1
+            assert tab.page.locator('[data-testid="stSidebarNav"]').count() == 0
+            assert tab.page.locator('[data-testid="stMetric"]').count() == 0
+        tab.screenshot(SCREENSHOTS / "login.png")
+        everything = ("acme", "globex", SHARED, tenants.uri, *ACME_REWARDS, *GLOBEX_REWARDS)
+        shows_nothing_of(tab, *everything)
+
+
+def test_a_wrong_key_is_refused_with_a_clear_message(browser, keyed, tenants):
+    with browser.tab(keyed.url) as tab:
+        login_page(tab, "Overview")
+        tab.log_in_with_key("claw-" + "x" * 43)
+        refused = tab.page.get_by_text("invalid API key: it is not one of this dashboard's keys")
+        expect(refused).to_be_visible()
+        tab.screenshot(SCREENSHOTS / "login-refused.png")
+        assert tab.page.locator("h1").all_inner_texts() == ["Log in"]
+        shows_nothing_of(tab, "acme", "globex", SHARED, tenants.uri)
+
+
+def test_a_tenant_key_shows_its_tenant_and_never_the_others_on_any_page(browser, keyed, tenants):
+    with browser.tab(keyed.url) as tab:
+        login_page(tab, "Overview")
+        tab.log_in_with_key(ACME_KEY)
+        tab.wait("Overview")
+        expect(tab.page.get_by_text("signed in: tenant")).to_contain_text("acme")
+        for name in PAGES:
+            visit = tab.open(name)
+            assert visit.exceptions == 0, name
+            assert tab.page.locator('[data-testid="stAlertContentError"]').count() == 0, name
+            if name in ("Representation", "Optimization"):
+                tab.page.wait_for_timeout(1500)  # let the tables and charts draw
+                tab.screenshot(SCREENSHOTS / f"acme-{name.lower()}.png")
+            shows_nothing_of(tab, *GLOBEX, SHARED, *GLOBEX_REWARDS)
+        # its own: a step of its trajectories opens, its dataset is the one offered
+        tab.open("Representation")
+        header = tab.page.locator('[data-testid="stMarkdownContainer"]', has_text="acme-g")
+        assert header.count() >= 1
+        tab.open("Consumption")
+        box = tab.page.locator('[data-testid="stSelectbox"]', has_text="dataset").first
+        box.click()
+        offered = tab.page.get_by_role("option").all_inner_texts()
+        assert offered == ["acme-train"]
+        tab.page.keyboard.press("Escape")
+        assert all(tab.was_sent(mark) for mark in (*ACME, *ACME_REWARDS))  # its rows did
+        assert not tab.was_sent("globex")  # not a byte of the other tenant's, on any page
+
+        tab.page.locator('[data-testid="stSidebar"]').get_by_role("button", name="Log out").click()
+        tab.wait("Log in")
+        assert tab.page.locator('[data-testid="stSidebarNav"]').count() == 0
+
+
+def test_an_admin_key_sees_both_tenants_and_the_shared_dataset(browser, keyed, tenants):
+    with browser.tab(keyed.url) as tab:
+        login_page(tab, "Overview")
+        tab.log_in_with_key(ADMIN_KEY)
+        tab.wait("Overview")
+        for name in ("Representation", "Consumption"):
+            tab.open(name)
+        box = tab.page.locator('[data-testid="stSelectbox"]', has_text="dataset").first
+        box.click()
+        offered = tab.page.get_by_role("option").all_inner_texts()
+        assert sorted(offered) == ["acme-train", "everyone", "globex-train"]
+        tab.page.keyboard.press("Escape")
+        assert all(tab.was_sent(mark) for mark in (*ACME, *GLOBEX, *ACME_REWARDS, *GLOBEX_REWARDS))
+
+
+def test_an_openid_connect_login_through_a_provider_shows_the_identitys_tenant(
+    browser, tenants, tmp_path
+):
+    """st.login against a provider of our own on loopback: discovery, the provider's sign-in
+    form, the code exchanged for an RS256 id_token checked against its JWKS, the identity's
+    email mapped to its tenant by CLAW_DASHBOARD_USERS_FILE; then the logout."""
+    users = tmp_path / "users"
+    users.write_text("ann@example.test acme\n")
+    secrets = tmp_path / "secrets.toml"
+    with oidc_provider() as provider:
+        process = DashboardProcess(
+            Path(tenants.uri), tmp_path / "dash.log", secrets, CLAW_DASHBOARD_USERS_FILE=str(users)
+        )
+        secrets.write_text(provider.secrets_toml(f"{process.url}/oauth2callback"))
+        process.start()
+        try:
+            with browser.tab(process.url) as tab:
+                for name in PAGES:
+                    login_page(tab, name)
+                    shows_nothing_of(tab, "acme", "globex", SHARED, tenants.uri)
+                tab.screenshot(SCREENSHOTS / "login-oidc.png")
+
+                sign_in(tab, "ann@example.test")
+                tab.wait("Overview")
+                sidebar = tab.page.locator('[data-testid="stSidebar"]')
+                expect(sidebar.get_by_text("signed in: tenant")).to_contain_text("acme")
+                assert provider.issued[-1]["email"] == "ann@example.test"
+                for name in PAGES:
+                    assert tab.open(name).exceptions == 0, name
+                    shows_nothing_of(tab, *GLOBEX, SHARED, *GLOBEX_REWARDS)
+                tab.page.wait_for_timeout(1500)
+                tab.screenshot(SCREENSHOTS / "oidc-consumption.png")
+                assert all(tab.was_sent(mark) for mark in ACME)
+                assert not tab.was_sent("globex")
+                sidebar.get_by_role("button", name="Log out").click()
+                tab.wait("Log in")
+                assert tab.page.locator('[data-testid="stSidebarNav"]').count() == 0
+
+                tab.received.clear()  # what eve's session is sent, from here on
+                sign_in(tab, "eve@example.test")  # signed in, but mapped to no tenant
+                tab.wait("Log in")
+                expect(tab.page.get_by_text("that identity has no tenant here")).to_be_visible()
+                tab.screenshot(SCREENSHOTS / "oidc-no-tenant.png")
+                shows_nothing_of(tab, "acme", "globex", SHARED, tenants.uri, *ACME_REWARDS)
+        finally:
+            process.stop()
+
+
+def sign_in(tab, email: str) -> None:
+    """The login button, then the provider's sign-in form, as `email`."""
+    tab.page.get_by_role("button", name="Log in with your identity provider").click()
+    tab.page.get_by_label("Email").fill(email)
+    tab.page.get_by_role("button", name="Sign in").click()
