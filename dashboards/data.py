@@ -850,6 +850,12 @@ def open_dataset_page(title: str) -> tuple[Where, list[str]]:
     st.title(title)
     at = where()
     names = datasets(at)
+    if not names and not is_admin(at):
+        st.info(
+            f"No dataset of tenant `{at.caller.tenant}` yet: save a spec on the Curation page "
+            "(it curates your steps only), then build it."
+        )
+        st.stop()
     if not names:
         st.info("No gold dataset yet. " + empty_lake_help(at))
         st.stop()
