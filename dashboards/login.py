@@ -65,11 +65,11 @@ def gate(pages: list) -> Caller:
     the app's pages, registered but hidden and not run while nobody is signed in (so the page
     a link named opens after the login, and no link shows before)."""
     settings = ClawSettings()
-    ring = _key_ring(settings.api_keys, _text(settings.api_keys_file))
-    try:
+    try:  # a file edited since `claw dashboard` checked it: said, and nothing shown
+        ring = _key_ring(settings.api_keys, _text(settings.api_keys_file))
         providers = oidc_providers(_auth_secrets(), "[auth] in the dashboard's secrets.toml")
         users = _users(_text(settings.dashboard_users_file))
-    except LoginConfigError as exc:
+    except (LoginConfigError, ValueError, OSError) as exc:
         _stop_with(f"The login is misconfigured: {exc}", pages)
     doors = Doors(ring.enabled, providers)
     if doors.local:

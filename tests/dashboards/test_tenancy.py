@@ -297,3 +297,11 @@ def test_an_identity_with_no_tenant_sees_nothing_and_is_told(
     assert [b.label for b in app.button] == ["Log out"]
     for name in PAGES[1:]:
         nothing_of_the_lake(go(app, name), lake)
+
+
+def test_a_keys_file_broken_since_the_start_shows_why_and_nothing_else(keyed, lake):
+    keyed.write_text(ACME_LINE + "\nnot-a-hash acme\n")
+    app = go(open_app(), "overview")
+    (error,) = [e.value for e in app.error]
+    assert error.startswith("The login is misconfigured: ") and "api-keys:2" in error
+    nothing_of_the_lake(app, lake)
