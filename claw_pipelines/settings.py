@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REMOTE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://")
@@ -40,6 +40,20 @@ def unsafe_storage_option(options: dict[str, str]) -> str | None:
     return None
 
 
+def read_storage_options_file(path: Path) -> dict[str, str]:
+    """The storage options in a JSON file (`CLAW_STORAGE_OPTIONS_FILE`, e.g. the credentials
+    `claw lake-secrets` writes for one component): a JSON object of strings."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ValueError(f"{path}: not a JSON object of strings")
+    return value
+
+
 def default_gateway_id() -> str:
     """A stable id for this host's gateway: it names its WAL and its Delta transactions."""
     return "gw-" + re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:60]
@@ -53,8 +67,15 @@ class ClawSettings(BaseSettings):
     )
 
     lake_uri: str = Field("./lake", description="local path or s3:// gs:// az:// URI")
+    storage_options_file: Path | None = Field(
+        None,
+        description="JSON file of storage options (a component's credentials) under "
+        "CLAW_STORAGE_OPTIONS, whose keys win; read at start-up",
+    )
     storage_options: dict[str, str] = Field(
-        default_factory=dict, description="JSON object passed to delta-rs object stores"
+        default_factory=dict,
+        validate_default=True,  # the file's options are merged in even when this is unset
+        description="JSON object passed to delta-rs object stores",
     )
     upstream_url: str | None = Field(
         None,
@@ -147,9 +168,20 @@ class ClawSettings(BaseSettings):
         168, ge=168, description="maintenance keeps files of versions younger than this"
     )
 
+    @field_validator("storage_options_file")
+    @classmethod
+    def _storage_options_file_is_readable(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            read_storage_options_file(value)
+        return value
+
     @field_validator("storage_options")
     @classmethod
-    def _storage_options_keep_commits_safe(cls, value: dict[str, str]) -> dict[str, str]:
+    def _storage_options_keep_commits_safe(
+        cls, value: dict[str, str], info: ValidationInfo
+    ) -> dict[str, str]:
+        if info.data.get("storage_options_file") is not None:
+            value = read_storage_options_file(info.data["storage_options_file"]) | value
         problem = unsafe_storage_option(value)
         if problem is not None:
             raise ValueError(problem)
@@ -186,6 +218,10 @@ class ClawSettings(BaseSettings):
                 json.dumps(value) if isinstance(value, dict) else str(value)
             )
         env["CLAW_WAL_DIR"] = str(self.resolved_wal_dir.parent)
+        if self.storage_options_file is not None:  # its options (secrets) stay in the file
+            kept = read_storage_options_file(self.storage_options_file)
+            own = {k: v for k, v in self.storage_options.items() if kept.get(k) != v}
+            env["CLAW_STORAGE_OPTIONS"] = json.dumps(own)
         return env
 
     def with_overrides(self, **values: Any) -> ClawSettings:

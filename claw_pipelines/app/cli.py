@@ -63,6 +63,19 @@ def _cmd_keys_create(args: argparse.Namespace) -> None:
     print(key)
 
 
+def _cmd_lake_secrets(args: argparse.Namespace) -> None:
+    from claw_pipelines.lake.identities import create_bucket, write_lake_secrets
+
+    settings = _settings(args)
+    if args.create_bucket:
+        done = create_bucket(settings.lake_uri, settings.storage_options)
+        print(f"the bucket of {settings.lake_uri}: {done}", file=sys.stderr)
+        return
+    for component, minted in write_lake_secrets(Path(args.dir), settings.lake_uri).items():
+        state = "a new key" if minted else "its key kept"
+        print(f"{component}: {state} in {Path(args.dir) / component}", file=sys.stderr)
+
+
 def _cmd_up(args: argparse.Namespace) -> None:
     from claw_pipelines.app.up import run_up
 
@@ -576,6 +589,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     create.add_argument("--file", help="append the key's hash to this keys file")
     create.set_defaults(handler=_cmd_keys_create)
+
+    secrets = verb(
+        "lake-secrets",
+        _cmd_lake_secrets,
+        "the S3 lake's identities, one per component with only what its job needs "
+        "(docs/DESIGN.md §17): write them, or create the lake's bucket with the admin's",
+    )
+    secrets_job = secrets.add_mutually_exclusive_group(required=True)
+    secrets_job.add_argument(
+        "--dir",
+        help="write <dir>/<component>/storage-options.json (keys kept when already there) "
+        "and <dir>/seaweedfs/ (identities.json, security.toml) for the lake's bucket and prefix",
+    )
+    secrets_job.add_argument(
+        "--create-bucket",
+        action="store_true",
+        help="create the lake's bucket with the key pair of CLAW_STORAGE_OPTIONS(_FILE), "
+        "waiting for the store to answer (an existing bucket is fine)",
+    )
 
     up = verb(
         "up",

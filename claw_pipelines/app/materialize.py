@@ -200,6 +200,7 @@ def follow(
 
     stop = stop or threading.Event()
     lake = Lake.from_settings(settings)
+    lake.verify_store()  # a writer: wrong credentials or an unsafe store stop it here, in a line
     live = LiveMaterializer(lake, SilverOptions.from_settings(settings), datasets or None)
     report = _dagster_reporter() if os.environ.get("DAGSTER_HOME") else None
     say(f"claw materialize --follow: {lake.uri} (every {poll_s:g} s; Ctrl-C stops)")

@@ -9,12 +9,17 @@ the condition lets both succeed and one commit is lost without any error, so a w
 the store once per process and refuses to write when it fails: a second conditional put of
 the same key must be refused, and of two conditional puts of one fresh key racing each other
 exactly one must succeed (a store may check existence and write in two steps, which only
-concurrent puts catch: seaweedfs#8800).
+concurrent puts catch: seaweedfs#8800). A store that refuses the probe's credentials is named
+in the same one line: the access key, the lake, the store's answer (e.g. 403 AccessDenied),
+and an S3-compatible endpoint given without a key pair is refused before any request (the
+client would otherwise go looking for cloud credentials).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import threading
 import uuid
 from collections.abc import Mapping
@@ -87,12 +92,60 @@ def refuse_unsafe_options(options: Mapping[str, str]) -> None:
         raise UnsafeStore(f"CLAW_STORAGE_OPTIONS: {problem}")
 
 
+def _option(options: Mapping[str, str], name: str) -> str | None:
+    """A storage option by its AWS_ name, in any case, with or without the prefix."""
+    wanted = {name.lower(), name.lower().removeprefix("aws_")}
+    return next((v for k, v in options.items() if k.lower() in wanted and v), None)
+
+
+def refuse_missing_credentials(uri: str, options: Mapping[str, str]) -> None:
+    """UnsafeStore when an s3 lake on an S3-compatible endpoint (AWS_ENDPOINT_URL) has no key
+    pair, in its options or the environment: the client would look for cloud credentials
+    (instance metadata) instead, and retry."""
+    if not uri.startswith(("s3://", "s3a://")):
+        return
+    endpoint = _option(options, "AWS_ENDPOINT_URL") or _option(options, "AWS_ENDPOINT")
+    if endpoint is None or _option(options, "AWS_SKIP_SIGNATURE") == "true":
+        return
+    missing = [
+        name
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+        if not (_option(options, name) or os.environ.get(name))
+    ]
+    if missing:
+        raise UnsafeStore(
+            f"{uri}: no {' or '.join(missing)} for the store at {endpoint} (give the "
+            "component's key pair in CLAW_STORAGE_OPTIONS or CLAW_STORAGE_OPTIONS_FILE)"
+        )
+
+
+def _refusal(uri: str, options: Mapping[str, str], exc: BaseException) -> str | None:
+    """One line for a store that answered the probe with a refusal (4xx): which key, which
+    lake, what the store said; None for any other failure."""
+    text = str(exc)
+    status = re.search(r"status code: (4\d\d)", text)
+    if status is None:
+        return None
+    code = re.search(r"<Code>([^<]+)</Code>", text)
+    answer = f"{status[1]} {code[1] if code else 'refused'}"
+    if code is not None and code[1] == "NoSuchBucket":
+        return f"{uri}: the store has no such bucket ({answer}): create it first"
+    key = _option(options, "AWS_ACCESS_KEY_ID") or os.environ.get("AWS_ACCESS_KEY_ID")
+    who = f"access key {key}" if key else "the environment's credentials"
+    return (
+        f"{uri}: the store refused {who} ({answer} on a put under "
+        f"{PROBE_PREFIX.split('/')[0]}/): this component's credentials (CLAW_STORAGE_OPTIONS, "
+        "CLAW_STORAGE_OPTIONS_FILE) are wrong or not allowed to write the lake"
+    )
+
+
 def check_conditional_put(uri: str, options: Mapping[str, str]) -> None:
     """Put a probe object twice, both times only-if-absent: the second must be refused; then
     race two only-if-absent puts of another fresh key: exactly one may succeed (UnsafeStore
     otherwise, or when the store cannot be written at all)."""
+    refuse_missing_credentials(uri, options)
     store = open_store(uri, options)
-    _check_sequential_puts(store, uri)
+    _check_sequential_puts(store, uri, options)
     _check_racing_puts(store, uri)
 
 
@@ -107,12 +160,14 @@ def _delete_probe(store, uri: str, key: str) -> None:
         log.warning("could not delete the probe %s/%s: %s", uri, key, _first_line(exc))
 
 
-def _check_sequential_puts(store, uri: str) -> None:
+def _check_sequential_puts(store, uri: str, options: Mapping[str, str] | None = None) -> None:
     key = _probe_key()
     try:
         obstore.put(store, key, b"first", mode="create")
     except Exception as exc:
-        raise UnsafeStore(f"{uri}: cannot write to the lake's store: {_first_line(exc)}") from None
+        why = _refusal(uri, options or {}, exc)
+        why = why or f"{uri}: cannot write to the lake's store: {_first_line(exc)}"
+        raise UnsafeStore(why) from None
     try:
         obstore.put(store, key, b"second", mode="create")
     except AlreadyExistsError:

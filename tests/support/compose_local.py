@@ -261,7 +261,8 @@ class LocalCompose:
     def _translate(self, service: LocalService) -> None:
         service.root = self.workdir / "containers" / service.name
         claw = service.spec["image"] == "claw-lakehouse:latest"
-        service.cwd = Path(self._local_path(service, self.image.workdir if claw else "/"))
+        workdir = service.spec.get("working_dir") or (self.image.workdir if claw else "/")
+        service.cwd = Path(self._local_path(service, workdir))
         service.log_path = self.workdir / "logs" / f"{service.name}.log"
         argv = service.argv
         program, rest = PROGRAMS[argv[0]], argv[1:]
@@ -274,6 +275,7 @@ class LocalCompose:
                 f"-master.port={master}",
                 f"-volume.port={volume}",
                 f"-filer.port={filer}",
+                f"-s3.ip.bind={LOOPBACK}",  # every listener here, whatever the container's
                 "-s3.port.iceberg=0",  # listeners on fixed ports, private in a container
                 "-s3.port.lance=0",
             ]
@@ -293,7 +295,6 @@ class LocalCompose:
     def _lay_out(self, service: LocalService) -> None:
         """The container's root: the image's files, its mounts as symlinks."""
         (service.root / "home").mkdir(parents=True, exist_ok=True)
-        service.cwd.mkdir(parents=True, exist_ok=True)
         if service.spec["image"] == "claw-lakehouse:latest":
             for target, source in self.image.files.items():
                 path = Path(self._local_path(service, target))
@@ -322,6 +323,7 @@ class LocalCompose:
             elif link.is_dir():
                 shutil.rmtree(link)  # what the image has there, hidden by the mount
             link.symlink_to(local.resolve())
+        service.cwd.mkdir(parents=True, exist_ok=True)  # a mount's target, or the image's
 
     # -- running ---------------------------------------------------------------------------
 
@@ -386,12 +388,27 @@ class LocalCompose:
 
         wait_until(met, timeout, interval=0.5, what=f"{name}: {condition}")
 
-    def up(self, timeout: float = 240.0) -> list[str]:
-        """Start every service in dependency order, each once what it depends on is
-        ready as its `depends_on` condition says; the order they started in."""
+    def needed(self, names: list[str]) -> set[str]:
+        """`names` and every service they depend on, transitively."""
+        found: set[str] = set()
+        pending = list(names)
+        while pending:
+            name = pending.pop()
+            if name not in found:
+                found.add(name)
+                pending += list(self.services[name].depends)
+        return found
+
+    def up(self, timeout: float = 240.0, services: list[str] | None = None) -> list[str]:
+        """Start every service (or only `services` and what they depend on) in dependency
+        order, each once what it depends on is ready as its `depends_on` condition says; the
+        order they started in."""
         deadline = time.monotonic() + timeout
-        order = self.order()
+        wanted = self.needed(services) if services is not None else set(self.services)
+        order = [name for name in self.order() if name in wanted]
         for name in order:
+            if self.services[name].proc is not None:  # started before: running, or done
+                continue
             for needed, condition in self.services[name].depends.items():
                 self._condition(needed, condition, max(1.0, deadline - time.monotonic()))
             self.start(name)
@@ -426,6 +443,46 @@ class LocalCompose:
                     os.killpg(proc.pid, signal.SIGKILL)  # the group: children too
                 proc.wait(10)
             remaining -= set(wave)
+
+    def wait_done(self, name: str, timeout: float = 120.0) -> None:
+        """Wait until a one-shot service exited 0 (RuntimeError with its log if it failed)."""
+        self._condition(name, "service_completed_successfully", timeout)
+
+    # -- the lake's S3 identities (`claw lake-secrets`, docs/DESIGN.md §17) ---------------
+
+    def secrets_dir(self, component: str) -> Path:
+        """The local folder of the volume the one-shot `lake-secrets` writes `component`'s
+        credentials into (gateway, materializer, dagster, trainer, dashboard, admin; and
+        seaweedfs: its identities.json and security.toml)."""
+        (writer,) = [s for s in self.services.values() if s.argv[1:2] == ["lake-secrets"]
+                     and "--dir" in s.argv]  # fmt: skip
+        root = writer.argv[writer.argv.index("--dir") + 1].rstrip("/")
+        for kind, source, target in _mounts(writer.spec):
+            if kind == "volume" and target == f"{root}/{component}":
+                return self.workdir / "volumes" / source
+        raise KeyError(f"lake-secrets writes no volume for {component!r}")
+
+    def credentials(self, component: str) -> tuple[str, str]:
+        """(access key, secret key) of `component`'s S3 identity, as laid out by the one-shot
+        `lake-secrets` (after it ran: `up()`, or `up(services=["bucket"])`)."""
+        options = json.loads((self.secrets_dir(component) / "storage-options.json").read_text())
+        return options["AWS_ACCESS_KEY_ID"], options["AWS_SECRET_ACCESS_KEY"]
+
+    def s3_url(self) -> str:
+        """http://127.0.0.1:<port> of the compose file's S3 service (SeaweedFS) here."""
+        (s3,) = [s for s in self.services.values() if s.argv[0] == "weed"]
+        return s3.url(_listen_ports(s3.argv)[0])
+
+    def storage_options(self, component: str) -> dict[str, str]:
+        """The storage options a process of `component` uses here: the services'
+        CLAW_STORAGE_OPTIONS (the endpoint, translated) and `component`'s key pair."""
+        shared = next(
+            json.loads(s.env["CLAW_STORAGE_OPTIONS"])
+            for s in self.services.values()
+            if "CLAW_STORAGE_OPTIONS" in s.env
+        )
+        access_key, secret_key = self.credentials(component)
+        return shared | {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
 
     def tail(self, name: str, chars: int = 2000) -> str:
         """The end of a service's log."""

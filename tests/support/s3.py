@@ -1,22 +1,29 @@
 """A local S3-compatible server for tests (moto, which enforces If-None-Match / If-Match),
 and a proxy in front of it that drops those headers: a store that ignores conditional
 writes, as a misconfigured gateway or an old S3-compatible server would be, or one that
-honours them only for puts that do not race (it checks, then writes)."""
+honours them only for puts that do not race (it checks, then writes). SeaweedFS too, open to
+anyone or with an identities file (`-s3.config`), and S3 requests signed with any key (or
+none) to find out what a store lets a caller do (`signed_s3_request`)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import quote, urlencode
 
 import httpx
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
 
 from tests.support.servers import free_port, wait_until
 
@@ -32,6 +39,54 @@ def s3_options(url: str) -> dict[str, str]:
         "AWS_REGION": "us-east-1",
         "AWS_ALLOW_HTTP": "true",
     }
+
+
+def signed_s3_response(
+    url: str,
+    method: str,
+    path: str,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+    body: bytes = b"",
+    params: Mapping[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
+    region: str = "us-east-1",
+) -> httpx.Response:
+    """One S3 request to the server at `url` (e.g. http://127.0.0.1:8333): `method` on `path`
+    ("/bucket", "/bucket/key"; the query in `params`, e.g. {"list-type": "2", "prefix":
+    "lake/"}), signed with SigV4 as an S3 client signs it (botocore's S3SigV4Auth, which sends
+    x-amz-content-sha256: plain SigV4Auth is refused on bodies), or unsigned (anonymous) when
+    `access_key` is None. The query is sent exactly as it was signed (percent-encoded)."""
+    query = urlencode(sorted((params or {}).items()), quote_via=quote, safe="-_.~")
+    target = url.rstrip("/") + quote(path, safe="/-_.~") + (f"?{query}" if query else "")
+    request = AWSRequest(method=method, url=target, data=body, headers=dict(headers or {}))
+    if access_key is not None:
+        credentials = Credentials(access_key, secret_key or "")
+        S3SigV4Auth(credentials, "s3", region).add_auth(request)
+    prepared = request.prepare()
+    with httpx.Client(timeout=30) as client:
+        sent = client.build_request(method, target, headers=dict(prepared.headers), content=body)
+        return client.send(sent)
+
+
+def signed_s3_request(
+    url: str,
+    method: str,
+    path: str,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+    body: bytes = b"",
+    params: Mapping[str, str] | None = None,
+) -> int:
+    """The HTTP status of `signed_s3_response(...)`: e.g. 200/204 let in, 403 refused. A
+    multi-object delete (`POST /bucket?delete`) answers 200 even when every key was refused:
+    read its body (`s3_error_codes`) for that one."""
+    return signed_s3_response(url, method, path, access_key, secret_key, body, params).status_code
+
+
+def s3_error_codes(response: httpx.Response) -> list[str]:
+    """The <Code> elements of an S3 answer's XML body (e.g. ["AccessDenied"])."""
+    return re.findall(r"<Code>([^<]+)</Code>", response.text)
 
 
 def _answers(url: str) -> bool:

