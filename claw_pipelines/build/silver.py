@@ -17,6 +17,7 @@ simply redone, and what it had appended is recognised (by event_id, feedback_id)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,7 @@ from claw_pipelines.transforms.steps import (
     first_arrivals,
     keep_rows,
     place_unscoped,
+    renumber_clashes,
     split_duplicates,
     step_candidates,
     with_content_ids,
@@ -69,6 +71,7 @@ from claw_pipelines.transforms.steps import (
 )
 from claw_pipelines.transforms.trajectories import trajectory_statuses, with_returns
 
+log = logging.getLogger(__name__)
 WATERMARK_TABLE = SILVER_TRAJECTORIES  # its commit is a run's marker: written last
 SILVER_WRITER = "claw.silver"  # the application id every silver commit carries
 STEP_INDEX_COLUMNS = [
@@ -119,6 +122,7 @@ class SilverRun:
     feedback_added: int = 0
     conflicts_added: int = 0
     duplicates_dropped: int = 0
+    steps_renumbered: int = 0  # proxied calls the gateway gave a taken key (renumber_clashes)
     write_conflicts: int = 0  # attempts that lost to a concurrent writer and started again
     steps_total: int = 0
     trajectories: int = 0
@@ -140,6 +144,7 @@ class SilverRun:
             "feedback_added": self.feedback_added,
             "conflicts_added": self.conflicts_added,
             "duplicates_dropped": self.duplicates_dropped,
+            "steps_renumbered": self.steps_renumbered,
             "write_conflicts": self.write_conflicts,
             "steps_total": self.steps_total,
             "trajectories": self.trajectories,
@@ -244,10 +249,10 @@ def _anchors(view: SilverView, calls: pl.DataFrame, window_us: int) -> pl.DataFr
 
 def _new_steps(
     view: SilverView, steps: pl.DataFrame, options: SilverOptions
-) -> tuple[pl.DataFrame, pl.DataFrame, int]:
-    """(new silver steps with their `reward`, conflicts, duplicates dropped), looked up in
-    the view (silver before this run): only the stored rows sharing an event id or a step
-    key with the new ones are compared."""
+) -> tuple[pl.DataFrame, pl.DataFrame, int, int]:
+    """(new silver steps with their `reward`, conflicts, duplicates dropped, proxied steps
+    renumbered), looked up in the view (silver before this run): only the stored rows
+    sharing an event id or a step key with the new ones are compared."""
     candidates = step_candidates(steps)
     first = first_arrivals(candidates, view.known_event_ids(candidates["event_id"]))
     candidates = with_content_ids(keep_rows(candidates, first))
@@ -256,11 +261,15 @@ def _new_steps(
     anchors = _anchors(view, unscoped, window_us)
     candidates = with_step_keys(place_unscoped(candidates, anchors, window_us))
     taken = view.steps.rows_where("step_key", candidates["step_key"])
+    candidates, renumbered = renumber_clashes(candidates, taken)
+    if renumbered:
+        log.warning("silver: %d proxied steps had a taken key: renumbered", renumbered)
+        taken = view.steps.rows_where("step_key", candidates["step_key"])
     keep, conflicts, duplicates = split_duplicates(candidates, taken.select(INDEX_COLUMNS))
     known = steps.height - int(first.sum())
     new = keep_rows(candidates, keep)
     earlier = view.steps_of(new["trajectory_uid"].unique())
-    return with_fragments(new, earlier), conflicts, known + duplicates
+    return with_fragments(new, earlier), conflicts, known + duplicates, renumbered
 
 
 def _join_partials(
@@ -489,7 +498,7 @@ def _build_once(
     guard = Guard((SILVER_WRITER,), until, pins)
     steps, fact_records, run.read_mode = _read_bronze(lake, after, until)
     run.bronze_rows = steps.height + fact_records.height
-    new, conflicts, run.duplicates_dropped = _new_steps(view, steps, options)
+    new, conflicts, run.duplicates_dropped, run.steps_renumbered = _new_steps(view, steps, options)
     new, absorbed, replacing = _join_partials(lake, view, new, pins[SILVER_STEPS])
     if conflicts.height:  # rare: the (small) conflicts table is read only then
         stored_conflicts = _stored(

@@ -3,7 +3,9 @@
 Step records come from three sources, told apart by `source_kind`: white-box submissions
 (`kind = step`), proxied completions (`chat_completion`, `completion`) and the Claw-R1 proxy
 routes (proxied, `metadata.scope_via = claw_r1`). Unscoped proxied calls are placed by
-`stitching` before their step keys are final.
+`stitching` before their step keys are final. A white-box step's key is its client's; a
+scoped proxied step's is the gateway's, so two records under it are two calls the gateway
+numbered alike (`renumber_clashes`), never one step sent twice.
 
 The token columns are the bulk of the data, so they are never sorted, joined or copied here:
 decisions are made on small key frames and applied as row masks (usually keeping every row)
@@ -148,6 +150,62 @@ def with_step_keys(frame: pl.DataFrame) -> pl.DataFrame:
     return frame.with_columns(
         step_key=pl.col("trajectory_uid") + ":" + pl.col("step_index").cast(pl.String)
     )
+
+
+def renumber_clashes(candidates: pl.DataFrame, stored: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """(candidates where each scoped proxied step whose key another call holds has a key of
+    its own, how many moved).
+
+    The gateway numbers a scoped trajectory's proxied steps, so two records under one key
+    with different event ids are two calls, never one call sent twice (a retry of one call
+    keeps its event ids): it numbered them alike without knowing of the other (gateways
+    serving one trajectory at once, the calls not showing each other's turns; docs/DESIGN.md
+    §4). The holder keeps the key (the stored step, else the first received); each other
+    takes `step_index` = the microsecond it was received, beyond any index a gateway or a
+    white-box client gives (so it moves no other step, and a rebuild decides as an increment
+    does), with `metadata.renumbered_from` the key its client was given. White-box steps
+    (their client's keys) are left to `split_duplicates`.
+
+    `candidates` needs `event_id, step_key, trajectory_uid, step_index, received_at,
+    received_us, source_kind, unscoped, metadata`; `stored` silver's `step_key, event_id`
+    of their keys.
+    """
+    keys = candidates.select("step_key", "event_id", "received_at").with_row_index("row")
+    first = keys.sort("received_at", "event_id").unique("step_key", keep="first")
+    holders = pl.concat(
+        [stored.select("step_key", "event_id"), first.select("step_key", "event_id")]
+    ).unique("step_key", keep="first", maintain_order=True)
+    numbered = (pl.col("source_kind") != "white_box") & ~pl.col("unscoped").fill_null(False)
+    rows = (
+        keys.join(holders.rename({"event_id": "holder"}), on="step_key")
+        .filter(pl.col("holder") != pl.col("event_id"))
+        .join(candidates.select(numbered.alias("numbered")).with_row_index("row"), on="row")
+        .filter("numbered")["row"]
+        .sort()
+    )
+    if rows.is_empty():
+        return candidates, 0
+    moved = candidates.select("trajectory_uid", "step_key", "event_id", "received_us", "metadata")[
+        rows
+    ]
+    moved = moved.with_row_index("at").sort("event_id")
+    moved = moved.with_columns(
+        step_index=pl.col("received_us")
+        + pl.int_range(pl.len(), dtype=pl.Int64).over("trajectory_uid", "received_us")
+    ).sort("at")
+    marker = pl.struct(renumbered_from="step_key").struct.json_encode()
+    rest = pl.col("metadata").str.slice(1)  # the metadata's members and closing brace
+    updates = moved.select(
+        "step_index",
+        step_key=pl.col("trajectory_uid") + ":" + pl.col("step_index").cast(pl.String),
+        metadata=pl.when(pl.col("metadata") == "{}")
+        .then(marker)
+        .otherwise(pl.concat_str(marker.str.head(-1), pl.lit(","), rest)),
+    )
+    return candidates.with_columns(
+        candidates[name].cast(updates[name].dtype).clone().scatter(rows, updates[name])
+        for name in updates.columns
+    ), len(rows)
 
 
 def split_duplicates(

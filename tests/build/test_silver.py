@@ -3,6 +3,7 @@ with Dagster in-process and with `claw materialize`."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from deltalake import write_deltalake
 from claw_pipelines.build.gold import build_partition
 from claw_pipelines.build.silver import build_silver, watermark
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
-from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
+from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEP_CONFLICTS, SILVER_STEPS
 from claw_pipelines.definitions import defs
 from claw_pipelines.defs.automation import bronze_version_sensor
 from claw_pipelines.defs.resources import ClawLake
@@ -425,3 +426,46 @@ def test_maintenance_job_compacts_and_keeps_time_travel(tmp_path, monkeypatch):
     assert len(lake.open(BRONZE_EVENTS).file_uris()) < files_before
     assert sorted(lake.read(BRONZE_EVENTS)["event_id"].to_list()) == ["e0", "e1", "e2", "e3"]
     assert lake.read(BRONZE_EVENTS, version=2).height == 2  # old versions still readable
+
+
+def scoped_call(trajectory: str, index: int, prompt: list[int], response: list[int]) -> dict:
+    """A scoped proxied call as bronze holds it: the gateway's step index."""
+    row = step(trajectory, index, prompt, response, version=1)
+    payload = row["payload"].replace('"metadata": {}', '"metadata": {"scoped": true}')
+    return row | {"kind": "chat_completion", "payload": payload, "token_source": "upstream"}
+
+
+def test_proxied_calls_the_gateway_numbered_alike_are_all_kept_in_arrival_order(tmp_path):
+    """A gateway that numbered a trajectory's calls again from 0 (how one numbered before
+    this fix after a restart): the later calls are other calls, not conflicts; each keeps
+    its tokens under a key of its own, after the earlier turns, in an increment as in a
+    rebuild from nothing."""
+    history: list[int] = [1, 2]
+    rows = []
+    for turn in range(6):
+        reply = [100 + turn]
+        rows.append(scoped_call("t", turn % 3, list(history), reply))
+        history += [*reply, 200 + turn]
+    lake = Lake(str(tmp_path / "lake"))
+    land(lake, rows[:3])
+    build_silver(lake)
+    land(lake, rows[3:])
+    run = build_silver(lake)
+    assert run.steps_renumbered == 3 and run.conflicts_added == 0
+    whole = Lake(str(tmp_path / "whole"))
+    land(whole, rows)
+    assert build_silver(whole).steps_renumbered == 3
+    for built in (lake, whole):
+        steps = built.read(SILVER_STEPS).sort("step_index")
+        assert steps["event_id"].to_list() == [r["event_id"] for r in rows]  # arrival order
+        keys = steps["step_key"].to_list()
+        assert keys[:3] == ["t:0", "t:1", "t:2"] and len(set(keys)) == 6
+        assert steps["fragment"].to_list() == [0] * 6  # each turn extends the one before
+        moved = [json.loads(m).get("renumbered_from") for m in steps["metadata"]]
+        assert moved == [None, None, None, "t:0", "t:1", "t:2"]
+        assert built.read(SILVER_STEP_CONFLICTS).is_empty()
+    assert (
+        lake.read(SILVER_STEPS)
+        .sort("step_key")
+        .equals(whole.read(SILVER_STEPS).sort("step_key").select(lake.read(SILVER_STEPS).columns))
+    )

@@ -19,7 +19,11 @@ from claw_pipelines.transforms.hashing import (
     sequence_hash,
     slice_content_hashes,
 )
-from claw_pipelines.transforms.steps import split_duplicates, with_content_ids
+from claw_pipelines.transforms.steps import (
+    renumber_clashes,
+    split_duplicates,
+    with_content_ids,
+)
 from claw_pipelines.transforms.stitching import StitchInput, stitch
 from claw_pipelines.transforms.trajectories import trajectory_statuses
 
@@ -298,6 +302,45 @@ def test_duplicates_are_dropped_and_conflicts_kept_out_first_received_wins():
         "e5": "e3",  # differs from the first received candidate
     }
     assert duplicates == 2  # e1 (same as stored e0) and e4 (same as e3)
+
+
+def test_a_proxied_call_given_a_taken_key_gets_its_own_and_white_box_steps_stay_conflicts():
+    """The gateway numbers scoped proxied steps: another call under a taken key is renumbered
+    to the microsecond it arrived (the holder, stored or first received, keeps the key); the
+    same event again is left to dedup, and a white-box step's key stays its client's."""
+    at = [T0 + timedelta(seconds=s) for s in (1, 2, 3, 4, 5, 6)]
+    candidates = pl.DataFrame(
+        {
+            "step_key": ["t:0", "t:1", "t:1", "t:0", "w:0", "u:0"],
+            "event_id": ["e1", "e2", "e3", "e0", "e5", "e6"],
+            "trajectory_uid": ["t", "t", "t", "t", "w", "u"],
+            "step_index": [0, 1, 1, 0, 0, 0],
+            "received_at": at,
+            "received_us": [int(t.timestamp() * 1e6) for t in at],
+            "source_kind": ["proxy", "claw_r1", "proxy", "proxy", "white_box", "proxy"],
+            "unscoped": [False, False, False, False, False, True],
+            "metadata": ['{"scoped":true}', "{}", "{}", "{}", "{}", "{}"],
+        }
+    )
+    stored = pl.DataFrame({"step_key": ["t:0", "w:0", "u:0"], "event_id": ["e0", "e9", "e8"]})
+    placed, moved = renumber_clashes(candidates, stored)
+    assert moved == 2
+    us = candidates["received_us"].to_list()
+    assert placed["step_key"].to_list() == [
+        f"t:{us[0]}",  # t:0 is stored (e0): a second call under it
+        "t:1",  # the first received of t:1 keeps it
+        f"t:{us[2]}",
+        "t:0",  # the stored step's own event again: dedup drops it later
+        "w:0",  # white-box: the client's key (a conflict or a duplicate, as before)
+        "u:0",  # unscoped: stitching gave its key
+    ]
+    assert placed["step_index"].to_list()[:3] == [us[0], 1, us[2]]
+    assert placed["metadata"].to_list()[:3] == [
+        '{"renumbered_from":"t:0","scoped":true}',
+        "{}",
+        '{"renumbered_from":"t:1"}',
+    ]
+    assert renumber_clashes(placed, stored)[1] == 0  # the new keys are free
 
 
 def test_stitching_is_hash_joined_not_quadratic():
