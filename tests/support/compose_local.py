@@ -10,9 +10,17 @@ directory of its own (its "root": absolute container paths in arguments and envi
 into it), the image's copied files placed there, and each volume or bind mount a symlink at
 its target to a shared directory (named volumes, which start with the image's files there)
 or to a local file (binds, relative to the compose file unless given; a missing bind source
-fails as `create_host_path: false` makes compose fail). Services start in dependency
-order, honouring `service_started`, `service_healthy` (the healthcheck's command, run locally)
-and `service_completed_successfully`."""
+fails as `create_host_path: false` makes compose fail); a service's `working_dir` is that
+path in its root. SeaweedFS's listeners all bind loopback here (in compose its S3 port binds
+the network); no other service gets one of its ports or their gRPC twins (+10000). Services
+start in dependency order, honouring `service_started`, `service_healthy` (the healthcheck's
+command, run locally) and `service_completed_successfully`; `up(services=[...])` starts only
+those and what they depend on.
+
+The lake's S3 identities (docs/DESIGN.md §17) as the one-shot `lake-secrets` laid them out:
+`credentials(component)`, `storage_options(component)` (what that component's processes use
+here), `secrets_dir(component)`, and `s3_url()` of the store; `tests.support.s3`'s
+`signed_s3_request` tries a key on it."""
 
 from __future__ import annotations
 
@@ -152,6 +160,15 @@ def _listen_ports(argv: list[str]) -> list[int]:
     return ports
 
 
+def _free_port(taken: set[int]) -> int:
+    """A free loopback port not in `taken` (then taken too)."""
+    port = free_port()
+    while port in taken:
+        port = free_port()
+    taken.add(port)
+    return port
+
+
 @dataclass
 class LocalService:
     """One compose service as a local process."""
@@ -198,14 +215,17 @@ class LocalCompose:
         for name, spec in self.file["services"].items():
             argv = [*(spec.get("entrypoint") or self._entrypoint(spec)), *spec.get("command", [])]
             self.services[name] = LocalService(name, spec, argv, _depends(spec))
+        taken: set[int] = set()  # SeaweedFS's ports and their gRPC twins (+10000)
         for service in self.services.values():
-            listening = _listen_ports(service.argv)
             if service.spec["image"].startswith(SEAWEED_IMAGE + ":"):
                 local = seaweed_ports(4)  # s3, and the master, volume and filer it runs too
+                listening = _listen_ports(service.argv)
                 service.ports = dict(zip(listening, local, strict=False))
                 service.extra = local[len(listening) :]
-            else:
-                service.ports = {port: free_port() for port in listening}
+                taken |= {*local, *(port + 10000 for port in local)}
+        for service in self.services.values():
+            if not service.spec["image"].startswith(SEAWEED_IMAGE + ":"):
+                service.ports = {port: _free_port(taken) for port in _listen_ports(service.argv)}
         for service in self.services.values():
             self._translate(service)
 

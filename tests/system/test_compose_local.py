@@ -4,12 +4,12 @@ dependency order. Then chat calls go through each gateway replica with the offic
 client and a key from the mounted keys file; one replica is killed with SIGKILL mid-traffic
 and restarted on its WAL volume; every acknowledged step reaches silver and a gold dataset
 (the continuous materializer), whose increments the Dagster UI shows (the shared Dagster
-storage volume); the Dagster webserver answers with its daemon healthy, and the dashboard
-loads."""
+storage volume); the Dagster webserver (and its read-only twin) answers with its daemon
+healthy, and the dashboard loads. Every process reaches the lake with its own S3 identity, laid
+out at the first start by the one-shot `lake-secrets` (docs/DESIGN.md §17)."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
@@ -82,6 +82,7 @@ def test_the_compose_file_starts_as_local_processes_and_carries_traffic(tmp_path
         tmp_path / "compose", binds={"./api-keys": keys_file}, host_env={"CLAW_GATEWAY_KEY": key}
     ) as stack:
         order = stack.up(timeout=240)
+        assert order.index("lake-secrets") < order.index("s3") < order.index("bucket")
         assert order.index("bucket") < order.index("gateway-1") < order.index("dashboard")
         assert order.index("dagster-code") < order.index("dagster-webserver")
         gateways = [n for n, s in stack.services.items() if s.argv[1:2] == ["gateway"]]
@@ -89,7 +90,8 @@ def test_the_compose_file_starts_as_local_processes_and_carries_traffic(tmp_path
         for name in gateways:
             wait_until(lambda n=name: stack.answers(n, "/readyz"), 120, what=f"{name} ready")
         env = stack.services["materializer"].env
-        lake = Lake(env["CLAW_LAKE_URI"], json.loads(env["CLAW_STORAGE_OPTIONS"]))
+        assert "AWS_SECRET_ACCESS_KEY" not in env["CLAW_STORAGE_OPTIONS"]  # in its volume
+        lake = Lake(env["CLAW_LAKE_URI"], stack.storage_options("materializer"))
         save_spec(lake, SPEC)
         up_s = time.monotonic() - started
 
@@ -127,6 +129,7 @@ def test_the_compose_file_starts_as_local_processes_and_carries_traffic(tmp_path
 
         dagster = stack.services["dagster-webserver"].url()
         assert stack.answers("dagster-webserver", "/server_info")
+        assert stack.answers("dagster-webserver-read-only", "/server_info")
         wait_until(lambda: daemons_healthy(dagster), 60, interval=1, what="Dagster daemons")
         wait_until(
             lambda: reported_by_the_materializer(dagster),
@@ -136,13 +139,13 @@ def test_the_compose_file_starts_as_local_processes_and_carries_traffic(tmp_path
         )
         wait_until(lambda: stack.answers("dashboard", "/_stcore/health"), 60, what="dashboard")
         assert stack.answers("dashboard", "/")
-        jobs = {  # one-shots (the bucket, Dagster's storage): others wait for them to end
+        jobs = {  # one-shots (the secrets, the bucket, Dagster's storage): others wait for them
             needed
             for service in stack.services.values()
             for needed, condition in service.depends.items()
             if condition == "service_completed_successfully"
         }
-        assert jobs == {"bucket", "dagster-storage"}, jobs
+        assert jobs == {"lake-secrets", "bucket", "dagster-storage"}, jobs
         for name, service in stack.services.items():
             if name not in jobs:
                 assert service.running, f"{name} exited: {stack.tail(name)}"
