@@ -18,6 +18,7 @@ from claw_pipelines.lake.delta import Lake
 from claw_pipelines.settings import ClawSettings
 from gateway.idempotency import IdempotencyIndex
 from gateway.metrics import GatewayMetrics, labelled
+from gateway.numbering import RecordedSteps, proxied_steps, wal_steps
 from gateway.records import BronzeRecord
 from gateway.redaction import redact_payload
 from gateway.wal.frames import encode_frame, read_segment
@@ -44,10 +45,20 @@ class Landing:
     The event loop admits requests and commits WAL groups; every `flush_interval_ms` it seals
     the open segment; the flusher process (gateway.wal.flusher) lands sealed segments in
     `bronze/events`, so Parquet encoding and lake latency never hold this process's GIL.
+
+    `recorded`: filled at start with the step indices of the proxied trajectories the WAL and
+    bronze hold (gateway.numbering), so the proxy's numbering resumes after them.
     """
 
-    def __init__(self, settings: ClawSettings, lake: Lake, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        settings: ClawSettings,
+        lake: Lake,
+        metrics: GatewayMetrics,
+        recorded: RecordedSteps | None = None,
+    ) -> None:
         self.settings = settings
+        self.recorded = recorded
         self.lake = lake
         self.metrics = metrics
         self.gateway_id = settings.gateway_id
@@ -79,11 +90,15 @@ class Landing:
         flusher_lock = take_lock(self.wal.directory / FLUSHER_LOCK, blocking=True)
         try:
             leftovers = self.wal.seal_leftovers()
-            self._load_recent_event_ids()
+            recent = self._load_recent()
             for path in leftovers:
                 records = read_segment(path)
                 self.index.remember(r.event_id for r in records)
                 self.metrics.replayed_records.inc(len(records))
+                if self.recorded is not None:
+                    recent.append(wal_steps(records))
+            if self.recorded is not None:
+                self.recorded.add(pl.concat(recent))
             landed = self.lake.transaction_version(BRONZE_EVENTS, self.gateway_id) or 0
         finally:
             os.close(flusher_lock)
@@ -191,20 +206,27 @@ class Landing:
             self.wal.seal()
 
     # -- state ------------------------------------------------------------------------------
-    def _load_recent_event_ids(self) -> None:
-        """Remember event ids bronze received since yesterday, so retries stay idempotent."""
-        if self.settings.dedup_capacity <= 0:
-            return
+    def _load_recent(self) -> list[pl.DataFrame]:
+        """Read what bronze received since yesterday, once: remember its event ids, so
+        retries stay idempotent; return its proxied steps (trajectory, index) when the
+        proxy's numbering is to resume after them (`recorded`)."""
+        ids = self.settings.dedup_capacity > 0
+        if not ids and self.recorded is None:
+            return []
         since = dt.datetime.now(dt.UTC).date() - dt.timedelta(days=1)
+        columns = ["event_id", "received_at"] if ids else []
+        if self.recorded is not None:
+            columns += ["kind", "trajectory_uid", "step_index"]
         recent = (
             self.lake.scan(BRONZE_EVENTS)
             .filter(pl.col("ingest_date") >= since)
-            .select("event_id", "received_at")
-            .sort("received_at")
-            .tail(self.settings.dedup_capacity)
+            .select(columns)
             .collect()
         )
-        self.index.remember(recent["event_id"].to_list())
+        if ids:
+            newest = recent.select("event_id", "received_at").sort("received_at")
+            self.index.remember(newest.tail(self.settings.dedup_capacity)["event_id"].to_list())
+        return [] if self.recorded is None else [proxied_steps(recent)]
 
     def backlog(self) -> dict[str, int]:
         """Durable bytes not yet in bronze: sealed segments on disk plus the open one."""

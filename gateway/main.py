@@ -20,6 +20,7 @@ from gateway.dispatch import Dispatcher
 from gateway.errors import install_error_handlers
 from gateway.landing import Landing
 from gateway.metrics import GatewayMetrics
+from gateway.numbering import RecordedSteps
 from gateway.openapi import document_routes, registered_routes
 from gateway.proxy import ProxyService
 from gateway.proxy.capture_mode import CaptureMode
@@ -92,7 +93,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
-        landed = landing or Landing(settings, Lake.from_settings(settings), metrics)
+        # the step indices the WAL and bronze hold, read at start when there is a proxy
+        recorded = RecordedSteps() if settings.upstream_url else None
+        landed = landing or Landing(settings, Lake.from_settings(settings), metrics, recorded)
         upstream = None
         if settings.upstream_url:
             upstream = Replicas.from_setting(
@@ -100,7 +103,7 @@ def create_app(
             )
             if capture.probe is not None and capture.probe.token_ids is False:
                 upstream.refuses_token_ids(stream=False)  # known at start: not asked again
-        proxy = ProxyService(settings, landed, upstream, metrics.registry, capture)
+        proxy = ProxyService(settings, landed, upstream, metrics.registry, capture, recorded)
         deadlines = ReadDeadlines(settings.body_read_timeout_s)
         services = GatewayServices(settings, keys, metrics, landed, proxy, deadlines, upstream)
         await landed.start()

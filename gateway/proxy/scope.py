@@ -15,6 +15,7 @@ from typing import Any
 
 from claw_pipelines.contracts.limits import INT32_MAX, MAX_UID_CHARS, is_uid
 from gateway.errors import ApiError
+from gateway.numbering import RecordedSteps
 
 TRAJECTORY_HEADER = "x-claw-trajectory"
 PROMPT_GROUP_HEADER = "x-claw-prompt-group"
@@ -83,27 +84,34 @@ class _Trajectory:
 class TrajectoryBook:
     """In-memory state of scoped trajectories: the next step index (0, 1, 2, ... in the order
     steps are recorded) and what `register_trajectory` said. Least recently used entries are
-    forgotten past `capacity`; the state does not survive a restart."""
+    forgotten past `capacity`. A trajectory new to the book starts after the steps `recorded`
+    holds (the WAL and bronze at start: gateway.numbering); what it registered does not
+    survive a restart."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self, capacity: int = DEFAULT_CAPACITY, recorded: RecordedSteps | None = None
+    ) -> None:
         self.capacity = capacity
+        self.recorded = recorded
         self._open: OrderedDict[str, _Trajectory] = OrderedDict()
 
     def _get(self, trajectory_uid: str) -> _Trajectory:
         state = self._open.get(trajectory_uid)
         if state is None:
-            state = self._open[trajectory_uid] = _Trajectory()
+            start = 0 if self.recorded is None else self.recorded.next_step(trajectory_uid)
+            state = self._open[trajectory_uid] = _Trajectory(start)
             if len(self._open) > self.capacity:
                 self._open.popitem(last=False)
         else:
             self._open.move_to_end(trajectory_uid)
         return state
 
-    def claim_steps(self, trajectory_uid: str, count: int) -> int:
-        """Reserve `count` consecutive step indices; returns the first."""
+    def claim_steps(self, trajectory_uid: str, count: int, at_least: int = 0) -> int:
+        """Reserve `count` consecutive step indices, the first of them at least `at_least`
+        (the turns the call shows were numbered elsewhere); returns the first."""
         state = self._get(trajectory_uid)
-        first = state.next_step
-        state.next_step += count
+        first = max(state.next_step, at_least)
+        state.next_step = first + count
         return first
 
     def ensure_next(self, trajectory_uid: str, next_step: int) -> None:

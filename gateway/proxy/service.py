@@ -23,6 +23,7 @@ from gateway.asgi import JSON, Answer
 from gateway.errors import ApiError
 from gateway.landing import Landing, Overloaded
 from gateway.metrics import LATENCY_BUCKETS, labelled
+from gateway.numbering import RecordedSteps, turns_shown
 from gateway.proxy.call import ProxyCall
 from gateway.proxy.capture import (
     COMPLETIONS,
@@ -77,12 +78,13 @@ class ProxyService:
         upstream: Replicas | None,
         registry: CollectorRegistry | None = None,
         capture: CaptureMode | None = None,
+        recorded: RecordedSteps | None = None,
     ) -> None:
         self.settings = settings
         self.landing = landing
         self.upstream = upstream
         self.capture = capture or CaptureMode(settings.tokenizer)
-        self.book = TrajectoryBook()
+        self.book = TrajectoryBook(recorded=recorded)
         self.token_in = TokenIn(settings, landing, self.book, self.capture)
         self.responses = Responses(ResponseStore(settings.resolved_wal_dir, landing.lake))
         self._overloaded_until = 0.0
@@ -513,14 +515,16 @@ class ProxyService:
 
     def _places(self, call: ProxyCall, indices) -> list[StepPlace]:
         """Where the choices with these indices go. Scoped: consecutive indices in the
-        trajectory, one per choice (`choice_index` in metadata says which). Unscoped: each
-        choice starts its own trajectory at index 0, and the choices of one prompt share a
-        prompt group (GRPO-style)."""
+        trajectory, one per choice (`choice_index` in metadata says which), after every
+        index this process gave, the WAL and bronze held at start, or the call's history
+        shows (gateway.numbering). Unscoped: each choice starts its own trajectory at index
+        0, and the choices of one prompt share a prompt group (GRPO-style)."""
         indices = list(indices)
         scope = call.scope
         published = call.published_at_dispatch  # when neither the agent nor its scope says
         if scope.trajectory_uid is not None:
-            first = self.book.claim_steps(scope.trajectory_uid, len(indices))
+            shown = turns_shown(call.body)
+            first = self.book.claim_steps(scope.trajectory_uid, len(indices), shown)
             version = call.registered_at_dispatch[0]
             if scope.policy_version is not None:
                 version = scope.policy_version
