@@ -959,3 +959,9 @@ def failing_builds(at: Where, mine: set[str] | None = None) -> list[FailingBuild
 def materializer_status(at: Where) -> bool:
     """Whether a live materializer is running on this lake (its heartbeat is fresh)."""
     return materializer_running(at.lake())
+
+
+def refused_by_the_store(exc: BaseException) -> bool:
+    """Whether a write failed because the object store refused this process's identity."""
+    text = str(exc)
+    return any(mark in text for mark in ("403", "AccessDenied", "Forbidden"))

@@ -48,6 +48,7 @@ OPTIONS_FILE = "storage-options.json"  # in each component's folder
 SEAWEEDFS = "seaweedfs"  # the store's own folder: identities.json, security.toml
 IDENTITIES_FILE = "identities.json"
 SECURITY_FILE = "security.toml"
+SPECS = "specs"  # claw_pipelines.lake.specs.spec_path's folder
 TOKENIZERS = "_tokenizers"  # claw_pipelines.lake.tokenizers.TOKENIZER_FOLDER (tested equal)
 PROBE_FOLDER = PROBE_PREFIX.split("/")[0]  # the start-up probe's keys (object_store)
 WHOLE_LAKE = ""
@@ -86,7 +87,12 @@ GRANTS: dict[str, Grant] = {
         write=(GOLD_CONSUMPTION, GOLD_TRAINER_FEEDBACK, GOLD_POLICY_VERSIONS, PROBE_FOLDER),
         job="reads gold, records what it consumed and its feedback, publishes policy versions",
     ),
-    "dashboard": Grant(read=(WHOLE_LAKE,), job="reads the lake"),
+    "dashboard": Grant(
+        read=(WHOLE_LAKE,),
+        write=(SPECS,),
+        job="reads the lake, saves the curation specs its Curation page makes (the "
+        "materializer builds them)",
+    ),
 }
 COMPONENTS = tuple(GRANTS)
 

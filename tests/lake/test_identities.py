@@ -71,7 +71,11 @@ def test_actions_are_scoped_to_the_lakes_prefix():
     assert "Write:claw-lake/lake/bronze/events/*" in gateway
     assert "Read:claw-lake/lake/gold/policy_versions/*" in gateway
     assert not any(a.startswith(("Admin", "Write:claw-lake/lake/silver")) for a in gateway)
-    assert identity_actions(GRANTS["dashboard"], "b", "") == ["Read:b/*", "List:b/*"]
+    assert identity_actions(GRANTS["dashboard"], "b", "") == [
+        "Read:b/*",
+        "List:b/*",
+        "Write:b/specs/*",
+    ]
     assert identity_actions(GRANTS["admin"], "b", "x/y") == ["Admin:b"]
     for component, grant in GRANTS.items():  # no action without a bucket and a prefix
         for action in identity_actions(grant, "claw-lake", "lake"):

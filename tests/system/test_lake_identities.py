@@ -21,6 +21,7 @@ import numpy as np
 import openai
 import pytest
 
+from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     GOLD_CONSUMPTION,
@@ -29,6 +30,7 @@ from claw_pipelines.contracts.tables import (
     gold_dataset_table,
 )
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import load_spec, save_spec
 from gateway.auth import create_key
 from tests.support.compose_local import LocalCompose
 from tests.support.s3 import s3_error_codes, signed_s3_request, signed_s3_response
@@ -62,7 +64,7 @@ WRITES = {
     "materializer": EVERYWHERE,
     "dagster": EVERYWHERE,
     "trainer": {"gold/consumption", "gold/trainer_feedback", "gold/policy_versions", "_claw"},
-    "dashboard": set(),
+    "dashboard": {"specs"},
 }
 READS = {
     "gateway": {"bronze/events", "gold/policy_versions", "_tokenizers"},
@@ -218,7 +220,8 @@ def test_each_component_can_do_its_job_in_the_lake_and_no_more(stack):
     )
     assert signed_s3_request(url, "DELETE", lake_path("silver/steps", "seed"), *gateway) == 403
     assert signed_s3_request(url, "PUT", lake_path("gold/datasets/x", "y"), *gateway, b"1") == 403
-    assert signed_s3_request(url, "PUT", lake_path("specs", "mine.yaml"), *dashboard, b"1") == 403
+    assert signed_s3_request(url, "PUT", lake_path("specs", "mine.yaml"), *dashboard, b"1") == 200
+    assert signed_s3_request(url, "PUT", lake_path("gold/datasets/x", "y"), *dashboard, b"1") == 403
     assert signed_s3_request(url, "PUT", lake_path("gold/consumption", "z"), *trainer, b"1") == 200
     assert signed_s3_request(url, "PUT", lake_path("silver/steps", "z"), *trainer, b"1") == 403
     admin = stack.credentials("admin")
@@ -366,7 +369,7 @@ def test_each_component_runs_its_real_job_with_its_own_key(stack, monkeypatch):
     """The compose file's gateway and materializer, each with only its own volume's key pair,
     land chat calls in bronze and build silver and gold; a trainer with the trainer's key pulls
     a batch, records its feedback and publishes a policy version; the dashboard's key reads all
-    of it and cannot save a curation spec."""
+    of it and saves a curation spec, but writes nothing else."""
     stack.up(timeout=180, services=["gateway-1", "materializer"])
     wait_until(lambda: stack.answers("gateway-1", "/readyz"), 120, what="gateway-1 ready")
     trajectories = {chat_trajectory(stack.services["gateway-1"].url(), stack.api_key)}
@@ -403,5 +406,7 @@ def test_each_component_runs_its_real_job_with_its_own_key(stack, monkeypatch):
     consumed = reader.read(GOLD_CONSUMPTION)
     assert "identities-trainer" in set(consumed["consumer"])
     assert 7 in set(reader.read(GOLD_POLICY_VERSIONS)["policy_version"])
+    saved = save_spec(reader, CurationSpec(name="from-the-dashboard", tenant="identities-tenant"))
+    assert load_spec(reader, "from-the-dashboard") == saved  # the Curation page's save
     with pytest.raises(Exception, match=r"403|denied|privileges"):
-        reader.write_text("specs/from-the-dashboard.yaml", "name: nope\n")
+        reader.write_text("silver/steps/from-the-dashboard.json", "{}")
