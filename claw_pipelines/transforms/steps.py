@@ -170,6 +170,8 @@ def renumber_clashes(candidates: pl.DataFrame, stored: pl.DataFrame) -> tuple[pl
     received_us, source_kind, unscoped, metadata`; `stored` silver's `step_key, event_id`
     of their keys.
     """
+    if stored.is_empty() and candidates["step_key"].n_unique() == candidates.height:
+        return candidates, 0  # no key taken twice (the common case: one hash pass)
     keys = candidates.select("step_key", "event_id", "received_at").with_row_index("row")
     first = keys.sort("received_at", "event_id").unique("step_key", keep="first")
     holders = pl.concat(
