@@ -10,6 +10,7 @@ import itertools
 import uuid
 from pathlib import Path
 
+import httpx
 import openai
 import polars as pl
 import pytest
@@ -139,6 +140,48 @@ def test_numbering_survives_a_sigkill_from_the_wal_for_calls_that_show_no_histor
     with GatewayProcess(lake, **env(sim)) as gw:
         keys += [stateless_turn(gw, trajectory, n) for n in range(3, 6)]
     assert_one_whole_trajectory(lake, trajectory, keys, nested=False)
+
+
+def test_claw_r1_and_responses_trajectories_go_on_numbering_after_a_restart(sim, tmp_path):
+    """A Claw-R1 trajectory (its own base URL, each call a new question) and a scoped
+    Responses chain (`previous_response_id`) across a SIGTERM."""
+    lake = tmp_path / "lake"
+    chain = f"traj-resp-{uuid.uuid4().hex[:6]}"
+    responses, r1_keys = [], []
+    with GatewayProcess(lake, **env(sim)) as gw:
+        init = httpx.post(
+            gw.url + "/init_trajectory", json={}, headers={"Authorization": f"Bearer {KEY}"}
+        ).json()
+        r1 = openai.OpenAI(base_url=init["base_url"], api_key=KEY, max_retries=0)
+        agent = client(gw, chain).responses.with_raw_response
+        for n in range(2):
+            question = [{"role": "user", "content": f"What is {n} + 2?"}]
+            raw = r1.chat.completions.with_raw_response.create(model=MODEL, messages=question)
+            r1_keys.append(raw.headers["x-claw-step-keys"])
+            previous = {"previous_response_id": responses[-1][1]} if responses else {}
+            raw = agent.create(model=MODEL, input=f"And {n} + 3?", **previous)
+            responses.append((raw.headers["x-claw-step-keys"], raw.parse().id))
+    r1_path = init["base_url"].removeprefix(gw.url)
+    with GatewayProcess(lake, **env(sim)) as gw:
+        r1 = openai.OpenAI(base_url=gw.url + r1_path, api_key=KEY, max_retries=0)
+        raw = r1.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is 9 + 2?"}]
+        )
+        r1_keys.append(raw.headers["x-claw-step-keys"])
+        raw = client(gw, chain).responses.with_raw_response.create(
+            model=MODEL, input="And 9 + 3?", previous_response_id=responses[-1][1]
+        )
+        responses.append((raw.headers["x-claw-step-keys"], raw.parse().id))
+    trajectory = init["trajectory_uid"]
+    assert r1_keys == [f"{trajectory}:{n}" for n in range(3)]
+    assert [k for k, _ in responses] == [f"{chain}:{n}" for n in range(3)]
+    steps, conflicts = silver_of(lake, trajectory, 3)
+    assert steps["step_key"].to_list() == r1_keys and conflicts.is_empty()
+    assert set(steps["source_kind"]) == {"claw_r1"}
+    steps, conflicts = silver_of(lake, chain, 3)
+    assert steps["step_key"].to_list() == [k for k, _ in responses] and conflicts.is_empty()
+    rows = steps.to_dicts()
+    assert all(nests(a, b) for a, b in itertools.pairwise(rows))
 
 
 def test_turns_alternating_between_two_gateways_on_one_lake_are_one_trajectory(sim, tmp_path):
