@@ -90,7 +90,8 @@ class Landing:
         flusher_lock = take_lock(self.wal.directory / FLUSHER_LOCK, blocking=True)
         try:
             leftovers = self.wal.seal_leftovers()
-            recent = self._load_recent()
+            self._load_recent_event_ids()
+            recent = [] if self.recorded is None else [self._recorded_steps()]
             for path in leftovers:
                 records = read_segment(path)
                 self.index.remember(r.event_id for r in records)
@@ -206,27 +207,29 @@ class Landing:
             self.wal.seal()
 
     # -- state ------------------------------------------------------------------------------
-    def _load_recent(self) -> list[pl.DataFrame]:
-        """Read what bronze received since yesterday, once: remember its event ids, so
-        retries stay idempotent; return its proxied steps (trajectory, index) when the
-        proxy's numbering is to resume after them (`recorded`)."""
-        ids = self.settings.dedup_capacity > 0
-        if not ids and self.recorded is None:
-            return []
+    def _load_recent_event_ids(self) -> None:
+        """Remember event ids bronze received since yesterday, so retries stay idempotent."""
+        if self.settings.dedup_capacity <= 0:
+            return
         since = dt.datetime.now(dt.UTC).date() - dt.timedelta(days=1)
-        columns = ["event_id", "received_at"] if ids else []
-        if self.recorded is not None:
-            columns += ["kind", "trajectory_uid", "step_index"]
         recent = (
             self.lake.scan(BRONZE_EVENTS)
             .filter(pl.col("ingest_date") >= since)
-            .select(columns)
+            .select("event_id", "received_at")
+            .sort("received_at")
+            .tail(self.settings.dedup_capacity)
             .collect()
         )
-        if ids:
-            newest = recent.select("event_id", "received_at").sort("received_at")
-            self.index.remember(newest.tail(self.settings.dedup_capacity)["event_id"].to_list())
-        return [] if self.recorded is None else [proxied_steps(recent)]
+        self.index.remember(recent["event_id"].to_list())
+
+    def _recorded_steps(self) -> pl.DataFrame:
+        """The newest step index of each proxied trajectory bronze received since yesterday:
+        a query of its own, reduced to a row a trajectory as it is read (collected in the
+        event ids' scan, its columns held ~100 bytes a record at the peak)."""
+        since = dt.datetime.now(dt.UTC).date() - dt.timedelta(days=1)
+        return proxied_steps(
+            self.lake.scan(BRONZE_EVENTS).filter(pl.col("ingest_date") >= since)
+        ).collect()
 
     def backlog(self) -> dict[str, int]:
         """Durable bytes not yet in bronze: sealed segments on disk plus the open one."""

@@ -64,10 +64,12 @@ class RecordedSteps:
         return 0
 
 
-def proxied_steps(frame: pl.DataFrame) -> pl.DataFrame:
-    """The `trajectory_uid`, `step_index` of a bronze frame's proxied steps (with `kind`)."""
-    return frame.filter(pl.col("kind").is_in(PROXIED_KINDS)).select(
-        "trajectory_uid", pl.col("step_index").cast(pl.Int64)
+def proxied_steps(bronze: pl.LazyFrame) -> pl.LazyFrame:
+    """The newest `step_index` of each trajectory among bronze's proxied steps."""
+    return (
+        bronze.filter(pl.col("kind").is_in(PROXIED_KINDS) & pl.col("step_index").is_not_null())
+        .group_by("trajectory_uid")
+        .agg(pl.col("step_index").cast(pl.Int64).max())
     )
 
 
