@@ -52,6 +52,8 @@ from claw_pipelines.lake.delta import Lake  # noqa: E402
 from claw_pipelines.lake.specs import save_spec  # noqa: E402
 from tests.support.browser import PAGES, chromium  # noqa: E402
 from tests.support.compose_local import COMPOSE, LocalCompose, load_compose  # noqa: E402
+from tests.support.dagster_ui import REFUSED, repository, try_mutations  # noqa: E402
+from tests.support.ingest import chat_trajectory  # noqa: E402
 from tests.support.s3 import seaweed_server, signed_s3_request  # noqa: E402
 from tests.support.servers import wait_until  # noqa: E402
 
@@ -63,10 +65,6 @@ BUCKET, ROOT = "claw-lake", "lake"
 URI = f"s3://{BUCKET}/{ROOT}"
 NEW_BUCKET = "intruder-bucket"
 WRONG_KEY = ("AKIAINTRUDER00000000", "not-the-secret-of-anyone-here")
-REPOSITORY = """
-{ repositoriesOrError { ... on RepositoryConnection { nodes {
-    name location { name } jobs { name } sensors { name sensorState { id status } } } } } }
-"""
 
 
 @dataclass
@@ -126,26 +124,6 @@ def open_store_baseline(workdir: Path) -> Tally:
 
 
 # -- traffic with the components' own credentials --------------------------------------------
-
-
-def chat(gateway_url: str, key: str, trajectory: str, turns: int = 2) -> None:
-    """`turns` scoped chat turns of one trajectory, then its completion with a reward."""
-    base = f"{gateway_url}/t/{trajectory}/g/{trajectory}-g/v1"
-    messages = [{"role": "user", "content": "What is 6 * 7?"}]
-    with openai.OpenAI(base_url=base, api_key=key, max_retries=2, timeout=60) as agent:
-        for _ in range(turns):
-            answer = agent.chat.completions.create(model=MODEL, messages=messages)
-            messages += [
-                {"role": "assistant", "content": answer.choices[0].message.content},
-                {"role": "user", "content": "And times 2?"},
-            ]
-    done = httpx.post(
-        f"{gateway_url}/v1/trajectories/{trajectory}/complete",
-        json={"reward": 1.0},
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=30,
-    )
-    done.raise_for_status()
 
 
 def in_gold(reader: Lake, dataset: str, trajectory: str) -> bool:
@@ -246,42 +224,8 @@ def dagster_attempts(stack: LocalCompose, tally: Tally) -> None:
                 "dagster", f"{name} port {port} reachable beyond loopback", not is_loopback(host)
             )
     readonly = next(s for s in stack.services.values() if "--read-only" in s.argv).url()
-
-    def graphql(query: str, variables: dict | None = None) -> dict:
-        answer = httpx.post(
-            readonly + "/graphql", json={"query": query, "variables": variables}, timeout=60
-        )
-        answer.raise_for_status()
-        return answer.json()["data"]
-
-    (repository,) = graphql(REPOSITORY)["repositoriesOrError"]["nodes"]
-    job = next(j["name"] for j in repository["jobs"] if not j["name"].startswith("__"))
-    selector = {
-        "repositoryLocationName": repository["location"]["name"],
-        "repositoryName": repository["name"],
-        "jobName": job,
-    }
-    mutations = {  # valid mutations: only the webserver's permissions can refuse them
-        "launchRun": (
-            "mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __typename } }",
-            {"p": {"selector": selector, "runConfigData": {}}},
-        ),
-        "wipeAssets": (
-            'mutation { wipeAssets(assetPartitionRanges: [{assetKey: {path: ["silver",'
-            ' "steps"]}}]) { __typename } }',
-            None,
-        ),
-        "stopSensor": (
-            "mutation($id: String!) { stopSensor(id: $id) { __typename } }",
-            {"id": repository["sensors"][0]["sensorState"]["id"]},
-        ),
-        "reloadWorkspace": ("mutation { reloadWorkspace { __typename } }", None),
-    }
-    for name, (mutation, variables) in mutations.items():
-        answer = graphql(mutation, variables)[name]["__typename"]
-        tally.attempt(
-            "dagster", f"read-only webserver: {name}", answer != "UnauthorizedError", answer
-        )
+    for name, answer in try_mutations(readonly, repository(readonly)).items():
+        tally.attempt("dagster", f"read-only webserver: {name}", answer != REFUSED, answer)
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -311,7 +255,7 @@ def main() -> None:
         gateways = {"acme": "gateway-1", "globex": "gateway-2"}
         traffic_started = time.monotonic()
         for tenant, trajectory in trajectories.items():
-            chat(stack.services[gateways[tenant]].url(), keys[tenant][0], trajectory)
+            chat_trajectory(stack.services[gateways[tenant]].url(), keys[tenant][0], trajectory)
         reader = Lake(URI, stack.storage_options("dashboard"))
         for tenant, trajectory in trajectories.items():
             wait_until(

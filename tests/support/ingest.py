@@ -1,11 +1,14 @@
 """What agents send a real gateway and what lands of it: white-box step bodies, a JSON POST
-that keeps out-of-range floats, and bronze rows read back (by event id, by trajectory)."""
+that keeps out-of-range floats, a scoped chat trajectory through the official client, and
+bronze rows read back (by event id, by trajectory)."""
 
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
+import openai
 import polars as pl
 
 from tests.support.servers import bronze, wait_landed, wait_until
@@ -54,3 +57,28 @@ def trajectory_rows(gw, trajectory: str, count: int) -> list[dict]:
 def nests(parent: dict, child: dict) -> bool:
     sequence = list(parent["prompt_ids"]) + list(parent["response_ids"])
     return list(child["prompt_ids"])[: len(sequence)] == sequence
+
+
+def chat_trajectory(
+    gateway_url: str, key: str, trajectory: str | None = None, turns: int = 2
+) -> str:
+    """A scoped trajectory of `turns` chat calls through a gateway (the official `openai`
+    client, the bundled model's name), completed with reward 1.0; its uid."""
+    trajectory = trajectory or f"traj-{uuid.uuid4().hex[:10]}"
+    base = f"{gateway_url}/t/{trajectory}/g/group-{trajectory[-4:]}/v1"
+    messages = [{"role": "user", "content": "What is 6 * 7?"}]
+    with openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=30) as agent:
+        for _ in range(turns):
+            answer = agent.chat.completions.create(model="claw-sim-llm", messages=messages)
+            messages += [
+                {"role": "assistant", "content": answer.choices[0].message.content},
+                {"role": "user", "content": "And times 2?"},
+            ]
+    done = httpx.post(
+        f"{gateway_url}/v1/trajectories/{trajectory}/complete",
+        json={"reward": 1.0},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+    done.raise_for_status()
+    return trajectory

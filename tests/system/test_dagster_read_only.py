@@ -6,32 +6,17 @@ tests/support/compose_local.py, on the compose file's code location."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from gateway.auth import create_key
 from tests.support.compose_local import LocalCompose
+from tests.support.dagster_ui import REFUSED, graphql, repository, try_mutations
 from tests.support.servers import wait_until
 
 pytestmark = pytest.mark.slow
 
 READ_ONLY, OPERATORS = "dagster-webserver-read-only", "dagster-webserver"
-REPOSITORY = """
-{ repositoriesOrError { ... on RepositoryConnection { nodes {
-    name location { name } jobs { name } sensors { name sensorState { id status } } } } } }
-"""
 PERMISSIONS = "{ permissions { permission value } }"
-REFUSED = {"UnauthorizedError"}
-
-
-def graphql(url: str, query: str, variables: dict | None = None) -> dict:
-    answer = httpx.post(
-        url + "/graphql", json={"query": query, "variables": variables or {}}, timeout=60
-    )
-    answer.raise_for_status()
-    body = answer.json()
-    assert "errors" not in body, body
-    return body["data"]
 
 
 def test_the_read_only_webserver_answers_queries_and_refuses_mutations(tmp_path):
@@ -46,38 +31,13 @@ def test_the_read_only_webserver_answers_queries_and_refuses_mutations(tmp_path)
         assert "--read-only" not in stack.services[OPERATORS].argv
         viewer = stack.services[READ_ONLY].url()
 
-        (repository,) = graphql(viewer, REPOSITORY)["repositoriesOrError"]["nodes"]
-        assert repository["jobs"] and repository["sensors"]  # a read query answers
-        sensor = repository["sensors"][0]
-        job = next(j["name"] for j in repository["jobs"] if not j["name"].startswith("__"))
-        selector = {
-            "repositoryLocationName": repository["location"]["name"],
-            "repositoryName": repository["name"],
-            "jobName": job,
-        }
-        mutations = {
-            "launchRun": (
-                "mutation($params: ExecutionParams!) { launchRun(executionParams: $params) {"
-                " __typename } }",
-                {"params": {"selector": selector, "runConfigData": {}}},
-            ),
-            "wipeAssets": (
-                'mutation { wipeAssets(assetPartitionRanges: [{assetKey: {path: ["silver",'
-                ' "steps"]}}]) { __typename } }',
-                None,
-            ),
-            "stopSensor": (
-                "mutation($id: String!) { stopSensor(id: $id) { __typename } }",
-                {"id": sensor["sensorState"]["id"]},
-            ),
-            "reloadWorkspace": ("mutation { reloadWorkspace { __typename } }", None),
-        }
-        for name, (mutation, variables) in mutations.items():
-            answer = graphql(viewer, mutation, variables)[name]["__typename"]
-            assert answer in REFUSED, (name, answer)
+        found = repository(viewer)
+        assert found["jobs"] and found["sensors"]  # a read query answers
+        sensor = found["sensors"][0]
+        for name, answer in try_mutations(viewer, found).items():
+            assert answer == REFUSED, (name, answer)
 
-        (after,) = graphql(viewer, REPOSITORY)["repositoriesOrError"]["nodes"]
-        states = {s["name"]: s["sensorState"]["status"] for s in after["sensors"]}
+        states = {s["name"]: s["sensorState"]["status"] for s in repository(viewer)["sensors"]}
         assert states[sensor["name"]] == sensor["sensorState"]["status"]  # not stopped
         runs = graphql(viewer, "{ runsOrError { ... on Runs { results { runId } } } }")
         assert runs["runsOrError"]["results"] == []  # nothing launched

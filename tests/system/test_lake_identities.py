@@ -18,7 +18,6 @@ import uuid
 import grpc
 import httpx
 import numpy as np
-import openai
 import pytest
 
 from claw_pipelines.contracts.specs import CurationSpec
@@ -33,6 +32,7 @@ from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_spec, save_spec
 from gateway.auth import create_key
 from tests.support.compose_local import LocalCompose
+from tests.support.ingest import chat_trajectory
 from tests.support.s3 import s3_error_codes, signed_s3_request, signed_s3_response
 from tests.support.servers import REPO, free_port, wait_until
 
@@ -341,28 +341,6 @@ def test_a_writer_with_wrong_or_missing_credentials_stops_at_start_in_one_line(s
         assert "Traceback" not in stderr and all(part in stderr for part in named), case
         if credentials is not None and "403" in named[-1]:
             assert URI in stderr, case
-
-
-def chat_trajectory(gateway_url: str, key: str, turns: int = 2) -> str:
-    """A scoped trajectory of chat calls through a gateway, completed with a reward."""
-    trajectory = f"traj-{uuid.uuid4().hex[:10]}"
-    base = f"{gateway_url}/t/{trajectory}/g/group-{trajectory[-4:]}/v1"
-    messages = [{"role": "user", "content": "What is 6 * 7?"}]
-    with openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=30) as agent:
-        for _ in range(turns):
-            answer = agent.chat.completions.create(model="claw-sim-llm", messages=messages)
-            messages += [
-                {"role": "assistant", "content": answer.choices[0].message.content},
-                {"role": "user", "content": "And times 2?"},
-            ]
-    done = httpx.post(
-        f"{gateway_url}/v1/trajectories/{trajectory}/complete",
-        json={"reward": 1.0},
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=30,
-    )
-    done.raise_for_status()
-    return trajectory
 
 
 def test_each_component_runs_its_real_job_with_its_own_key(stack, monkeypatch):
