@@ -9,16 +9,12 @@ import pytest
 
 from claw_pipelines.app.cli import main
 from claw_pipelines.consume.dataset import Dataset, open_dataset
-from claw_pipelines.contracts.access import Caller, KeyRing, create_key
+from claw_pipelines.contracts.access import Caller, KeyRing
 from claw_pipelines.contracts.errors import Forbidden
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import gold_rejection_table
 from claw_pipelines.lake.catalog import dataset_tenants, gold_datasets
-from tests.support.lakes import tenants_lake
-
-ACME_KEY, ACME_LINE = create_key("acme")
-GLOBEX_KEY, GLOBEX_LINE = create_key("globex")
-ADMIN_KEY, ADMIN_LINE = create_key("ops", admin=True)
+from tests.support.lakes import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, TENANTS_KEYS_FILE, tenants_lake
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +26,7 @@ def lake(tmp_path_factory):
 def keyed(tmp_path, monkeypatch, lake):
     """The process environment of a deployment with keys: the keys file (hashes only)."""
     keys = tmp_path / "api-keys"
-    keys.write_text("\n".join([ACME_LINE, GLOBEX_LINE, ADMIN_LINE]) + "\n")
+    keys.write_text(TENANTS_KEYS_FILE)
     monkeypatch.setenv("CLAW_API_KEYS_FILE", str(keys))
     monkeypatch.setenv("CLAW_LAKE_URI", lake.uri)
     monkeypatch.delenv("CLAW_API_KEY", raising=False)

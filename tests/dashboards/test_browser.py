@@ -15,14 +15,13 @@ from playwright.sync_api import expect
 from claw_pipelines.build.gold import build_partition, policy_versions
 from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
-from claw_pipelines.contracts.access import create_key
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_specs
 from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
 from tests.support.browser import PAGES, DashboardProcess, chromium, chromium_path
-from tests.support.lakes import feedback, land, tenants_lake
+from tests.support.lakes import ACME_KEY, ADMIN_KEY, TENANTS_KEYS_FILE, feedback, land, tenants_lake
 from tests.support.oidc import oidc_provider
 from tests.support.servers import REPO
 
@@ -142,9 +141,6 @@ def test_consumption_shows_the_policy_version_picked(dashboard, filled):
 
 # -- the login, on a two-tenant lake ------------------------------------------------------
 
-ACME_KEY, ACME_LINE = create_key("acme")
-GLOBEX_KEY, GLOBEX_LINE = create_key("globex")
-ADMIN_KEY, ADMIN_LINE = create_key("ops", admin=True)
 # what each tenant's data looks like on the wire: its trajectory ids and its dataset's name
 # (every other name of its data starts with the tenant's), and the shared dataset
 ACME, GLOBEX, SHARED = ("acme-g0-r0", "acme-train"), ("globex-g0-r0", "globex-train"), "everyone"
@@ -178,7 +174,7 @@ def keyed(tenants, tmp_path_factory):
     """`claw dashboard` on the two-tenant lake, with a keys file (acme, globex, an admin)."""
     base = tmp_path_factory.mktemp("keyed")
     keys = base / "api-keys"
-    keys.write_text("\n".join([ACME_LINE, GLOBEX_LINE, ADMIN_LINE]) + "\n")
+    keys.write_text(TENANTS_KEYS_FILE)
     process = DashboardProcess(Path(tenants.uri), base / "dash.log", CLAW_API_KEYS_FILE=str(keys))
     process.start()
     try:

@@ -10,17 +10,24 @@ from streamlit import config
 from streamlit.testing.v1 import AppTest
 
 from claw_pipelines.consume.dataset import Dataset
-from claw_pipelines.contracts.access import Caller, create_key
+from claw_pipelines.contracts.access import Caller
 from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_specs
-from tests.support.lakes import feedback, land, tenants_lake
+from tests.support.lakes import (
+    ACME_KEY,
+    ACME_LINE,
+    ADMIN_KEY,
+    ADMIN_LINE,
+    GLOBEX_KEY,
+    TENANTS_KEYS_FILE,
+    feedback,
+    land,
+    tenants_lake,
+)
 from tests.support.servers import DASHBOARD_APP as APP
 
 PAGES = ["overview", "collection", "representation", "curation", "optimization", "consumption"]
-ACME_KEY, ACME_LINE = create_key("acme")
-GLOBEX_KEY, GLOBEX_LINE = create_key("globex")
-ADMIN_KEY, ADMIN_LINE = create_key("ops", admin=True)
 DATASETS = {"acme": "acme-train", "globex": "globex-train"}
 SHARED = "everyone"
 AUTH = {  # an [auth] section as st.login reads it (no provider is asked in these tests)
@@ -54,7 +61,7 @@ def lake(tmp_path_factory) -> Lake:
 def keyed(tmp_path, monkeypatch, lake):
     """The dashboard's environment with a keys file (hashes only)."""
     keys = tmp_path / "api-keys"
-    keys.write_text("\n".join([ACME_LINE, GLOBEX_LINE, ADMIN_LINE]) + "\n")
+    keys.write_text(TENANTS_KEYS_FILE)
     monkeypatch.setenv("CLAW_API_KEYS_FILE", str(keys))
     monkeypatch.setenv("CLAW_LAKE_URI", lake.uri)
     monkeypatch.setenv("CLAW_GATEWAY_URL", "http://127.0.0.1:9")  # nothing listens there

@@ -15,6 +15,7 @@ from claw_pipelines.build.gold import build_partition
 from claw_pipelines.build.increments import update_dataset
 from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import Dataset, open_dataset
+from claw_pipelines.contracts.access import create_key
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
@@ -235,6 +236,13 @@ def train_lake(root: Path) -> Lake:
 def tenant_spec(name: str, tenant: str | None) -> CurationSpec:
     """A GRPO spec over complete groups of one tenant (None: every tenant's)."""
     return TRAIN_SPEC.model_copy(update={"name": name, "tenant": tenant})
+
+
+# keys of tenants_lake's two tenants and of an admin, and the keys file that holds them (hashes)
+ACME_KEY, ACME_LINE = create_key("acme")
+GLOBEX_KEY, GLOBEX_LINE = create_key("globex")
+ADMIN_KEY, ADMIN_LINE = create_key("ops", admin=True)
+TENANTS_KEYS_FILE = "\n".join([ACME_LINE, GLOBEX_LINE, ADMIN_LINE]) + "\n"
 
 
 def tenants_lake(root: Path) -> Lake:
