@@ -232,7 +232,7 @@ def test_another_tenants_response_is_refused_from_memory_and_after_a_restart(sim
         return httpx.post(gw.url + "/v1/responses", json=body, headers=headers, timeout=30)
 
     with GatewayProcess(tmp_path / "lake", **env) as gw:
-        first = agent(gw).responses.create(model=MODEL, input="A secret: 41 + 1?")
+        first = agent(gw).responses.create(model=MODEL, input="A secret: zanzibar")
         refused = continued_by_the_other_tenant(gw, first.id)
         assert refused.status_code == 403
         error = refused.json()["error"]
@@ -242,7 +242,7 @@ def test_another_tenants_response_is_refused_from_memory_and_after_a_restart(sim
             f"previous_response_id: response {first.id!r} belongs to another tenant than "
             f"this key's ({other!r})"
         )
-        assert "41" not in refused.text
+        assert "zanzibar" not in refused.text  # (the response id itself is named)
     with GatewayProcess(tmp_path / "lake", **env) as gw:  # read back from the WAL or bronze
         assert continued_by_the_other_tenant(gw, first.id).status_code == 403
         own = agent(gw).responses.create(model=MODEL, previous_response_id=first.id, input="+1?")
