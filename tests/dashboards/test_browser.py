@@ -201,7 +201,7 @@ def test_with_keys_no_page_shows_anything_before_login(browser, keyed, tenants):
     with browser.tab(keyed.url) as tab:
         for name in PAGES:
             login_page(tab, name)
-            assert tab.page.get_by_label("API key", exact=True).count() == 1
+            expect(tab.page.get_by_label("API key", exact=True)).to_have_count(1)
             assert tab.page.locator('[data-testid="stSidebarNav"]').count() == 0
             assert tab.page.locator('[data-testid="stMetric"]').count() == 0
         tab.screenshot(SCREENSHOTS / "login.png")
