@@ -32,9 +32,9 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import emit  # noqa: E402
 from claw_pipelines.app.processes import ServiceProcess, free_port  # noqa: E402
-from claw_pipelines.build.silver import build_silver, watermark  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
+from claw_pipelines.materialize.silver import build_silver, watermark  # noqa: E402
 
 TARGET_RATIO = 0.8
 TARGET = "0 duplicated and 0 lost for every N; throughput(4) >= 0.8 x throughput(1)"

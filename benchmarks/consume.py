@@ -30,11 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import emit  # noqa: E402
-from claw_pipelines.build.gold import build_partition  # noqa: E402
-from claw_pipelines.build.silver import build_silver  # noqa: E402
 from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
+from claw_pipelines.materialize.gold import build_partition  # noqa: E402
+from claw_pipelines.materialize.silver import build_silver  # noqa: E402
 from tests.support.lakes import completion, land, partial_rollout, step  # noqa: E402
 
 PRODUCTION_TARGET = 0.5

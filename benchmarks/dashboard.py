@@ -22,11 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import emit, status_kib  # noqa: E402
-from claw_pipelines.build.gold import build_partition, policy_versions  # noqa: E402
-from claw_pipelines.build.silver import build_silver  # noqa: E402
 from claw_pipelines.contracts.specs import DEFAULT_SPEC  # noqa: E402
 from claw_pipelines.contracts.tables import SILVER_STEPS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
+from claw_pipelines.materialize.gold import build_partition, policy_versions  # noqa: E402
+from claw_pipelines.materialize.silver import build_silver  # noqa: E402
 from claw_pipelines.simulation.bulk import write_bulk_bronze  # noqa: E402
 from tests.support.browser import PAGES, DashboardProcess, browser  # noqa: E402
 

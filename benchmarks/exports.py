@@ -32,13 +32,13 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import emit  # noqa: E402
 from claw_pipelines.app.cli import main as claw  # noqa: E402
-from claw_pipelines.build.gold import build_partition  # noqa: E402
-from claw_pipelines.build.silver import build_silver  # noqa: E402
 from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
 from claw_pipelines.interop.export import CHUNK_ROWS, export, sft_record  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
 from claw_pipelines.lake.specs import save_spec  # noqa: E402
+from claw_pipelines.materialize.gold import build_partition  # noqa: E402
+from claw_pipelines.materialize.silver import build_silver  # noqa: E402
 from claw_pipelines.simulation.model_folders import tokenizer_folder  # noqa: E402
 from claw_pipelines.tokenization import IM_END, decode_lists, load_chat_tokenizer  # noqa: E402
 

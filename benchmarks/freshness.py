@@ -60,7 +60,6 @@ from benchmarks.harness import (  # noqa: E402
 )
 from claw_pipelines.app.instance import DAGSTER_YAML  # noqa: E402
 from claw_pipelines.app.processes import ServiceProcess, free_port  # noqa: E402
-from claw_pipelines.build.live import materializer_running  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
 from claw_pipelines.contracts.tables import (  # noqa: E402
     BRONZE_EVENTS,
@@ -69,6 +68,7 @@ from claw_pipelines.contracts.tables import (  # noqa: E402
 )
 from claw_pipelines.lake.delta import COMMIT_METADATA_KEY, Lake  # noqa: E402
 from claw_pipelines.lake.specs import save_spec  # noqa: E402
+from claw_pipelines.materialize.live import materializer_running  # noqa: E402
 
 TARGET_P50_S = 2.0
 TARGET_P99_S = 5.0

@@ -43,8 +43,6 @@ sys.path.insert(0, str(REPO))
 from benchmarks.freshness import SPEC, materializer_service, stop_service  # noqa: E402
 from benchmarks.harness import emit, plan_load  # noqa: E402
 from claw_pipelines.app.processes import ServiceProcess, free_port  # noqa: E402
-from claw_pipelines.build.live import HEARTBEAT  # noqa: E402
-from claw_pipelines.build.silver import WATERMARK_TABLE, silver_state  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
 from claw_pipelines.contracts.tables import (  # noqa: E402
     BRONZE_EVENTS,
@@ -53,6 +51,8 @@ from claw_pipelines.contracts.tables import (  # noqa: E402
 )
 from claw_pipelines.lake.delta import Lake  # noqa: E402
 from claw_pipelines.lake.specs import load_specs, save_spec  # noqa: E402
+from claw_pipelines.materialize.live import HEARTBEAT  # noqa: E402
+from claw_pipelines.materialize.silver import WATERMARK_TABLE, silver_state  # noqa: E402
 
 TARGET_S = 60.0
 TARGET = "every dataset current within 60 s of each fault clearing; 0 lost, 0 duplicated steps"

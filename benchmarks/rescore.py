@@ -34,11 +34,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import emit  # noqa: E402
-from claw_pipelines.build.rescore import JUDGE_INPUT_COLUMNS, load_judge, rescore  # noqa: E402
-from claw_pipelines.build.silver import build_silver  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
 from claw_pipelines.lake.tokenizers import bundled_fingerprint  # noqa: E402
+from claw_pipelines.materialize.rescore import JUDGE_INPUT_COLUMNS, load_judge, rescore  # noqa: E402
+from claw_pipelines.materialize.silver import build_silver  # noqa: E402
 from claw_pipelines.tokenization import IM_END, encode, encode_chat  # noqa: E402
 
 FULL_TARGET = 3.0

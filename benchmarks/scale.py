@@ -92,8 +92,8 @@ def _in_child(target, *args):
 def take_in(uri: str, out) -> None:
     """Child: the live materializer until silver and gold hold all of bronze, then the
     maintenance a deployment runs on its schedule (compaction, checkpoints)."""
-    from claw_pipelines.build.live import LiveMaterializer
     from claw_pipelines.defs.maintenance import maintained_tables
+    from claw_pipelines.materialize.live import LiveMaterializer
 
     lake = Lake(uri)
     started, rounds = time.perf_counter(), 0
@@ -125,8 +125,8 @@ def increments(uri: str, count: int, groups: int, out) -> None:
     import numpy as np
     import polars as pl
 
-    from claw_pipelines.build import live
-    from claw_pipelines.build.live import LiveMaterializer
+    from claw_pipelines.materialize import live
+    from claw_pipelines.materialize.live import LiveMaterializer
 
     live.PULLING_S = 0.0  # every dataset each round (a kept lake's old pulls aside)
     lake = Lake(uri)

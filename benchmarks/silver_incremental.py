@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import emit  # noqa: E402
-from claw_pipelines.build.silver import SilverOptions, build_silver, silver_findings  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
+from claw_pipelines.materialize.silver import SilverOptions, build_silver, silver_findings  # noqa: E402
 
 FULL_TARGET = 3.0
 INCREMENTAL_TARGET = 0.05

@@ -9,7 +9,7 @@ The front door holds what a trainer and an operator use; the packages are the de
 - `lake`: Delta tables, the object store, specs, policy versions, tokenizers, the catalog;
 - `transforms`: pure frame transforms (steps, stitching, rewards, curation, trees, quality);
 - `tokenization`: chat templates and tokenizers, the bundled one included;
-- `build`: silver and gold, whole or in increments, and the live materializer;
+- `materialize`: silver and gold, whole or in increments, and the live materializer;
 - `consume`: datasets, batches and live delivery for trainers;
 - `train`: tree attention and trainer adapters (the only room that imports torch);
 - `interop`: `claw export` and `claw import`;

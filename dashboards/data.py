@@ -16,10 +16,6 @@ import httpx
 import polars as pl
 import streamlit as st
 
-from claw_pipelines.build import failing
-from claw_pipelines.build.failing import FailingBuild
-from claw_pipelines.build.gold import classified, source_versions
-from claw_pipelines.build.live import materializer_running
 from claw_pipelines.consume.dataset import Batch, Dataset
 from claw_pipelines.consume.delivery import UNIT_COLUMNS, consumer_positions, unit_keys
 from claw_pipelines.consume.feedback import FeedbackReport, feedback_report
@@ -46,6 +42,10 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.lake.catalog import gold_datasets, tenant_filter
 from claw_pipelines.lake.decoding import resolver
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize import failing
+from claw_pipelines.materialize.failing import FailingBuild
+from claw_pipelines.materialize.gold import classified, source_versions
+from claw_pipelines.materialize.live import materializer_running
 from claw_pipelines.ops.ledger import LEDGER_SCHEMA, waste_ledger
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.tokenization import ChatTokenizer

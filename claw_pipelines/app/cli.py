@@ -162,9 +162,9 @@ def _open_lake(args: argparse.Namespace, hint: str = ""):
 
 
 def _cmd_rescore(args: argparse.Namespace) -> None:
-    from claw_pipelines.build.rescore import JudgeError, load_judge, rescore
-    from claw_pipelines.build.silver import build_silver
     from claw_pipelines.lake.specs import SpecError, load_spec
+    from claw_pipelines.materialize.rescore import JudgeError, load_judge, rescore
+    from claw_pipelines.materialize.silver import build_silver
 
     _caller(args).require_every_tenant("claw rescore")
     lake = _open_lake(args)
@@ -198,7 +198,7 @@ def _cmd_check(args: argparse.Namespace) -> None:
 
 
 def _cmd_repair(args: argparse.Namespace) -> None:
-    from claw_pipelines.build.silver import SilverOptions
+    from claw_pipelines.materialize.silver import SilverOptions
     from claw_pipelines.ops.integrity import repair_lake
 
     _caller(args).require_every_tenant("claw repair")

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from claw_pipelines.build.live import LiveMaterializer
-from claw_pipelines.build.silver import SilverOptions
 from claw_pipelines.consume.dataset import Dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.policy import publish_policy_version, published_version
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.live import LiveMaterializer
+from claw_pipelines.materialize.silver import SilverOptions
 from claw_pipelines.simulation.agents import Tally, Task, white_box_group
 from claw_pipelines.train.tiny_policy import TinyPolicy
 

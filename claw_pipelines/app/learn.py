@@ -46,8 +46,6 @@ import polars as pl
 
 from claw_pipelines.app.demo_loop import wait_for_dataset
 from claw_pipelines.app.processes import ServiceProcess, TransformersServe
-from claw_pipelines.build.live import materializer_running
-from claw_pipelines.build.silver import SilverOptions, build_silver
 from claw_pipelines.consume.dataset import Batch, Dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
@@ -59,6 +57,8 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.policy import publish_policy_version, published_version
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.live import materializer_running
+from claw_pipelines.materialize.silver import SilverOptions, build_silver
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.simulation.word_task import Rollout, WordAgent, WordTask
 from claw_pipelines.transforms.feedback import reward_by_policy_version

@@ -3,7 +3,7 @@ with `--follow`, keep them up to date continuously.
 
 Unpartitioned assets (silver) run first, in one run; partitioned ones (gold) then run once per
 (dataset, policy version) partition that the lake's specs and silver define. `follow` runs
-the live materializer (`claw_pipelines.build.live`) and reports its increments to Dagster.
+the live materializer (`claw_pipelines.materialize.live`) and reports its increments to Dagster.
 """
 
 from __future__ import annotations
@@ -191,12 +191,12 @@ def follow(
     datasets: Sequence[str] | None = None,
 ) -> None:
     """`claw materialize --follow`: keep silver and every spec's gold (or `datasets`') up to
-    date (see `claw_pipelines.build.live`) until `stop` is set. Each increment is reported to
+    date (see `claw_pipelines.materialize.live`) until `stop` is set. Each increment is reported to
     the Dagster instance of `DAGSTER_HOME` (when set) as runless materializations of the same
     assets, with the versions in their metadata, so the UI's asset history shows it."""
-    from claw_pipelines.build.live import LiveMaterializer
-    from claw_pipelines.build.silver import SilverOptions
     from claw_pipelines.lake.delta import Lake
+    from claw_pipelines.materialize.live import LiveMaterializer
+    from claw_pipelines.materialize.silver import SilverOptions
 
     stop = stop or threading.Event()
     lake = Lake.from_settings(settings)

@@ -22,11 +22,11 @@ import polars as pl
 
 from claw_pipelines.app.instance import dagster_home
 from claw_pipelines.app.processes import ServiceProcess, free_port
-from claw_pipelines.build.live import materializer_running
 from claw_pipelines.contracts.access import KeyRing, is_loopback
 from claw_pipelines.contracts.errors import ClawError
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.live import materializer_running
 from claw_pipelines.settings import ClawSettings
 
 STOP_TIMEOUT_S = 60.0  # for all children together; SIGKILL after

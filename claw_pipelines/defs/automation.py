@@ -3,9 +3,6 @@ at most one at a time (the run reads up to the newest bronze when it starts)."""
 
 import dagster as dg
 
-from claw_pipelines.build.failing import report_sensor_failures
-from claw_pipelines.build.live import materializer_running
-from claw_pipelines.build.silver import watermark
 from claw_pipelines.contracts.tables import BRONZE_EVENTS
 from claw_pipelines.defs.keys import BRONZE
 from claw_pipelines.defs.resources import ClawLake
@@ -19,6 +16,9 @@ from claw_pipelines.defs.runs import (
     runs_in_flight,
 )
 from claw_pipelines.defs.silver import SILVER_SPECS
+from claw_pipelines.materialize.failing import report_sensor_failures
+from claw_pipelines.materialize.live import materializer_running
+from claw_pipelines.materialize.silver import watermark
 
 # the sensor's name: its failing builds are reported under it (`failing.SENSORS`)
 SENSOR = "bronze_version_sensor"

@@ -5,15 +5,6 @@ import json
 import dagster as dg
 import polars as pl
 
-from claw_pipelines.build.failing import report_sensor_failures
-from claw_pipelines.build.gold import (
-    build_partition,
-    partition_findings,
-    policy_versions,
-    spec_sources,
-)
-from claw_pipelines.build.live import materializer_running
-from claw_pipelines.build.silver import silver_state
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_DATASETS_PREFIX,
@@ -42,6 +33,15 @@ from claw_pipelines.defs.runs import (
 )
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import SpecError, load_spec, load_specs, read_specs, spec_path
+from claw_pipelines.materialize.failing import report_sensor_failures
+from claw_pipelines.materialize.gold import (
+    build_partition,
+    partition_findings,
+    policy_versions,
+    spec_sources,
+)
+from claw_pipelines.materialize.live import materializer_running
+from claw_pipelines.materialize.silver import silver_state
 
 # the sensor's name: its failing builds are reported under it (`failing.SENSORS`)
 SENSOR = "gold_partitions_sensor"

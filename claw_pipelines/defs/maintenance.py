@@ -8,7 +8,6 @@ CLAW_RETENTION_HOURS, the time-travel window).
 
 import dagster as dg
 
-from claw_pipelines.build.silver import SILVER_TABLES
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     GOLD_CONSUMPTION,
@@ -21,6 +20,7 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.lake.catalog import gold_datasets
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.silver import SILVER_TABLES
 
 MAINTENANCE_POOL = "claw_maintenance"
 MAINTAINED_TABLES = (

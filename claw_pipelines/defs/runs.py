@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 
 import dagster as dg
 
-from claw_pipelines.build.failing import FailingBuild
+from claw_pipelines.materialize.failing import FailingBuild
 from claw_pipelines.settings import ClawSettings
 
 IN_FLIGHT = [

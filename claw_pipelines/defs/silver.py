@@ -2,7 +2,6 @@
 
 import dagster as dg
 
-from claw_pipelines.build.silver import SilverOptions, build_silver, silver_findings
 from claw_pipelines.contracts.tables import TABLES
 from claw_pipelines.defs.checks import check_result, check_spec
 from claw_pipelines.defs.keys import (
@@ -14,6 +13,7 @@ from claw_pipelines.defs.keys import (
     TRAJECTORIES,
 )
 from claw_pipelines.defs.resources import ClawLake
+from claw_pipelines.materialize.silver import SilverOptions, build_silver, silver_findings
 
 
 def _spec(key: dg.AssetKey, deps: list[dg.AssetKey], notes: str = "") -> dg.AssetSpec:

@@ -17,14 +17,6 @@ from typing import Literal
 
 import polars as pl
 
-from claw_pipelines.build.gold import build_partition, policy_versions
-from claw_pipelines.build.silver import (
-    SILVER_TABLES,
-    SilverOptions,
-    build_silver,
-    dedupe_silver,
-    silver_state,
-)
 from claw_pipelines.consume.dataset import BATCH_STEP_COLUMNS, Dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
@@ -41,6 +33,14 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.lake.catalog import gold_datasets
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import SpecError, load_spec
+from claw_pipelines.materialize.gold import build_partition, policy_versions
+from claw_pipelines.materialize.silver import (
+    SILVER_TABLES,
+    SilverOptions,
+    build_silver,
+    dedupe_silver,
+    silver_state,
+)
 from claw_pipelines.transforms.quality import (
     Finding,
     inconsistent_lengths,

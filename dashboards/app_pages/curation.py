@@ -239,7 +239,7 @@ if st.button("build this dataset now"):
     if saved_spec is None or not (admin or saved_spec.tenant == at.caller.tenant):
         st.error("save the spec first")
         st.stop()
-    from claw_pipelines.build.gold import policy_versions as all_versions
+    from claw_pipelines.materialize.gold import policy_versions as all_versions
 
     versions_to_build = all_versions(lake) if admin else options("policy_version")
     if admin and dagster_graphql.is_up(at.dagster_url):  # Dagster's runs are an admin's
@@ -251,7 +251,7 @@ if st.button("build this dataset now"):
             links = ", ".join(f"v{v} [{r[:8]}]({at.dagster_url}/runs/{r})" for v, r in runs.items())
             st.success(f"Dagster runs building {spec.name}: {links}")
     else:
-        from claw_pipelines.build.gold import build_partition
+        from claw_pipelines.materialize.gold import build_partition
 
         for version in versions_to_build:
             try:

@@ -16,11 +16,11 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset, subtree_ends
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, gold_tree_table
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.lakes import TRAIN_SPEC as SPEC
 from tests.support.lakes import group_of, land
 from tests.support.servers import REPO

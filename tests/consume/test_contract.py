@@ -6,8 +6,6 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import BATCH_READ_COLUMNS, open_dataset
 from claw_pipelines.consume.report import contract_report
 from claw_pipelines.contracts.errors import ContractViolation
@@ -16,6 +14,8 @@ from claw_pipelines.contracts.tables import GOLD_CONSUMPTION
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.policy import publish_policy_version
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.lakes import completion, drifted, group_of, land, step
 
 SPEC = CurationSpec(

@@ -21,9 +21,6 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.increments import update_dataset
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.batch import Batch
 from claw_pipelines.consume.dataset import Dataset
 from claw_pipelines.consume.delivery import choose, consumer_positions, in_order
@@ -31,6 +28,9 @@ from claw_pipelines.contracts.errors import ContractViolation
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, GOLD_CONSUMPTION_SPEC
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.increments import update_dataset
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.lakes import LIVE, drifted, group_of, grown_lake, land
 from tests.support.racing import race_in_processes, race_next_batch_in_process
 from tests.support.servers import REPO

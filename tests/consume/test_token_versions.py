@@ -12,14 +12,14 @@ import numpy as np
 import polars as pl
 import pytest
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, gold_rejection_table
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.policy import publish_policy_version
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.ops.ledger import waste_ledger
 from tests.support.lakes import completion, land, partial_rollout, step
 

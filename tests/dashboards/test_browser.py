@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from claw_pipelines.build.gold import build_partition, policy_versions
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_specs
+from claw_pipelines.materialize.gold import build_partition, policy_versions
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
 from tests.support.browser import PAGES, DashboardProcess, chromium, chromium_path
 from tests.support.lakes import ACME_KEY, ADMIN_KEY, TENANTS_KEYS_FILE, feedback, land, tenants_lake

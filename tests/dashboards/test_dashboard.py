@@ -10,16 +10,16 @@ import polars as pl
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from claw_pipelines.build.failing import FailingBuild, report_sensor_failures
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.live import LiveMaterializer
-from claw_pipelines.build.rescore import load_judge, rescore
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec, Readmission
 from claw_pipelines.contracts.tables import SILVER_STEP_REWARDS, SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_specs, save_spec
+from claw_pipelines.materialize.failing import FailingBuild, report_sensor_failures
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.live import LiveMaterializer
+from claw_pipelines.materialize.rescore import load_judge, rescore
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.lakes import arithmetic_steps, feedback, group_of, land, step
 from tests.support.servers import DASHBOARD_APP as APP
 

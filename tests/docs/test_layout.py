@@ -78,9 +78,10 @@ def test_every_test_module_lives_under_a_folder_named_after_a_package_of_the_cod
 
 
 def test_every_test_folder_is_a_package_and_pytest_collects_it():
-    """Each folder has an __init__.py (module names stay distinct: tests.build.test_x), and none
+    """Each folder has an __init__.py (module names stay distinct: tests.lake.test_x), and none
     is hidden by `norecursedirs` (pytest's default skips any folder named `build`)."""
-    hidden = PYPROJECT["tool"]["pytest"]["ini_options"]["norecursedirs"]
+    default = ["*.egg", ".*", "_darcs", "build", "CVS", "dist", "node_modules", "venv", "{arch}"]
+    hidden = PYPROJECT["tool"]["pytest"]["ini_options"].get("norecursedirs", default)
     problems = []
     for path in modules(TESTS):
         if not path.name.startswith("test_"):

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-from claw_pipelines.build import live
+from claw_pipelines.materialize import live
 from claw_pipelines.settings import ClawSettings
 
 ROOT = Path(__file__).resolve().parents[2]

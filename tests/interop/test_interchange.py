@@ -10,8 +10,6 @@ import polars as pl
 import pytest
 
 from claw_pipelines.app.cli import main
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import PREFERENCE_PAIRS_SPEC, SFT_SUCCESSES_SPEC
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
@@ -20,6 +18,8 @@ from claw_pipelines.interop.export import export
 from claw_pipelines.lake.decoding import Undecodable
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.tokenization import IM_END, encode, encode_chat, load_chat_tokenizer
 
 BUNDLED = load_chat_tokenizer()  # the tokenizer these logs' ids come from

@@ -12,8 +12,6 @@ import shutil
 import pytest
 
 from claw_pipelines.app.cli import main
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import SILVER_STEPS
@@ -21,6 +19,8 @@ from claw_pipelines.interop.export import export
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.lake.tokenizers import stored_fingerprints
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.simulation.model_folders import tokenizer_folder
 from claw_pipelines.tokenization import load_chat_tokenizer
 from tests.support.lakes import feedback, land

@@ -11,11 +11,11 @@ import pytest
 from deltalake import DeltaTable
 from duckdb_extensions import import_extension
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS, gold_dataset_table
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.lakes import group_of, land
 
 DATASET = gold_dataset_table("engines")

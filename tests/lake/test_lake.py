@@ -12,7 +12,6 @@ import httpx
 import pyarrow as pa
 import pytest
 
-from claw_pipelines.build.live import LiveMaterializer
 from claw_pipelines.consume.dataset import Dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
@@ -20,6 +19,7 @@ from claw_pipelines.lake import delta
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.policy import publish_policy_version
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.live import LiveMaterializer
 from tests.support.lakes import group_of, land
 from tests.support.s3 import moto_server, s3_options
 from tests.support.servers import GatewayProcess, wait_until

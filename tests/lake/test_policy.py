@@ -14,11 +14,11 @@ import openai
 import polars as pl
 import pytest
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.policy import publish_policy_version, published_version
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.lakes import group_of, land
 from tests.support.servers import REPO, GatewayProcess, wait_landed, wait_until
 from tests.support.upstreams import SimProcess, proxy_env

@@ -14,8 +14,6 @@ import dagster as dg
 import numpy as np
 import polars as pl
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver, watermark
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec, Readmission
 from claw_pipelines.contracts.tables import (
@@ -30,6 +28,8 @@ from claw_pipelines.defs.gold import gold_partitions_sensor
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver, watermark
 from claw_pipelines.ops.integrity import check_lake, repair_lake
 from tests.support.dagster_runs import materialize_gold_partition
 from tests.support.lakes import assert_each_once, fill_bronze, land, step

@@ -17,13 +17,13 @@ import numpy as np
 import polars as pl
 import pytest
 
-from claw_pipelines.build.gold import build_partition, partition_findings
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import SILVER_STEPS, gold_tree_table
 from claw_pipelines.definitions import defs
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.gold import build_partition, partition_findings
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.simulation.agents import Tally, Task, black_box_rollout, compacted
 from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
 from tests.support.servers import GatewayProcess, bronze, wait_until

@@ -11,15 +11,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.increments import update_dataset
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import Dataset, open_dataset
 from claw_pipelines.contracts.access import create_key
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.tokenizers import bundled_fingerprint
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.increments import update_dataset
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.ops.integrity import SILVER_KEYS as KEYS
 from claw_pipelines.tokenization import IM_END, encode, encode_chat
 

@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import Dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 
 BARRIER_TIMEOUT_S = 60
 
@@ -52,7 +52,7 @@ class BarrierLake(Lake):
 # a silver run on a KillingLake, in a process of its own: argv = lake uri, victim table
 KILL_SCRIPT = """
 import sys
-from claw_pipelines.build.silver import build_silver
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.racing import KillingLake
 build_silver(KillingLake(sys.argv[1], sys.argv[2]))
 """

@@ -11,9 +11,9 @@ import time
 import polars as pl
 import pytest
 
-from claw_pipelines.build.silver import SILVER_TABLES, build_silver
 from claw_pipelines.contracts.tables import BRONZE_EVENTS
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.silver import SILVER_TABLES, build_silver
 from tests.support.crash_load import client
 from tests.support.servers import GatewayProcess
 

@@ -13,9 +13,9 @@ import polars as pl
 import pytest
 
 from claw_pipelines.app.demo import demo_summary
-from claw_pipelines.build.silver import SILVER_TABLES
 from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.silver import SILVER_TABLES
 from tests.support.lakes import rebuilt_sequences
 from tests.support.servers import REPO
 

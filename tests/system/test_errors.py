@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import NotFound, open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.lakes import group_of, land
 from tests.support.servers import REPO, free_port
 

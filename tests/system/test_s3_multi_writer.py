@@ -26,9 +26,6 @@ import httpx
 import polars as pl
 import pytest
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.live import LiveMaterializer
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -38,6 +35,9 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.live import LiveMaterializer
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.crash_load import make_request
 from tests.support.s3 import s3_options, seaweed_server
 from tests.support.servers import REPO, GatewayProcess
@@ -49,7 +49,7 @@ MAINTAINED = (BRONZE_EVENTS, SILVER_STEPS, SILVER_FEEDBACK, "silver/trajectories
 MAINTENANCE = """
 import sys, time
 from claw_pipelines.lake.delta import Lake
-from claw_pipelines.build.live import LiveMaterializer
+from claw_pipelines.materialize.live import LiveMaterializer
 from claw_pipelines.settings import ClawSettings
 lake = Lake.from_settings(ClawSettings())
 rounds = 0

@@ -16,13 +16,13 @@ import pytest
 
 from claw_pipelines.app.instance import DAGSTER_YAML, initialize_storage
 from claw_pipelines.app.processes import ServiceProcess, wait_until
-from claw_pipelines.build.failing import failing_builds
-from claw_pipelines.build.silver import watermark
 from claw_pipelines.contracts.specs import CurationSpec, Readmission
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, gold_dataset_table
 from claw_pipelines.defs.runs import RETRY_TAG
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import read_specs, save_spec
+from claw_pipelines.materialize.failing import failing_builds
+from claw_pipelines.materialize.silver import watermark
 from tests.support.lakes import feedback, group_of, land
 
 pytestmark = pytest.mark.soak

@@ -17,8 +17,8 @@ import httpx
 import polars as pl
 import pytest
 
-from claw_pipelines.build.silver import SILVER_TABLES, build_silver, watermark
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.silver import SILVER_TABLES, build_silver, watermark
 from tests.support.crash_load import client as white_box_client
 from tests.support.lakes import group_of, land
 from tests.support.servers import REPO, GatewayProcess
@@ -129,7 +129,8 @@ def test_a_silver_run_killed_midway_converges_to_the_uninterrupted_result(tmp_pa
 
     script = (
         "import sys; from claw_pipelines.lake.delta import Lake; "
-        "from claw_pipelines.build.silver import build_silver; build_silver(Lake(sys.argv[1]))"
+        "from claw_pipelines.materialize.silver import build_silver; "
+        "build_silver(Lake(sys.argv[1]))"
     )
     interrupted = 0
     for delay in (0.4, 0.8, 1.2, 1.6, 2.0, 2.4):

@@ -25,14 +25,14 @@ import polars as pl
 import pytest
 
 from claw_pipelines.app.up import StatusLine, daemons_healthy
-from claw_pipelines.build.gold import build_partition, policy_versions
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import GOLD_LINEAGE, SILVER_STEPS, gold_dataset_table
 from claw_pipelines.lake.catalog import gold_datasets
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import load_specs, save_spec
+from claw_pipelines.materialize.gold import build_partition, policy_versions
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.ops.integrity import check_lake
 from dashboards.dagster_graphql import launch_gold, run_status
 from tests.support.servers import REPO, free_port, wait_until

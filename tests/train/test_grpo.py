@@ -18,11 +18,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from claw_pipelines.build.gold import build_partition  # noqa: E402
-from claw_pipelines.build.silver import build_silver  # noqa: E402
 from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
+from claw_pipelines.materialize.gold import build_partition  # noqa: E402
+from claw_pipelines.materialize.silver import build_silver  # noqa: E402
 from claw_pipelines.simulation.model_folders import sampled_ids, word_policy_folder  # noqa: E402
 from claw_pipelines.train.grpo import IS_CAP, TreeGRPO  # noqa: E402
 from tests.support.lakes import completion, land, step  # noqa: E402

@@ -11,8 +11,8 @@ import uuid
 import polars as pl
 import pytest
 
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.ingest import trajectory_rows
 from tests.support.servers import GatewayProcess
 from tests.support.upstreams import SimProcess, proxy_env

@@ -13,8 +13,8 @@ import httpx
 import polars as pl
 import pytest
 
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.tokenization import encode_chat
 from tests.support.ingest import nests, rows, trajectory_rows
 from tests.support.servers import GatewayProcess, bronze

@@ -15,11 +15,11 @@ import openai
 import polars as pl
 import pytest
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.contracts.tables import SILVER_STEPS, gold_rejection_table
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.ops.ledger import waste_ledger
 from claw_pipelines.simulation.agents import Tally, Task, partial_rollout
 from tests.support.servers import GatewayProcess, bronze, wait_landed, wait_until

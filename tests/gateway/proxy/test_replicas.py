@@ -13,8 +13,8 @@ import httpx
 import openai
 import polars as pl
 
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.servers import GatewayProcess, bronze, wait_until
 from tests.support.upstreams import SimProcess, proxy_env
 

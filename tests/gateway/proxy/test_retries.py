@@ -7,11 +7,11 @@ from __future__ import annotations
 import openai
 import polars as pl
 
-from claw_pipelines.build.gold import build_partition, candidate_steps, source_versions
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.gold import build_partition, candidate_steps, source_versions
+from claw_pipelines.materialize.silver import build_silver
 from tests.support.servers import GatewayProcess, bronze, wait_until
 from tests.support.upstreams import SimProcess, proxy_env
 

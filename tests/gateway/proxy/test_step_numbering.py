@@ -15,8 +15,8 @@ import openai
 import polars as pl
 import pytest
 
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.silver import build_silver
 from gateway.numbering import RecordedSteps, turns_shown, wal_steps
 from gateway.proxy.scope import TrajectoryBook
 from gateway.records import BronzeRecord

@@ -23,13 +23,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from claw_pipelines.app.processes import TransformersServe
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.interop.export import export
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.simulation.model_folders import tiny_model_folder
 from claw_pipelines.tokenization import server_messages
 from tests.support.servers import REPO, GatewayProcess, bronze, wait_landed

@@ -11,16 +11,6 @@ import sys
 import polars as pl
 import pytest
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.rescore import (
-    JudgeError,
-    exact_match,
-    judge_texts,
-    load_judge,
-    rescore,
-    watermark_path,
-)
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import CurationSpec, JudgeRef
 from claw_pipelines.contracts.tables import (
     GOLD_LINEAGE,
@@ -30,6 +20,16 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.tokenizers import bundled_fingerprint
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.rescore import (
+    JudgeError,
+    exact_match,
+    judge_texts,
+    load_judge,
+    rescore,
+    watermark_path,
+)
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.tokenization import encode, encode_chat
 from claw_pipelines.transforms.judges import judge_agreement, judge_rewards
 from tests.support.lakes import arithmetic_steps, completion, land, step
@@ -153,15 +153,15 @@ response_length.judge_version = "7"
 
 
 def test_a_judge_is_any_module_function_and_bad_ones_fail_in_one_line(lake):
-    judge = load_judge("tests.build.test_rescore:response_length")
+    judge = load_judge("tests.materialize.test_rescore:response_length")
     assert judge.version == "7"
     assert rescore(lake, judge).scored == 7
     with pytest.raises(JudgeError, match="not built in"):
         load_judge("nonsense")
     with pytest.raises(JudgeError, match="cannot be loaded"):
-        load_judge("tests.build.test_rescore:missing")
+        load_judge("tests.materialize.test_rescore:missing")
     with pytest.raises(JudgeError, match="no version"):
-        load_judge("tests.build.test_rescore:arithmetic_steps")
+        load_judge("tests.materialize.test_rescore:arithmetic_steps")
 
 
 def test_claw_rescore_scores_and_runs_silver(lake):
@@ -184,21 +184,23 @@ def test_claw_rescore_scores_and_runs_silver(lake):
 def test_judges_side_by_side_and_their_agreement(lake):
     rescore(lake, load_judge("exact-match"))
     rescore(lake, load_judge("exact-match", "2"))
-    rescore(lake, load_judge("tests.build.test_rescore:response_length"))
+    rescore(lake, load_judge("tests.materialize.test_rescore:response_length"))
     build_silver(lake)
     facts = lake.read(SILVER_FEEDBACK)
     rewards = judge_rewards(facts).filter(pl.col("step_key") == "math-0:1")
     assert dict(zip(rewards["judge_label"], rewards["reward"], strict=True)) == {
         "exact-match v1": 1.0,
         "exact-match v2": 1.0,
-        "tests.build.test_rescore:response_length v7": 6.0,
+        "tests.materialize.test_rescore:response_length v7": 6.0,
     }
     agreement = {
         (row["judge_a"], row["judge_b"]): (row["common_steps"], row["agreement"])
         for row in judge_agreement(facts).iter_rows(named=True)
     }
     assert agreement[("exact-match v1", "exact-match v2")] == (6, 1.0)
-    assert agreement[("exact-match v1", "tests.build.test_rescore:response_length v7")][1] == 0.0
+    assert (
+        agreement[("exact-match v1", "tests.materialize.test_rescore:response_length v7")][1] == 0.0
+    )
 
 
 def test_judges_read_each_steps_text_with_its_own_tokenizer(tmp_path):

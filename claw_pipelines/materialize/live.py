@@ -34,10 +34,6 @@ from datetime import UTC, datetime, timedelta
 
 import polars as pl
 
-from claw_pipelines.build.gold import TOKEN_COLUMNS
-from claw_pipelines.build.increments import AtHand, Brought, GoldIncrement, update_dataset
-from claw_pipelines.build.silver import SilverOptions, SilverRun, build_silver, silver_state
-from claw_pipelines.build.silver_view import SilverView
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -54,6 +50,10 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import SpecError, read_specs, spec_path
+from claw_pipelines.materialize.gold import TOKEN_COLUMNS
+from claw_pipelines.materialize.increments import AtHand, Brought, GoldIncrement, update_dataset
+from claw_pipelines.materialize.silver import SilverOptions, SilverRun, build_silver, silver_state
+from claw_pipelines.materialize.silver_view import SilverView
 
 HEARTBEAT = "_live/materializer.json"
 HEARTBEAT_S = 5.0  # the heartbeat is rewritten at least this often

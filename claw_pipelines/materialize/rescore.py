@@ -37,8 +37,6 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from claw_pipelines.build.gold import curated, source_versions
-from claw_pipelines.build.silver import silver_state
 from claw_pipelines.contracts.errors import JudgeError
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
@@ -50,6 +48,8 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.lake.decoding import decode_steps, recorded_requests, resolver
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.tokenizers import bundled_fingerprint
+from claw_pipelines.materialize.gold import curated, source_versions
+from claw_pipelines.materialize.silver import silver_state
 from claw_pipelines.tokenization import IM_END, IM_START, decode_lists, encode
 
 JudgeFunction = Callable[[pl.DataFrame], pl.Series]

@@ -23,7 +23,6 @@ from typing import Any
 
 import polars as pl
 
-from claw_pipelines.build.silver_view import SilverView
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     FACT_KINDS,
@@ -38,6 +37,7 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake import delta as lake_module
 from claw_pipelines.lake.delta import Guard, Lake, sql_strings, until_landed
+from claw_pipelines.materialize.silver_view import SilverView
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.feedback import (
     RewardTarget,

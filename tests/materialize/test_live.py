@@ -20,10 +20,6 @@ import polars as pl
 import pytest
 
 from claw_pipelines.app.materialize import follow
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.increments import update_dataset
-from claw_pipelines.build.live import HEARTBEAT, LiveMaterializer, materializer_running
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.consume.dataset import Dataset
 from claw_pipelines.contracts.specs import CurationSpec, Readmission
 from claw_pipelines.contracts.tables import (
@@ -35,6 +31,10 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.policy import publish_policy_version
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.increments import update_dataset
+from claw_pipelines.materialize.live import HEARTBEAT, LiveMaterializer, materializer_running
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.settings import ClawSettings
 from tests.support.lakes import LIVE, completion, feedback, group_of, grown_lake, land, step
 from tests.support.servers import REPO, wait_until
@@ -217,14 +217,14 @@ def test_a_dataset_trainers_pull_from_goes_first_and_the_others_follow(tmp_path,
     live = LiveMaterializer(lake)
     assert {g.dataset for g in live.step().gold} >= {"live", "other"}  # nobody pulls: all
     assert Dataset(lake, "live").next_batch(1, consumer="t", timeout=0).groups == ["1:g0"]
-    monkeypatch.setattr("claw_pipelines.build.live.SPECS_EVERY_S", 0.0)
-    monkeypatch.setattr("claw_pipelines.build.live.PULLS_EVERY_S", 0.0)
-    monkeypatch.setattr("claw_pipelines.build.live.BACKGROUND_S", 3600.0)
+    monkeypatch.setattr("claw_pipelines.materialize.live.SPECS_EVERY_S", 0.0)
+    monkeypatch.setattr("claw_pipelines.materialize.live.PULLS_EVERY_S", 0.0)
+    monkeypatch.setattr("claw_pipelines.materialize.live.BACKGROUND_S", 3600.0)
     land(lake, group_of("g1", [2, 5], [1.0, 0.0]))
     done = live.step()
     assert next(g.dataset for g in done.gold) == "live"  # the pulled dataset first
     assert "other" not in {g.dataset for g in done.gold}  # the others wait their turn
-    monkeypatch.setattr("claw_pipelines.build.live.BACKGROUND_S", 0.0)
+    monkeypatch.setattr("claw_pipelines.materialize.live.BACKGROUND_S", 0.0)
     land(lake, group_of("g2", [3, 5], [1.0, 0.0]))
     done = live.step()  # the others catch up beside the rounds, in the worker
     assert [g.dataset for g in done.gold] == ["live"] and "other" in done.aside
@@ -352,7 +352,7 @@ def test_follow_reports_increments_to_dagster_and_silences_the_sensors(tmp_path,
 
 
 def test_a_failing_dataset_stops_alone_and_is_tried_again_with_backoff(tmp_path, monkeypatch):
-    monkeypatch.setattr("claw_pipelines.build.live.RETRY_FIRST_S", 1.5)
+    monkeypatch.setattr("claw_pipelines.materialize.live.RETRY_FIRST_S", 1.5)
     lake = Lake(str(tmp_path / "lake"))
     save_spec(lake, LIVE)
     save_spec(lake, CurationSpec(name="orphan", readmit=Readmission(dataset="nowhere")))
@@ -377,8 +377,8 @@ def test_a_failing_dataset_stops_alone_and_is_tried_again_with_backoff(tmp_path,
     assert third.failed["orphan"].attempts == 2
     assert third.failed["orphan"].retry_at - time.monotonic() > 2.0
     save_spec(lake, CurationSpec(name="orphan"))  # fixed: built once its wait is over
-    monkeypatch.setattr("claw_pipelines.build.live.SPECS_EVERY_S", 0.0)
-    monkeypatch.setattr("claw_pipelines.build.live.PULLS_EVERY_S", 0.0)
+    monkeypatch.setattr("claw_pipelines.materialize.live.SPECS_EVERY_S", 0.0)
+    monkeypatch.setattr("claw_pipelines.materialize.live.PULLS_EVERY_S", 0.0)
     deadline = time.monotonic() + 30
     while "orphan" in live.failing or not lake.exists("gold/datasets/orphan"):
         assert time.monotonic() < deadline, live.failing

@@ -17,14 +17,14 @@ import polars as pl
 import pytest
 from deltalake import write_deltalake
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver, watermark
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEP_CONFLICTS, SILVER_STEPS
 from claw_pipelines.definitions import defs
 from claw_pipelines.defs.automation import bronze_version_sensor
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver, watermark
 from tests.support.lakes import completion, land, step
 from tests.support.servers import REPO, GatewayProcess, bronze, wait_landed, wait_until
 from tests.support.upstreams import SimProcess, proxy_env

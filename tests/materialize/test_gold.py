@@ -15,9 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from claw_pipelines.build.failing import SENSORS, FailingBuild, failing_builds
-from claw_pipelines.build.gold import build_partition, partition_findings, source_versions
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec
 from claw_pipelines.contracts.tables import GOLD_LINEAGE, gold_dataset_table, gold_tree_table
 from claw_pipelines.definitions import defs
@@ -38,6 +35,9 @@ from claw_pipelines.lake.specs import (
     read_specs,
     save_spec,
 )
+from claw_pipelines.materialize.failing import SENSORS, FailingBuild, failing_builds
+from claw_pipelines.materialize.gold import build_partition, partition_findings, source_versions
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.transforms.prefix_tree import build_forest
 from claw_pipelines.transforms.quality import trees_are_minimal
 from tests.support.dagster_runs import materialize_gold_partition

@@ -14,10 +14,6 @@ import time
 import polars as pl
 import pytest
 
-from claw_pipelines.build import live
-from claw_pipelines.build.gold import build_partition, policy_versions
-from claw_pipelines.build.live import LiveMaterializer
-from claw_pipelines.build.silver import SilverOptions, build_silver, silver_state
 from claw_pipelines.consume.dataset import Dataset
 from claw_pipelines.consume.delivery import LiveRows
 from claw_pipelines.contracts.specs import CurationSpec, JudgeRef, Readmission
@@ -36,6 +32,10 @@ from claw_pipelines.defs.maintenance import maintained_tables
 from claw_pipelines.lake import delta as lake_module
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize import live
+from claw_pipelines.materialize.gold import build_partition, policy_versions
+from claw_pipelines.materialize.live import LiveMaterializer
+from claw_pipelines.materialize.silver import SilverOptions, build_silver, silver_state
 from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
 from tests.support.lakes import (
     LIVE,

@@ -14,11 +14,11 @@ import numpy as np
 import polars as pl
 import pytest
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import SILVER_STEPS, SILVER_TRAJECTORIES, gold_rejection_table
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.transforms.hashing import content_hashes
 from tests.support.lakes import completion, land, partial_rollout, step
 from tests.support.racing import KILL_SCRIPT

@@ -13,8 +13,6 @@ import threading
 import polars as pl
 import pytest
 
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver, silver_state, watermark
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.contracts.tables import (
@@ -26,6 +24,8 @@ from claw_pipelines.contracts.tables import (
     gold_dataset_table,
 )
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver, silver_state, watermark
 from claw_pipelines.ops.integrity import SILVER_KEYS as KEYS
 from tests.support.lakes import (
     assert_each_once,

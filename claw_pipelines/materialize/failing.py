@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from claw_pipelines.build.live import HEARTBEAT, materializer_running
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.materialize.live import HEARTBEAT, materializer_running
 
 SENSOR_FAILING = "_live/failing/{sensor}.json"
 SENSORS = ("bronze_version_sensor", "gold_partitions_sensor")  # the Dagster sensors that build

@@ -27,7 +27,6 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from claw_pipelines.build.silver import silver_state
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_LINEAGE,
@@ -45,6 +44,7 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.delta import Guard, Lake, conform, until_landed
 from claw_pipelines.lake.specs import SpecError, load_spec
+from claw_pipelines.materialize.silver import silver_state
 from claw_pipelines.transforms.curation import (
     CANDIDATE_STEP_COLUMNS,
     GROUP,

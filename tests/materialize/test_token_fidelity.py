@@ -9,12 +9,12 @@ import polars as pl
 import pytest
 
 from claw_pipelines import ContractViolation, open_dataset
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.silver import build_silver, silver_findings
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec
 from claw_pipelines.contracts.tables import SILVER_STEPS, gold_rejection_table
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.silver import build_silver, silver_findings
 from claw_pipelines.ops.ledger import waste_ledger
 from tests.support.lakes import completion, land, step
 

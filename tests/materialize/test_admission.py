@@ -8,9 +8,6 @@ import polars as pl
 import pytest
 
 from claw_pipelines.app.cli import main
-from claw_pipelines.build.gold import build_partition
-from claw_pipelines.build.increments import update_dataset
-from claw_pipelines.build.silver import build_silver
 from claw_pipelines.contracts.specs import (
     PREFERENCE_PAIRS_SPEC,
     SFT_SUCCESSES_SPEC,
@@ -24,6 +21,9 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import SpecError, load_spec, save_spec
+from claw_pipelines.materialize.gold import build_partition
+from claw_pipelines.materialize.increments import update_dataset
+from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.ops.ledger import waste_ledger
 from tests.support.lakes import group_of, land, step
 

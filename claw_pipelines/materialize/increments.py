@@ -21,7 +21,24 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 
-from claw_pipelines.build.gold import (
+from claw_pipelines.contracts.specs import CurationSpec
+from claw_pipelines.contracts.tables import (
+    GOLD_DATASET_SCHEMA,
+    SILVER_FEEDBACK,
+    SILVER_STEP_REWARDS,
+    SILVER_STEPS,
+    SILVER_TRAJECTORIES,
+    TableSpec,
+    gold_dataset_spec,
+    gold_dataset_table,
+    gold_rejection_spec,
+    gold_rejection_table,
+    gold_tree_spec,
+    gold_tree_table,
+)
+from claw_pipelines.lake import delta as lake_module
+from claw_pipelines.lake.delta import Guard, Lake, conform, sql_strings, until_landed
+from claw_pipelines.materialize.gold import (
     TOKEN_COLUMNS,
     GoldPartition,
     Part,
@@ -41,24 +58,7 @@ from claw_pipelines.build.gold import (
     tree_rows,
     with_tokens,
 )
-from claw_pipelines.build.silver_view import SilverView
-from claw_pipelines.contracts.specs import CurationSpec
-from claw_pipelines.contracts.tables import (
-    GOLD_DATASET_SCHEMA,
-    SILVER_FEEDBACK,
-    SILVER_STEP_REWARDS,
-    SILVER_STEPS,
-    SILVER_TRAJECTORIES,
-    TableSpec,
-    gold_dataset_spec,
-    gold_dataset_table,
-    gold_rejection_spec,
-    gold_rejection_table,
-    gold_tree_spec,
-    gold_tree_table,
-)
-from claw_pipelines.lake import delta as lake_module
-from claw_pipelines.lake.delta import Guard, Lake, conform, sql_strings, until_landed
+from claw_pipelines.materialize.silver_view import SilverView
 from claw_pipelines.transforms.curation import GROUP
 from claw_pipelines.transforms.partials import oldest_version
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from claw_pipelines.build import silver_view
-from claw_pipelines.build.silver_view import Keyed
+from claw_pipelines.materialize import silver_view
+from claw_pipelines.materialize.silver_view import Keyed
 
 
 def test_lookups_match_a_scan_through_appends_merges_and_compaction(monkeypatch):

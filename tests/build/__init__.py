@@ -1,2 +1,0 @@
-"""claw_pipelines.build: silver, gold, increments, the live materializer, re-scoring, and
-writers racing."""

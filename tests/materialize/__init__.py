@@ -1,0 +1,2 @@
+"""claw_pipelines.materialize: silver, gold, increments, the live materializer, re-scoring, and
+writers racing."""
