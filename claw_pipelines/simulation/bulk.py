@@ -2,7 +2,9 @@
 multi-turn white-box rollouts with rewards, built column-wise (for scale tests and benchmarks
 of what reads the lake, where going through the gateway would only measure the gateway). A
 share of the rollouts may compact their context (`BulkShape.compacting`): every
-`compact_every` turns they replace their history with the prompt and a summary."""
+`compact_every` turns they replace their history with the prompt and a summary. `AGENTIC` is
+the long-trajectory shape: 30 turns of an agent resending its whole history (2-4 k-token
+prompts, 100-400-token replies, 200-1,500-token tool results: ~19,000 tokens a step)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, LOGPROB_LIST, TOKEN_LIST, UTC_MICROS
 from claw_pipelines.lake.delta import Lake
@@ -35,6 +39,17 @@ class BulkShape:
     tenants: tuple[str, ...] = ("math", "support", "coding")
     compacting: float = 0.0  # the share of each group's rollouts that compact their history
     compact_every: int = 2  # turns between two compactions of such a rollout
+
+
+# long agentic trajectories: 8 rollouts x 30 turns a group, each turn's prompt the whole
+# history so far (the prompt, every reply and every tool result); 6 groups are 1,440 steps,
+# ~27 M tokens sent and ~1.5 M distinct (`token_counts`)
+AGENTIC = BulkShape(
+    turns=30,
+    prompt_tokens=(2_000, 4_000),
+    response_tokens=(100, 400),
+    tool_tokens=(200, 1_500),
+)
 
 
 def _lists(arrays: list[np.ndarray], kind: pa.DataType) -> pa.Array:
@@ -154,3 +169,23 @@ def write_bulk_bronze(
         lake.append(BRONZE_EVENTS, table)
         written += table.num_rows
     return written
+
+
+def token_counts(table: pa.Table) -> tuple[int, int]:
+    """(sent, distinct) tokens of the steps in bronze records of whole groups without
+    compaction: sent is every step's prompt and reply; distinct counts each group's prompt
+    once and each trajectory's replies and tool results once (its last prompt and reply
+    beyond the group's prompt): the tokens no earlier context of the group held."""
+    steps = pl.from_arrow(table.select(["kind", "trajectory_uid", "prompt_uid", "step_index"]))
+    assert isinstance(steps, pl.DataFrame)
+    prompts = pc.list_value_length(table["prompt_ids"]).fill_null(0).to_numpy()
+    replies = pc.list_value_length(table["response_ids"]).fill_null(0).to_numpy()
+    steps = steps.with_columns(prompt=pl.Series(prompts), reply=pl.Series(replies)).filter(
+        pl.col("kind") == "step"
+    )
+    first = steps.filter(pl.col("step_index") == 0)
+    last = steps.sort("step_index").group_by("trajectory_uid").last()
+    group_prompts = first.group_by("prompt_uid").agg(pl.col("prompt").first())["prompt"].sum()
+    grown = last.join(first.select("trajectory_uid", start="prompt"), on="trajectory_uid")
+    added = (grown["prompt"] + grown["reply"] - grown["start"]).sum()
+    return int(steps["prompt"].sum() + steps["reply"].sum()), int(group_prompts + added)

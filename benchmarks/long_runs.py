@@ -1,0 +1,669 @@
+"""Benchmark (issue 56): the live follower's memory on large lakes, and storage and take-in
+speed on long agentic trajectories.
+
+Memory, for each lake size (default 500,000 and 5,000,000 short steps, `BulkShape()` as
+`benchmarks/scale.py`: 8 rollouts x 3 turns a group, 1,000 groups a policy version):
+  1. bronze: the bulk lake written straight to bronze (`simulation/bulk.py`);
+  2. backlog: a LiveMaterializer in a child process takes it all in (the same rounds as the
+     follower, `--backlog-versions` bronze versions a round), then the maintenance schedule's
+     pass over every table (as scale.py);
+  3. follower: `claw materialize --follow` (a child process, `CLAW_FOLLOWER_STATE` set to a
+     folder of this lake's, the backlog's too) starts on the caught-up lake; its first round
+     (from its start to its first heartbeat), then 5 increments of 20 groups (480 steps), one
+     bronze commit each: landed to the round that brought silver and gold up to it (the rounds'
+     own seconds as the follower prints them, and the wall time from the commit); its resident
+     memory after them (VmRSS); then a burst of 12,800 steps (27 commits of 480 as fast as they
+     land) and its peak while taking it in (VmHWM, reset before the burst, and VmRSS sampled
+     every 50 ms);
+  4. restart: the follower is killed (SIGKILL) and started again on the same lake and state
+     folder; 480 new steps land as it starts: seconds from its start to the end of the round
+     that brought them into silver and gold.
+Targets: steady resident at the largest lake <= 1.25 x at the smallest and <= 1.5 GiB; peak at
+the largest <= 3 GiB; median increment at the largest <= 1.5 x at the smallest; restart to a
+normal increment at the largest <= 30 s.
+
+Storage and speed on the agentic shape (`simulation.bulk.AGENTIC`: 8 rollouts x 30 turns a
+group, prompts 2-4 k tokens, replies 100-400, tool results 200-1,500, each turn's prompt the
+whole history; `--agentic-groups` groups, a bronze commit each): in a child process pinned to
+one core, a LiveMaterializer takes the bronze in (steps/s), then the baseline: read that
+bronze and write its distinct tokens once to a Delta table (each step's new prompt tokens, its
+reply and its log-probs). Distinct tokens (`simulation.bulk.token_counts`): the tokens no
+earlier context of the group held, i.e. each group's prompt once plus every trajectory's
+replies and tool results once (the sum over trajectories of the new tokens of each turn; the
+rollouts of a group share its prompt); sent tokens: every step's prompt and reply. Bytes on
+disk per distinct token: the sizes of the parquet files of each table's current Delta version
+(bronze, silver: every silver table, gold dataset, trees), as the follower left them and after
+the maintenance pass. Targets: silver <= 4 and gold dataset <= 4 bytes per distinct token;
+take-in >= 2,000 steps/s on one core and <= 3 x the baseline's time.
+
+Prints one JSON line (progress on stderr); each target's pass/fail under `targets_met`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import emit, status_kib  # noqa: E402
+
+STATE_ENV = "CLAW_FOLLOWER_STATE"
+MEMORY_DATASET, AGENTIC_DATASET = "long", "agentic"
+GROUP_STEPS = 24  # BulkShape(): 8 rollouts x 3 turns
+TARGET_RESIDENT_RATIO = 1.25
+TARGET_RESIDENT_GIB = 1.5
+TARGET_PEAK_GIB = 3.0
+TARGET_INCREMENT_RATIO = 1.5
+TARGET_RESTART_S = 30.0
+TARGET_BYTES_PER_TOKEN = 4.0
+TARGET_STEPS_PER_S = 2_000.0
+TARGET_FLOOR_RATIO = 3.0
+TARGET = (
+    "memory: the follower's steady resident at the largest lake <= 1.25 x at the smallest and "
+    "<= 1.5 GiB, its peak during a burst <= 3 GiB, median increment <= 1.5 x the smallest's, "
+    "restart to a normal increment <= 30 s; agentic shape: silver and gold dataset <= 4 bytes "
+    "per distinct token, take-in >= 2,000 steps/s on one core and <= 3 x reading that bronze "
+    "and writing its distinct tokens once"
+)
+TARGETS = {
+    "resident_ratio": TARGET_RESIDENT_RATIO,
+    "resident_gib": TARGET_RESIDENT_GIB,
+    "peak_gib": TARGET_PEAK_GIB,
+    "increment_ratio": TARGET_INCREMENT_RATIO,
+    "restart_s": TARGET_RESTART_S,
+    "silver_bytes_per_distinct_token": TARGET_BYTES_PER_TOKEN,
+    "gold_dataset_bytes_per_distinct_token": TARGET_BYTES_PER_TOKEN,
+    "take_in_steps_per_s": TARGET_STEPS_PER_S,
+    "take_in_over_baseline": TARGET_FLOOR_RATIO,
+}
+ROUND = re.compile(r"^(\d+\.\d+) s  ")
+SILVER = re.compile(r"silver to bronze v(\d+): \+(\d+) steps")
+
+
+def log(message: str) -> None:
+    """A progress line on stderr."""
+    print(f"[long_runs] {message}", file=sys.stderr, flush=True)
+
+
+def _spec(name: str):
+    """The GRPO dataset both parts build (freshness.py's: complete groups of 8)."""
+    from claw_pipelines.contracts.specs import CurationSpec
+
+    return CurationSpec(
+        name=name,
+        reward_status=["final", "missing"],
+        trajectory_status=["complete"],
+        complete_groups_only=True,
+        min_group_size=8,
+        merge="prompt_group",
+        advantage="grpo",
+    )
+
+
+def _mib(kib: int | None) -> float | None:
+    return None if kib is None else round(kib / 1024, 1)
+
+
+def _in_child(target, *args, env: dict[str, str] | None = None):
+    """Run `target(*args, out)` in a spawned process (with `env` added); what it put on `out`."""
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # a spawned child takes the environment as it starts
+    try:
+        proc = context.Process(target=target, args=(*args, out))
+        proc.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    while True:  # a child that dies (an assertion, the OOM killer) must not hang the run
+        try:
+            result = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{target.__name__} exited with {proc.exitcode}") from None
+    proc.join()
+    return result
+
+
+# -- memory: the backlog ----------------------------------------------------------------------
+
+
+def take_backlog(uri: str, versions: int, out) -> None:
+    """Child: a LiveMaterializer until silver and gold hold all of bronze (`versions` bronze
+    versions a round), then the maintenance schedule's pass over every table."""
+    import resource
+
+    from claw_pipelines.defs.maintenance import maintained_tables
+    from claw_pipelines.lake.delta import Lake
+    from claw_pipelines.materialize import live
+
+    live.CATCH_UP_VERSIONS = versions
+    lake = Lake(uri)
+    started, rounds = time.perf_counter(), 0
+    follower = live.LiveMaterializer(lake)
+    while follower.step().changed:
+        rounds += 1
+        if rounds % 10 == 0:
+            log(f"  backlog: {rounds} rounds, {time.perf_counter() - started:.0f} s")
+    follower.close()
+    taken = time.perf_counter() - started
+    started = time.perf_counter()
+    for table in maintained_tables(lake):
+        lake.maintain(table)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out.put(
+        {"take_in_s": round(taken, 1), "rounds": rounds, "peak_rss_mib": round(peak / 1024, 1)}
+        | {"maintenance_s": round(time.perf_counter() - started, 1)}
+    )
+
+
+# -- memory: the follower, a `claw materialize --follow` child process --------------------------
+
+
+@dataclass
+class Taken:
+    """What the follower's round lines said since `Follower.take` was called."""
+
+    steps: int = 0
+    groups: int = 0
+    rounds: list[float] = field(default_factory=list)  # each round's own seconds
+    lines: list[str] = field(default_factory=list)
+
+
+class Follower:
+    """`claw materialize --follow` on a lake as a child process; its round lines, timed."""
+
+    def __init__(self, uri: str, state: Path, log_path: Path) -> None:
+        env = os.environ | {"CLAW_LAKE_URI": uri, STATE_ENV: str(state), "PYTHONPATH": str(REPO)}
+        env.pop("DAGSTER_HOME", None)  # no Dagster reports: the follower alone
+        self.started = time.perf_counter()
+        self.stderr = log_path.open("ab")
+        command = ["-m", "claw_pipelines.app.cli", "materialize", "--follow", "--poll-s", "0.05"]
+        self.proc = subprocess.Popen(
+            [sys.executable, *command],
+            env=env,
+            cwd=REPO,  # this checkout's code
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            bufsize=1,
+        )
+        self.lines: queue.Queue[tuple[float, str]] = queue.Queue()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put((time.perf_counter(), line.rstrip()))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def rss_mib(self) -> float | None:
+        """Its resident memory now."""
+        return _mib(status_kib(self.pid, "VmRSS"))
+
+    def take(self, steps: int, groups: int, timeout: float) -> tuple[float, Taken]:
+        """Wait until its round lines added `steps` steps to silver and `groups` groups to the
+        memory dataset; (the time of the last such line, what they said)."""
+        taken, deadline = Taken(), time.perf_counter() + timeout
+        gold = re.compile(rf"\b{MEMORY_DATASET}: \+(\d+) ~\d+ -\d+ groups")
+        while taken.steps < steps or taken.groups < groups:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the follower exited with {self.proc.returncode}")
+            try:
+                at, line = self.lines.get(
+                    timeout=max(0.01, min(1.0, deadline - time.perf_counter()))
+                )
+            except queue.Empty:
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"follower: {taken} after {timeout} s") from None
+                continue
+            taken.lines.append(line)
+            if (found := SILVER.search(line)) is not None:
+                taken.steps += int(found.group(2))
+            if (found := gold.search(line)) is not None:
+                taken.groups += int(found.group(1))
+            if (found := ROUND.match(line)) is not None:
+                taken.rounds.append(float(found.group(1)))
+        return at, taken
+
+    def kill(self) -> None:
+        """SIGKILL, as an OOM killer or a lost node would."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self.stderr.close()
+
+    def stop(self) -> None:
+        """SIGTERM (the follower finishes its round), SIGKILL after 60 s."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
+
+
+def wait_first_round(lake, follower: Follower, timeout: float = 1_800.0) -> float:
+    """Seconds from the follower's start to its first heartbeat (its first round: a
+    restarted follower loads what it keeps between rounds)."""
+    import json
+
+    from claw_pipelines.materialize.live import HEARTBEAT
+
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        if follower.proc.poll() is not None:
+            raise RuntimeError(f"the follower exited with {follower.proc.returncode}")
+        try:
+            beat = json.loads(lake.read_text(HEARTBEAT) or "{}")
+        except ValueError:
+            beat = {}
+        if beat.get("pid") == follower.pid:
+            return time.perf_counter() - follower.started
+        time.sleep(0.05)
+    raise TimeoutError("no heartbeat from the follower")
+
+
+class Lander:
+    """New GRPO groups landed in bronze, numbered after the bulk lake's (one commit a call)."""
+
+    def __init__(self, uri: str, bulk_steps: int, seed: int) -> None:
+        import numpy as np
+
+        from claw_pipelines.lake.delta import Lake
+        from claw_pipelines.simulation.bulk import BulkShape
+
+        self.lake, self.shape = Lake(uri), BulkShape()
+        self.rng = np.random.default_rng(seed)
+        self.group = -(-bulk_steps // GROUP_STEPS)  # the bulk lake's groups are 0 .. this - 1
+        self.seq = 50_000_000 + seed * 1_000_000
+
+    def land(self, groups: int) -> int:
+        """Append `groups` new groups (and their rewards) in one commit; its version."""
+        from claw_pipelines.contracts.tables import BRONZE_EVENTS
+        from claw_pipelines.simulation.bulk import bronze_batch, group_rows
+
+        new = range(self.group, self.group + groups)
+        rows = [row for g in new for row in group_rows(g, self.shape, self.rng)]
+        self.group, self.seq = self.group + groups, self.seq + 1
+        self.lake.append(BRONZE_EVENTS, bronze_batch(rows, self.seq, self.rng))
+        return self.lake.version(BRONZE_EVENTS)
+
+
+def reset_peak(pid: int) -> bool:
+    """Start a process's VmHWM afresh from its current RSS (5 to its clear_refs)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def sample_rss(pid: int, stop: threading.Event, every_s: float = 0.05) -> list[int]:
+    """VmRSS (KiB) of `pid` every `every_s` until `stop` (a thread fills the list it returns)."""
+    found: list[int] = []
+
+    def sample() -> None:
+        while not stop.is_set():
+            kib = status_kib(pid, "VmRSS")
+            if kib is not None:
+                found.append(kib)
+            stop.wait(every_s)
+
+    threading.Thread(target=sample, daemon=True).start()
+    return found
+
+
+def follow_lake(uri: str, steps: int, state: Path, workdir: Path, args) -> dict:
+    """Phases 3 and 4 on a caught-up lake: the follower's increments, resident memory, the
+    burst and its peak; then SIGKILL and the restart to a normal increment."""
+    from claw_pipelines.lake.delta import Lake
+
+    lake, lander = Lake(uri), Lander(uri, steps, seed=11)
+    per_increment = args.groups * GROUP_STEPS
+    follower = Follower(uri, state, workdir / f"follower-{steps}.log")
+    result: dict = {"first_round_s": round(wait_first_round(lake, follower), 2)}
+    result["rss_after_first_round_mib"] = follower.rss_mib()
+    log(f"{steps:,}: follower's first round {result['first_round_s']} s")
+    walls, rounds = [], []
+    for _ in range(args.increments):
+        lander.land(args.groups)
+        landed = time.perf_counter()
+        at, taken = follower.take(per_increment, args.groups, timeout=600.0)
+        walls.append(at - landed)
+        rounds.append(sum(taken.rounds))
+        time.sleep(0.5)
+    time.sleep(2.0)  # what it holds between rounds, not within one
+    result |= {
+        "increment_s": [round(s, 3) for s in rounds],
+        "increment_median_s": round(statistics.median(rounds), 3),
+        "increment_wall_s": [round(s, 3) for s in walls],
+        "increment_wall_median_s": round(statistics.median(walls), 3),
+        "resident_mib": follower.rss_mib(),
+        "peak_before_burst_mib": _mib(status_kib(follower.pid, "VmHWM")),
+    }
+    log(f"{steps:,}: increments {result['increment_s']} s, resident {result['resident_mib']} MiB")
+
+    burst_groups = -(-args.burst_steps // GROUP_STEPS)
+    commits = -(-burst_groups // args.groups)
+    result["hwm_reset"] = reset_peak(follower.pid)
+    stop = threading.Event()
+    samples = sample_rss(follower.pid, stop)
+    began = time.perf_counter()
+    left = burst_groups
+    for _ in range(commits):
+        lander.land(min(args.groups, left))
+        left -= args.groups
+    at, taken = follower.take(burst_groups * GROUP_STEPS, burst_groups, timeout=1_800.0)
+    stop.set()
+    hwm = status_kib(follower.pid, "VmHWM")
+    peak = max([hwm or 0, *samples]) if result["hwm_reset"] else max(samples, default=0)
+    result |= {
+        "burst_steps": burst_groups * GROUP_STEPS,
+        "burst_commits": commits,
+        "burst_take_in_s": round(at - began, 2),
+        "burst_rounds": len(taken.rounds),
+        "peak_mib": _mib(peak),
+        "peak_sampled_mib": _mib(max(samples, default=0)),
+        "resident_after_burst_mib": follower.rss_mib(),
+    }
+    log(f"{steps:,}: burst {result['burst_take_in_s']} s, peak {result['peak_mib']} MiB")
+    follower.kill()
+
+    restarted = Follower(uri, state, workdir / f"follower-{steps}.log")
+    lander.land(args.groups)  # lands while the new process starts
+    at, taken = restarted.take(per_increment, args.groups, timeout=1_800.0)
+    result |= {
+        "restart_s": round(at - restarted.started, 2),
+        "restart_rounds_s": taken.rounds,
+        "restart_rss_mib": restarted.rss_mib(),
+    }
+    log(f"{steps:,}: restart to a normal increment {result['restart_s']} s")
+    restarted.stop()
+    return result
+
+
+def memory_lake(steps: int, workdir: Path, args) -> dict:
+    """Every phase of one lake size, each timed."""
+    from claw_pipelines.lake.delta import Lake
+    from claw_pipelines.lake.specs import save_spec
+    from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
+
+    uri, state = str(workdir / f"lake-{steps}"), workdir / f"state-{steps}"
+    state.mkdir(parents=True, exist_ok=True)
+    phases: dict = {}
+    lake = Lake(uri)
+    started = time.perf_counter()
+    records = write_bulk_bronze(lake, steps, BulkShape(), batch=5_000, seed=7)
+    save_spec(lake, _spec(MEMORY_DATASET))
+    phases["bronze_s"] = round(time.perf_counter() - started, 1)
+    log(f"{steps:,}: bronze written ({records:,} records, {phases['bronze_s']} s); backlog")
+    started = time.perf_counter()
+    backlog = _in_child(take_backlog, uri, args.backlog_versions, env={STATE_ENV: str(state)})
+    phases["backlog_s"] = round(time.perf_counter() - started, 1)
+    log(f"{steps:,}: backlog taken in: {backlog}")
+    started = time.perf_counter()
+    result = {"steps": steps, "records": records, "backlog": backlog}
+    result |= follow_lake(uri, steps, state, workdir, args)
+    phases["follower_s"] = round(time.perf_counter() - started, 1)
+    result["phases"] = phases
+    if not args.workdir:  # the lake is not needed again: free the disk for the next one
+        shutil.rmtree(uri, ignore_errors=True)
+    return result
+
+
+# -- storage and speed on the agentic shape ---------------------------------------------------
+
+
+def table_bytes(lake, name: str) -> int:
+    """The sizes of the parquet files of a table's current Delta version."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not lake.exists(name):
+        return 0
+    actions = pa.table(lake.open(name).get_add_actions(flatten=True))
+    return int(pc.sum(actions["size_bytes"]).as_py() or 0)
+
+
+def storage_of(lake, dataset: str, distinct: int) -> dict:
+    """Bytes and bytes per distinct token of bronze, silver (each table and all), gold."""
+    from claw_pipelines.contracts.tables import (
+        BRONZE_EVENTS,
+        SILVER_TABLES,
+        gold_dataset_table,
+        gold_rejection_table,
+        gold_tree_table,
+    )
+
+    tables = {"bronze": BRONZE_EVENTS} | {t: t for t in SILVER_TABLES}
+    tables |= {
+        "gold_dataset": gold_dataset_table(dataset),
+        "trees": gold_tree_table(dataset),
+        "gold_rejections": gold_rejection_table(dataset),
+    }
+    sizes = {key: table_bytes(lake, name) for key, name in tables.items()}
+    sizes["silver"] = sum(sizes[t] for t in SILVER_TABLES)
+    return {
+        "bytes": sizes,
+        "bytes_per_distinct_token": {k: round(v / distinct, 3) for k, v in sizes.items()},
+    }
+
+
+def floor_write(lake, target: str) -> dict:
+    """The baseline: read bronze's steps and write their distinct tokens once to a Delta table
+    (each step's prompt tokens beyond its trajectory's previous prompt and reply, the group's
+    prompt once, its reply and log-probs)."""
+    import polars as pl
+    from deltalake import write_deltalake
+
+    from claw_pipelines.contracts.tables import BRONZE_EVENTS
+
+    started = time.perf_counter()
+    columns = ["kind", "trajectory_uid", "prompt_uid", "step_index"]
+    columns += ["prompt_ids", "response_ids", "rollout_log_probs"]
+    steps = lake.read(BRONZE_EVENTS, columns=columns).filter(pl.col("kind") == "step")
+    steps = steps.sort("trajectory_uid", "step_index")
+    prompt, reply = pl.col("prompt_ids").list.len(), pl.col("response_ids").list.len()
+    seen = (prompt + reply).shift(1).over("trajectory_uid")
+    group_first = pl.col("trajectory_uid") == pl.col("trajectory_uid").min().over("prompt_uid")
+    offset = pl.when(pl.col("step_index") > 0).then(seen)
+    offset = offset.when(group_first).then(0).otherwise(prompt)
+    rows = steps.select(
+        "trajectory_uid",
+        "step_index",
+        pl.col("prompt_ids").list.slice(offset.cast(pl.Int64)).alias("new_prompt_ids"),
+        "response_ids",
+        "rollout_log_probs",
+    )
+    write_deltalake(target, rows.to_arrow(), mode="overwrite")
+    seconds = time.perf_counter() - started
+    tokens = rows.select(
+        pl.col("new_prompt_ids").list.len().sum() + pl.col("response_ids").list.len().sum()
+    ).item()
+    return {"seconds": round(seconds, 3), "tokens": int(tokens)}
+
+
+def agentic_child(uri: str, floor_uri: str, cpu: int, steps: int, distinct: int, out) -> None:
+    """Child, pinned to one core: a LiveMaterializer takes the agentic bronze in; storage as
+    it left it and after maintenance; then the baseline on the same bronze."""
+    os.sched_setaffinity(0, {cpu})
+    import resource
+
+    from claw_pipelines.defs.maintenance import maintained_tables
+    from claw_pipelines.lake.delta import Lake
+    from claw_pipelines.materialize.live import LiveMaterializer
+
+    lake = Lake(uri)
+    cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+    started, rounds = time.perf_counter(), 0
+    follower = LiveMaterializer(lake)
+    while follower.step().changed:
+        rounds += 1
+    follower.close()
+    seconds = time.perf_counter() - started
+    cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+    used = cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime
+    result = {
+        "take_in_s": round(seconds, 3),
+        "take_in_cpu_s": round(used, 3),
+        "take_in_rounds": rounds,
+        "take_in_steps_per_s": round(steps / seconds, 1),
+        "peak_rss_mib": round(cpu_after.ru_maxrss / 1024, 1),
+        "storage": storage_of(lake, AGENTIC_DATASET, distinct),
+    }
+    began = time.perf_counter()
+    for table in maintained_tables(lake):
+        lake.maintain(table)
+    result["maintenance_s"] = round(time.perf_counter() - began, 2)
+    result["storage_maintained"] = storage_of(lake, AGENTIC_DATASET, distinct)
+    floor = floor_write(lake, floor_uri)
+    assert floor["tokens"] == distinct, (floor["tokens"], distinct)
+    floor_bytes = table_bytes(Lake(str(Path(floor_uri).parent)), Path(floor_uri).name)
+    result["baseline"] = floor | {
+        "bytes": floor_bytes,
+        "bytes_per_distinct_token": round(floor_bytes / distinct, 3),
+    }
+    out.put(result)
+
+
+def agentic(workdir: Path, groups: int) -> dict:
+    """The agentic shape's storage and take-in speed, and the baseline, each timed."""
+    from claw_pipelines.contracts.tables import BRONZE_EVENTS
+    from claw_pipelines.lake.delta import Lake
+    from claw_pipelines.lake.specs import save_spec
+    from claw_pipelines.simulation.bulk import AGENTIC, bulk_batches, token_counts
+
+    uri = str(workdir / "agentic")
+    lake = Lake(uri)
+    per_group = AGENTIC.rollouts * AGENTIC.turns
+    started, sent, distinct = time.perf_counter(), 0, 0
+    records = per_group + AGENTIC.rollouts  # a commit a group, as the gateway's flushes
+    for table in bulk_batches(groups * per_group, AGENTIC, records, seed=7):
+        lake.append(BRONZE_EVENTS, table)
+        counted = token_counts(table)
+        sent, distinct = sent + counted[0], distinct + counted[1]
+    save_spec(lake, _spec(AGENTIC_DATASET))
+    written = time.perf_counter() - started
+    steps = groups * per_group
+    log(f"agentic: {steps:,} steps, {sent:,} tokens sent, {distinct:,} distinct ({written:.1f} s)")
+    cpu = max(os.sched_getaffinity(0))
+    state = {STATE_ENV: str(workdir / "agentic-state")}
+    floor = str(workdir / "floor" / "tokens")
+    result = _in_child(agentic_child, uri, floor, cpu, steps, distinct, env=state)
+    result |= {
+        "groups": groups,
+        "steps": steps,
+        "sent_tokens": sent,
+        "distinct_tokens": distinct,
+        "tokens_per_step": round(sent / steps),
+        "bronze_s": round(written, 2),
+        "cpu": cpu,
+        "take_in_over_baseline": round(result["take_in_s"] / result["baseline"]["seconds"], 2),
+    }
+    log(f"agentic: {result}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="500000,5000000", help="lake sizes, in steps")
+    parser.add_argument("--increments", type=int, default=5)
+    parser.add_argument("--groups", type=int, default=20, help="groups (24 steps) an increment")
+    parser.add_argument("--burst-steps", type=int, default=12_800)
+    parser.add_argument(
+        "--backlog-versions", type=int, default=64, help="bronze versions a backlog round takes"
+    )
+    parser.add_argument("--agentic-groups", type=int, default=6)
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-storage", action="store_true")
+    parser.add_argument("--workdir", help="keep the lakes here (a new folder: they are built)")
+    args = parser.parse_args()
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+
+    figures: dict = {}
+    met: dict[str, bool] = {}
+    ratio: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="claw-bench-long-") as tmp:
+        workdir = Path(args.workdir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        if not args.skip_storage:
+            started = time.perf_counter()
+            found = agentic(workdir, args.agentic_groups)
+            found["phase_s"] = round(time.perf_counter() - started, 1)
+            per_token = found["storage"]["bytes_per_distinct_token"]
+            met |= {
+                "silver_bytes_per_distinct_token": per_token["silver"] <= TARGET_BYTES_PER_TOKEN,
+                "gold_dataset_bytes_per_distinct_token": per_token["gold_dataset"]
+                <= TARGET_BYTES_PER_TOKEN,
+                "take_in_steps_per_s": found["take_in_steps_per_s"] >= TARGET_STEPS_PER_S,
+                "take_in_over_baseline": found["take_in_over_baseline"] <= TARGET_FLOOR_RATIO,
+            }
+            figures["agentic"] = found
+            ratio["take_in_over_baseline"] = found["take_in_over_baseline"]
+        if not args.skip_memory:
+            lakes = {}
+            for steps in sizes:
+                started = time.perf_counter()
+                lakes[str(steps)] = memory_lake(steps, workdir, args)
+                lakes[str(steps)]["phases"]["total_s"] = round(time.perf_counter() - started, 1)
+            small, large = lakes[str(sizes[0])], lakes[str(sizes[-1])]
+            resident_ratio = large["resident_mib"] / small["resident_mib"]
+            increments = round(large["increment_median_s"] / small["increment_median_s"], 3)
+            ratio["increment"] = increments
+            met |= {
+                "resident_ratio": resident_ratio <= TARGET_RESIDENT_RATIO,
+                "resident_gib": large["resident_mib"] / 1024 <= TARGET_RESIDENT_GIB,
+                "peak_gib": large["peak_mib"] / 1024 <= TARGET_PEAK_GIB,
+                "increment_ratio": increments <= TARGET_INCREMENT_RATIO,
+                "restart_s": large["restart_s"] <= TARGET_RESTART_S,
+            }
+            figures |= {
+                "lakes": lakes,
+                "resident_ratio": round(resident_ratio, 3),
+                "increment_ratio": increments,
+                "resident_gib": round(large["resident_mib"] / 1024, 3),
+                "peak_gib": round(large["peak_mib"] / 1024, 3),
+                "restart_s": large["restart_s"],
+            }
+    emit(
+        "long_runs",
+        target=TARGET,
+        targets=TARGETS,
+        target_met=bool(met) and all(met.values()),
+        baseline={
+            "memory": None if args.skip_memory else f"lakes.{sizes[0]}",
+            "speed": None if args.skip_storage else "agentic.baseline.seconds",
+        },
+        ratio=ratio or None,
+        targets_met=met,
+        **figures,
+    )
+
+
+if __name__ == "__main__":
+    main()
