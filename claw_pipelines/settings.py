@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import socket
@@ -130,6 +131,17 @@ class ClawSettings(BaseSettings):
     idle_timeout_s: float = Field(
         3600.0, gt=0, description="an open trajectory idle this long becomes abandoned"
     )
+    follower_state: Path | None = Field(
+        None,
+        description="the follower's history of silver on local disk (a cache of the lake, "
+        "rebuilt from it when lost); default: ~/.cache/claw/follower/<the lake's hash>",
+    )
+    follower_hot_steps: int = Field(
+        100_000,
+        ge=0,
+        description="steps of open and recent trajectories a follower keeps "
+        "in memory (the rest is read back from its history); 0: all of silver",
+    )
     trajectory_reward_to: Literal["last", "every"] = Field(
         "last", description="steps a trajectory-level reward addresses"
     )
@@ -209,6 +221,14 @@ class ClawSettings(BaseSettings):
         else:
             base = Path(self.lake_uri.removeprefix("file://")) / "_wal"
         return base / self.gateway_id
+
+    @property
+    def resolved_follower_state(self) -> Path:
+        """Folder of the follower's history of silver (one per lake)."""
+        if self.follower_state is not None:
+            return self.follower_state
+        digest = hashlib.sha256(self.lake_uri.encode()).hexdigest()[:16]
+        return Path.home() / ".cache" / "claw" / "follower" / digest
 
     def to_env(self) -> dict[str, str]:
         """The `CLAW_*` environment that gives a child process exactly these settings."""

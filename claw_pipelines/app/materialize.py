@@ -201,7 +201,13 @@ def follow(
     stop = stop or threading.Event()
     lake = Lake.from_settings(settings)
     lake.verify_store()  # a writer: wrong credentials or an unsafe store stop it here, in a line
-    live = LiveMaterializer(lake, SilverOptions.from_settings(settings), datasets or None)
+    live = LiveMaterializer(
+        lake,
+        SilverOptions.from_settings(settings),
+        datasets or None,
+        history=settings.resolved_follower_state,
+        hot_steps=settings.follower_hot_steps,
+    )
     report = _dagster_reporter() if os.environ.get("DAGSTER_HOME") else None
     say(f"claw materialize --follow: {lake.uri} (every {poll_s:g} s; Ctrl-C stops)")
     failures = 0

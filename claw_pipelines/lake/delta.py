@@ -733,6 +733,22 @@ class Lake:
         """A lazy polars scan of table `name` (at `version` when given)."""
         return pl.scan_delta(self.table_uri(name), version=version, storage_options=self._options())
 
+    def batches(
+        self, name: str, version: int | None, columns: list[str], rows: int = 262_144
+    ) -> Iterator[pl.DataFrame]:
+        """Table `name` (at `version`) a batch of about `rows` rows at a time, some columns
+        (a column declared since the table was written reads as nulls): a read of a large
+        table whose memory stays bounded."""
+        table = self.open(name, version)
+        present = set(table.schema().to_arrow().names)
+        kept = [c for c in columns if c in present]
+        scanner = table.to_pyarrow_dataset().scanner(columns=kept, batch_size=rows)
+        for batch in scanner.to_batches():
+            frame = pl.from_arrow(pa.Table.from_batches([batch]))
+            assert isinstance(frame, pl.DataFrame)
+            missing = [pl.lit(None).alias(c) for c in columns if c not in present]
+            yield frame.with_columns(missing).select(columns) if missing else frame
+
     def read(
         self,
         name: str,

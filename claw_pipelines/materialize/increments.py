@@ -289,8 +289,10 @@ class AtHand:
     def candidates(self, lake: Lake, versions: dict[str, int | None]) -> pl.DataFrame:
         """`candidate_steps` at `versions`, read once per set of silver versions."""
         key = tuple(versions[t] for t in (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES))
+        view = self.view_at(versions)
+        if view is not None and not view.complete:  # a bounded view: read, never kept
+            return candidate_steps(lake, versions)
         if self._candidates is None or self._candidates[0] != key:
-            view = self.view_at(versions)
             frame = candidate_steps(lake, versions) if view is None else view.all_candidates()
             self._candidates = (key, frame)
         return self._candidates[1]
@@ -358,30 +360,48 @@ def _scope(
     if before is not None and (before.spec_hash, before.sources) == (now.spec_hash, sources):
         touched = view.touched_since(before.marker, lake)
     if everything or before is None or touched is None:
-        return Scope(), Part(view.all_candidates(), newest, view.last_seen), now
+        return Scope(), Part(at_hand.candidates(lake, versions), newest, view.last_seen), now
     if touched.len() > lake_module.MAX_PREDICATE_KEYS:  # most of silver: curate it all
-        return Scope(), Part(view.all_candidates(), newest, view.last_seen), now
+        return Scope(), Part(at_hand.candidates(lake, versions), newest, view.last_seen), now
     groups = [view.groups_of(touched)]
     if spec.max_policy_staleness is not None and before.newest != newest:
         low, high = sorted(v - spec.max_policy_staleness for v in (before.newest, newest))
-        moved = view.steps.frame.filter(  # by the version that finished a step or its oldest
+        moved = (  # by the version that finished a step or its oldest
             pl.col("policy_version").fill_null(0).is_between(low, high, closed="left")
             | oldest_version().is_between(low, high, closed="left")
         )
-        groups.append(moved[GROUP].unique())
+        groups.append(_steps_where(lake, view, versions, moved, low)[GROUP].unique())
     if spec.group_deadline_s is not None and before.clock != view.last_seen:
         late = timedelta(seconds=spec.group_deadline_s)
         start = (before.clock or view.last_seen) - late
         first_seen = pl.col("first_seen_at")
-        crossed = view.trajectories.frame.filter(
-            (first_seen >= start) & (first_seen <= view.last_seen - late)
-        )
-        groups.append(view.groups_of(crossed["trajectory_uid"].unique()))
+        crossed = (first_seen >= start) & (first_seen <= view.last_seen - late)
+        if view.complete:
+            uids = view.trajectories.frame.filter(crossed)["trajectory_uid"]
+        else:  # the lake's trajectories first seen then (files pruned by their times)
+            table = SILVER_TRAJECTORIES
+            uids = lake.read(table, versions[table], ["trajectory_uid"], where=crossed)
+            uids = uids["trajectory_uid"]
+        groups.append(view.groups_of(uids.unique()))
     frame = view.candidates_of(pl.concat(groups).unique())
     facts = view.facts_of(frame) if spec.reward_judge is not None else None
     versions_in = frame["policy_version"].unique().to_list()
     scope = Scope(frame[GROUP].unique(), sorted(int(v) for v in versions_in))
     return scope, Part(frame, newest, view.last_seen, facts), now
+
+
+def _steps_where(
+    lake: Lake, view: SilverView, versions: dict[str, int | None], where: pl.Expr, low: int
+) -> pl.DataFrame:
+    """The steps matching `where` (finished at policy version `low` or later): the view's
+    when it holds all of silver, else read from the lake's partitions from `low` on."""
+    if view.complete:
+        return view.steps.frame.filter(where)
+    columns = ["trajectory_uid", "prompt_uid", "policy_version", "policy_version_runs"]
+    recent = (pl.col("policy_version") >= low) | pl.col("policy_version").is_null()
+    rows = lake.read(SILVER_STEPS, versions[SILVER_STEPS], columns, where=recent)
+    rows = rows.cast({"policy_version_runs": pl.List(pl.Int64)}).filter(where)  # type: ignore[dict-item]
+    return rows.with_columns(pl.coalesce("prompt_uid", "trajectory_uid").alias(GROUP))
 
 
 def _increment_once(

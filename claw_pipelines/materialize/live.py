@@ -25,12 +25,15 @@ up to RETRY_MAX_S while it keeps failing (the heartbeat lists it under `failing`
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import polars as pl
 
@@ -51,9 +54,12 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import SpecError, read_specs, spec_path
 from claw_pipelines.materialize.gold import TOKEN_COLUMNS
+from claw_pipelines.materialize.history import History
 from claw_pipelines.materialize.increments import AtHand, Brought, GoldIncrement, update_dataset
 from claw_pipelines.materialize.silver import SilverOptions, SilverRun, build_silver, silver_state
 from claw_pipelines.materialize.silver_view import SilverView
+
+log = logging.getLogger(__name__)
 
 HEARTBEAT = "_live/materializer.json"
 HEARTBEAT_S = 5.0  # the heartbeat is rewritten at least this often
@@ -136,8 +142,13 @@ class LiveMaterializer:
         lake: Lake,
         options: SilverOptions | None = None,
         datasets: Sequence[str] | None = None,
+        history: Path | None = None,
+        hot_steps: int = 0,
     ) -> None:
         self.lake, self.options = lake, options or SilverOptions()
+        # bounded (`history` and `hot_steps` given): the view holds the open window only
+        self.history_path, self.hot_steps = history, hot_steps
+        self._history: History | None = None
         # the datasets kept up to date (None: every spec's)
         self.datasets = None if datasets is None else frozenset(datasets)
         self._gold_inputs: dict[str, tuple] = {}  # per dataset: what it was last brought to
@@ -163,8 +174,9 @@ class LiveMaterializer:
         done = Round()
         bronze = self.lake.version(BRONZE_EVENTS)
         state = silver_state(self.lake)
-        if self.at_hand.silver is None and state.bronze_version is not None:
-            self.at_hand.silver = SilverView.load(self.lake, state.versions)  # a (re)start
+        bounded = self.history_path is not None and self.hot_steps > 0
+        if self.at_hand.silver is None and (bounded or state.bronze_version is not None):
+            self.at_hand.silver = self._open_view(state.versions)  # a (re)start
         if bronze is not None and (state.bronze_version is None or bronze > state.bronze_version):
             read = -1 if state.bronze_version is None else state.bronze_version
             upto = min(bronze, read + CATCH_UP_VERSIONS)
@@ -204,10 +216,21 @@ class LiveMaterializer:
                 self._send_aside({n: (specs[n], i) for n, i in aside.items()}, compact)
         if self._aside is not None:
             done.aside = sorted(self._aside.inputs)
+        if self.at_hand.silver is not None:  # what the increments read back goes again
+            self.at_hand.silver.trim()
         done.seconds = time.perf_counter() - started
         self.rounds += 1
         self.beat(done)
         return done
+
+    def _open_view(self, versions: dict[str, int | None]) -> SilverView:
+        """The silver view a (re)started follower begins with: read from the lake, or when
+        bounded its history opened (rebuilt from the lake when missing or behind)."""
+        if self.history_path is None or not self.hot_steps:
+            return SilverView.load(self.lake, versions)
+        if self._history is None:
+            self._history = open_history(self.history_path)
+        return SilverView.open(self.lake, versions, self._history, self.hot_steps)
 
     def _increment(
         self, lake: Lake, spec: CurationSpec, at_hand: AtHand
@@ -321,6 +344,9 @@ class LiveMaterializer:
         if self._worker is not None:
             self._worker[0].shutdown(wait=True)
             self._worker = None
+        if self._history is not None:  # its lock: a restarted follower opens it again
+            self._history.close()
+            self._history = None
 
     def _remember(self, run: SilverRun) -> None:
         """Keep the token columns of the steps silver just took (for RECENT_S of data time):
@@ -374,6 +400,20 @@ class LiveMaterializer:
         beat["brought"] = {name: b.to_json() for name, b in brought.items()}
         beat["failing"] = {name: f.to_json() for name, f in self.failing.items()}
         self.lake.write_text(HEARTBEAT, json.dumps(beat))
+
+
+def open_history(path: Path) -> History:
+    """The follower's history at `path`, or, when another follower holds that one (RocksDB
+    locks it), a folder of this process's own beside it (built from the lake)."""
+    try:
+        return History(path)
+    except Exception as exc:  # rocksdict raises a plain Exception naming the lock
+        if "lock" not in str(exc).lower():
+            raise
+        own = path.with_name(f"{path.name}-{os.getpid()}")
+        log.warning("%s is held by another follower (%s): using %s", path, exc, own)
+        shutil.rmtree(own, ignore_errors=True)
+        return History(own)
 
 
 def brought_before(lake: Lake) -> dict[str, Brought]:

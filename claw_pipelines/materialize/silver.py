@@ -260,11 +260,11 @@ def _new_steps(
     unscoped = candidates.filter(pl.col("unscoped")).select("tenant", "received_us")
     anchors = _anchors(view, unscoped, window_us)
     candidates = with_step_keys(place_unscoped(candidates, anchors, window_us))
-    taken = view.steps.rows_where("step_key", candidates["step_key"])
+    taken = view.steps_by_key(candidates["step_key"])
     candidates, renumbered = renumber_clashes(candidates, taken)
     if renumbered:
         log.warning("silver: %d proxied steps had a taken key: renumbered", renumbered)
-        taken = view.steps.rows_where("step_key", candidates["step_key"])
+        taken = view.steps_by_key(candidates["step_key"])
     keep, conflicts, duplicates = split_duplicates(candidates, taken.select(INDEX_COLUMNS))
     known = steps.height - int(first.sum())
     new = keep_rows(candidates, keep)
@@ -494,7 +494,7 @@ def _build_once(
         run.versions = dict(state.versions)
         return run
     if view is None or not view.stands_at(pins, lake):
-        view = run.view = SilverView.load(lake, pins)
+        view = run.view = _reloaded(lake, pins, view)
     guard = Guard((SILVER_WRITER,), until, pins)
     steps, fact_records, run.read_mode = _read_bronze(lake, after, until)
     run.bronze_rows = steps.height + fact_records.height
@@ -506,17 +506,15 @@ def _build_once(
         )
         conflicts = conflicts.join(stored_conflicts, on="event_id", how="anti")
     facts = pl.concat([bronze_facts(fact_records), step_reward_facts(new)], how="vertical_relaxed")
-    stored_facts = view.facts.rows_where("feedback_id", facts["feedback_id"])
-    facts = facts.unique("feedback_id", keep="first", maintain_order=True).join(
-        stored_facts.select("feedback_id"), on="feedback_id", how="anti"
+    stored_facts = view.known_fact_ids(facts["feedback_id"])
+    facts = facts.unique("feedback_id", keep="first", maintain_order=True).filter(
+        ~pl.col("feedback_id").is_in(stored_facts.implode())
     )
     meta = {"bronze_version": until, "bronze_after": after, "read_mode": run.read_mode}
     versions = dict(pins)
     # a run killed after its appends left rows past the last marker: derive everything again
     # (before any marker: rows already in silver are a killed first run's)
-    first_killed = state.bronze_version is None and bool(
-        view.steps.frame.height + view.facts.frame.height
-    )
+    first_killed = state.bronze_version is None and bool(view.steps_total + view.facts.frame.height)
     leftovers = first_killed or not all(
         pins[t] == state.versions.get(t) or lake.only_maintenance(t, state.versions.get(t), pins[t])
         for t in (SILVER_STEPS, SILVER_FEEDBACK)
@@ -545,13 +543,18 @@ def _build_once(
     touched = None if full or leftovers else _touched(view, new, facts, options)
     if touched is not None and touched.len() > lake_module.MAX_PREDICATE_KEYS:
         touched = None  # most of silver: rewritten whole rather than listed in a predicate
-    if touched is None:
+    if touched is None and view.complete:
         index, derived_from, stored = view.steps.current(), view.facts.current(), None
         steps_stay = False
+    elif touched is None:  # a bounded view holds its window only: all of silver is read
+        index = _stored(lake, SILVER_STEPS, INDEX_COLUMNS, versions[SILVER_STEPS])
+        facts_all = TABLES[SILVER_FEEDBACK].schema.names
+        derived_from = _stored(lake, SILVER_FEEDBACK, facts_all, versions[SILVER_FEEDBACK])
+        stored, steps_stay = None, False
     else:
         index = view.steps_of(touched)
         derived_from = view.facts_of(index)
-        stored = view.trajectories.rows_where("trajectory_uid", touched)
+        stored = view.trajectory_rows(touched)
         # every stored reward row has its successor unless a step went (a partial absorbed)
         steps_stay = absorbed.is_empty()
     rewards, trajectories = _derive(
@@ -561,11 +564,20 @@ def _build_once(
     view.derived(versions[WATERMARK_TABLE], versions, rewards, trajectories)
     run.steps_added, run.feedback_added = new.height, facts.height
     run.conflicts_added = conflicts.height
-    run.steps_total, run.trajectories = view.steps.frame.height, trajectories.height
+    run.steps_total, run.trajectories = view.steps_total, trajectories.height
     run.new_steps, run.new_facts, run.conflicts = new, facts, conflicts
-    run.index = view.steps.frame.select(INDEX_COLUMNS)
+    if view.complete:  # (a bounded view's findings read the lake)
+        run.index = view.steps.frame.select(INDEX_COLUMNS)
     run.versions = versions
     return run
+
+
+def _reloaded(lake: Lake, pins: dict[str, int | None], view: SilverView | None) -> SilverView:
+    """The view at `pins` after another writer moved silver: read from the lake again, or for
+    a bounded view its history brought there (rebuilt from the lake)."""
+    if view is None or view.history is None:
+        return SilverView.load(lake, pins)
+    return SilverView.open(lake, pins, view.history, view.hot_steps)
 
 
 def _touched(

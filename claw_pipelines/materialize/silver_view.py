@@ -11,6 +11,15 @@ which trajectories changed since it last ran and curates their prompt groups alo
 The view is loaded from the lake (one read of those small columns) when it is cold, when
 another writer moved silver, or after a repair; then the runs that use it keep it current.
 Derived rows are kept in generations (`Keyed`): a key's newest row is its current one.
+
+A follower's view is bounded (`SilverView.open` with a `History`): it holds in memory only
+the open window, the trajectories not yet closed and those touched lately (whole: every
+step, fact and derived row of theirs), at most about `hot_steps` steps of them. Every row it
+takes is also written to the history on the follower's disk, one segment per run with the
+versions it brings the view to; a lookup that needs a trajectory the window let go (a late
+reward, a duplicate event, an old group, stitching) reads it back from there first. A
+restarted follower opens its history and starts with an empty window: it reads nothing of
+silver unless the history is missing or behind the lake, then it is rebuilt from the lake.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from claw_pipelines.contracts.tables import (
     TABLES,
 )
 from claw_pipelines.lake.delta import Lake, conform
+from claw_pipelines.materialize.history import History, fact_addresses
 from claw_pipelines.transforms.curation import (
     CALL_COLUMNS,
     CANDIDATE_STEP_COLUMNS,
@@ -281,6 +291,15 @@ class SilverView:
     log: list[tuple[int, pl.Series]] = field(default_factory=list)  # (marker version, touched)
     # stitched steps (an origin key): their positions in `steps` and times, taken in lazily
     _stitched: tuple[int, np.ndarray, np.ndarray] = (0, np.empty(0, np.int64), np.empty(0))
+    # bounded (a follower's): the history on disk, the window in memory and its bound
+    history: History | None = None
+    hot: dict[str, int] = field(default_factory=dict)  # uid -> the run that last touched it
+    hot_steps: int = 0  # the window's bound in steps (0: unbounded)
+    steps_total: int = 0  # steps in silver (the window holds some of them)
+    runs: int = 0
+    read_back: int = 0  # trajectories read back from the history (the window had let go)
+    _upto: int | None = None  # a snapshot reads the history's segments before this one
+    _pending: dict[str, list[pl.DataFrame]] = field(default_factory=dict)  # the run's rows
 
     @classmethod
     def load(cls, lake: Lake, versions: dict[str, int | None]) -> SilverView:
@@ -305,17 +324,72 @@ class SilverView:
             partials=Keyed(["event_id"], _partials_frame(steps)),
         )
         view._advance_clock(steps, facts)
-        marker = versions.get(SILVER_TRAJECTORIES)
-        if marker is not None:  # what changed after this marker, the view will know
-            view.log = [(marker, pl.Series("trajectory_uid", [], pl.String))]
+        view.steps_total = steps.height
+        view._start_log()
         return view
+
+    @classmethod
+    def open(
+        cls, lake: Lake, versions: dict[str, int | None], history: History, hot_steps: int
+    ) -> SilverView:
+        """A bounded view at `versions` over `history` (a follower's): as the history left
+        it when it stands there (nothing read from the lake), else the history is rebuilt
+        from the lake first."""
+        meta = history.meta
+        kept = {t: meta.get("versions", {}).get(t) for t in SILVER_TABLES}
+        if not history.stands_for(lake.uri) or not all(
+            kept[t] == versions.get(t) or lake.only_maintenance(t, kept[t], versions.get(t))
+            for t in SILVER_TABLES
+        ):
+            rebuild_history(lake, versions, history)
+            meta = history.meta
+        view = cls.empty(versions)
+        view.history, view.hot_steps = history, hot_steps
+        view.clock_us, view.newest_policy = int(meta["clock_us"]), int(meta["newest_policy"])
+        last_seen = meta.get("last_seen")
+        view.last_seen = None if last_seen is None else datetime.fromisoformat(last_seen)
+        view.steps_total = int(meta.get("steps_total", 0))
+        view._start_log()
+        return view
+
+    @classmethod
+    def empty(cls, versions: dict[str, int | None]) -> SilverView:
+        """A view holding no rows (yet), at `versions`."""
+
+        def nothing(table: str, columns: list[str]) -> pl.DataFrame:
+            return pl.from_arrow(TABLES[table].schema.empty_table()).select(columns)
+
+        steps = _steps_frame(nothing(SILVER_STEPS, VIEW_STEP_COLUMNS))
+        return cls(
+            versions=dict(versions),
+            steps=Keyed(["step_key"], steps, append_only=True),
+            facts=Keyed(["feedback_id"], nothing(SILVER_FEEDBACK, VIEW_FACT_COLUMNS), True),
+            rewards=Keyed(["step_key"], nothing(SILVER_STEP_REWARDS, VIEW_REWARD_COLUMNS)),
+            trajectories=Keyed(
+                ["trajectory_uid"], nothing(SILVER_TRAJECTORIES, VIEW_TRAJECTORY_COLUMNS)
+            ),
+            partials=Keyed(["event_id"], _partials_frame(steps)),
+        )
+
+    def _start_log(self) -> None:
+        marker = self.versions.get(SILVER_TRAJECTORIES)
+        if marker is not None:  # what changed after this marker, the view will know
+            self.log = [(marker, pl.Series("trajectory_uid", [], pl.String))]
+
+    @property
+    def complete(self) -> bool:
+        """Whether the view holds all of silver (not a bounded follower's window)."""
+        return self.history is None
 
     def snapshot(self) -> SilverView:
         """The view as it stands now, for a reader in another thread: later `add`s and
         `derived`s of this view leave the copy alone (it shares the frames, which they
-        replace rather than change)."""
+        replace rather than change, and reads the history only as it stands now)."""
         twin = copy.copy(self)
-        twin.versions, twin.log = dict(self.versions), list(self.log)
+        twin.versions, twin.log, twin.hot = dict(self.versions), list(self.log), dict(self.hot)
+        twin._pending = {}
+        if self.history is not None:
+            twin._upto = self.history.segments
         for name in ("steps", "facts", "rewards", "trajectories", "partials"):
             setattr(twin, name, getattr(self, name).snapshot())
         return twin
@@ -346,30 +420,167 @@ class SilverView:
         top = steps["policy_version"].max()
         self.newest_policy = max(self.newest_policy, 0 if top is None else int(top))
 
+    # -- the window --------------------------------------------------------------------------
+    def _ensure(self, uids: pl.Series) -> None:
+        """Bring the trajectories `uids` into the window (whole) from the history, when the
+        window let them go: every lookup of a trajectory goes through here first."""
+        if self.history is None:
+            return
+        wanted = uids.drop_nulls().unique()
+        missing = [uid for uid in wanted.to_list() if uid not in self.hot]
+        if missing:
+            self._load(missing)
+        for uid in wanted.to_list():  # (only once loaded: a failed load leaves them out)
+            self.hot[uid] = self.runs
+
+    def _load(self, missing: list[str]) -> None:
+        """Put the rows the history holds of the trajectories `missing` in the window."""
+        assert self.history is not None
+        found = self.history.rows_of(pl.Series(missing, dtype=pl.String), self._upto)
+        removed = found.get("removed")
+        steps = found.get("steps")
+        if steps is not None and steps.height:
+            self.read_back += steps["trajectory_uid"].n_unique()
+            if removed is not None and removed.height:
+                steps = steps.filter(~pl.col("step_key").is_in(removed["step_key"].implode()))
+            steps = steps.unique("step_key", keep="last", maintain_order=True)
+            steps = _new_keys(steps, self.steps, "step_key")
+            self.steps.put(steps)
+            self.partials.put(_partials_frame(steps))
+        facts = found.get("facts")
+        if facts is not None and facts.height:
+            facts = facts.drop("addresses").unique("feedback_id", keep="last", maintain_order=True)
+            self.facts.put(_new_keys(facts, self.facts, "feedback_id"))
+        for name, key in (("rewards", "step_key"), ("trajectories", "trajectory_uid")):
+            rows = found.get(name)
+            if rows is not None and rows.height:
+                rows = rows.unique(key, keep="last", maintain_order=True)
+                keyed: Keyed = getattr(self, name)
+                keyed.put(_new_keys(rows, keyed, key))
+
+    def _file(self, table: str, rows: pl.DataFrame) -> None:
+        """Keep `rows` for the history segment the run writes when it completes."""
+        if self.history is not None and rows.height:
+            self._pending.setdefault(table, []).append(rows)
+
+    def _write_history(self) -> None:
+        """The run's rows and the state it brings the view to, as one history segment."""
+        if self.history is None or self._upto is not None:
+            return
+        frames = {
+            table: pl.concat(parts, how="vertical_relaxed")
+            for table, parts in self._pending.items()
+        }
+        if "facts" in frames:
+            facts = frames["facts"]
+            frames["facts"] = facts.with_columns(addresses=fact_addresses(facts))
+        self._pending = {}
+        self.history.write(frames, self._state())
+
+    def _state(self) -> dict[str, object]:
+        """What a restarted follower's view starts from (kept beside the history)."""
+        return {
+            "versions": self.versions,
+            "clock_us": self.clock_us,
+            "newest_policy": self.newest_policy,
+            "last_seen": None if self.last_seen is None else self.last_seen.isoformat(),
+            "steps_total": self.steps_total,
+        }
+
+    def trim(self) -> None:
+        """Let closed trajectories go down to the bound, those this run touched included (a
+        follower's round ends so: its increments read some back)."""
+        self._evict(since=self.runs + 1)
+
+    def _evict(self, since: int | None = None) -> None:
+        """Let the least lately touched closed trajectories (those not touched by run `since`
+        or later; default: this one) go when the window holds more than `hot_steps` steps
+        (down to half of it): the history holds them."""
+        if self.history is None or not self.hot_steps or self.steps.frame.height <= self.hot_steps:
+            return
+        per_uid = self.steps.frame.group_by("trajectory_uid").len()
+        touched = pl.DataFrame(
+            {"trajectory_uid": list(self.hot), "run": list(self.hot.values())},
+            schema={"trajectory_uid": pl.String, "run": pl.Int64},
+        )
+        open_now = self.trajectories.current().filter(pl.col("status") == "open")
+        order = (
+            touched.join(per_uid, on="trajectory_uid", how="left")
+            .join(open_now.select("trajectory_uid"), on="trajectory_uid", how="anti")
+            .filter(pl.col("run") < (self.runs - 1 if since is None else since))
+            .with_columns(pl.col("len").fill_null(0))
+            .sort("run", maintain_order=True)
+        )
+        excess = self.steps.frame.height - self.hot_steps // 2
+        going = order.filter(pl.col("len").cum_sum().shift(1, fill_value=0) < excess)
+        if going.is_empty():
+            return
+        gone = going["trajectory_uid"]
+        for uid in gone.to_list():
+            del self.hot[uid]
+        self.steps.drop("trajectory_uid", gone)
+        self.rewards.drop("trajectory_uid", gone)
+        self.trajectories.drop("trajectory_uid", gone)
+        of_step = pl.col("step_key").str.replace(r":[0-9]+$", "")
+        partials = self.partials.frame
+        self.partials._replace(partials.filter(~of_step.is_in(gone.implode())))
+        facts = self.facts.frame
+        still = pl.Series(list(self.hot), dtype=pl.String)
+        held = fact_addresses(facts).list.eval(pl.element().is_in(still)).list.any()
+        self.facts._replace(facts.filter(held))
+        self._stitched = (0, np.empty(0, np.int64), np.empty(0))
+
+    # -- a run's rows ------------------------------------------------------------------------
     def add(self, steps: pl.DataFrame, facts: pl.DataFrame) -> None:
         """Take a run's new steps (silver rows, with `metadata`) and facts."""
         if steps.height:
             steps = _shaped(steps, SILVER_STEPS)
-            self.steps.put(_steps_frame(steps))
+            frame = _steps_frame(steps)
+            self._ensure(frame["trajectory_uid"])
+            self.steps.put(frame)
             self.partials.put(_partials_frame(steps))
+            self._file("steps", frame)
+            self.steps_total += frame.height
             self._advance_clock(steps, facts.head(0))
         if facts.height:
             facts = _shaped(facts, SILVER_FEEDBACK).select(VIEW_FACT_COLUMNS)
+            self._ensure(fact_addresses(facts).explode())
             self.facts.put(facts)
+            self._file("facts", facts)
             self._advance_clock(self.steps.frame.head(0), facts)
 
     def drop_steps(self, keys: pl.Series) -> None:
         """Leave out steps a run removed from silver (partials joined into a continuation)."""
         if keys.is_empty():
             return
+        gone = self.steps.rows_where("step_key", keys).select("step_key", "trajectory_uid")
         self.steps.drop("step_key", keys)
+        self.steps_total -= gone.height
+        self._file("removed", gone)
         self._stitched = (0, np.empty(0, np.int64), np.empty(0))
 
     def known_event_ids(self, event_ids: pl.Series) -> pl.Series:
         """Which of `event_ids` silver holds: as a step's, or as a partial joined into one."""
         held = self.steps.rows_where("event_id", event_ids)["event_id"]
         joined = self.partials.rows_where("event_id", event_ids)["event_id"]
-        return pl.concat([held, joined])
+        known = pl.concat([held, joined])
+        if self.history is None:
+            return known
+        rest = event_ids.filter(~event_ids.is_in(known.implode()))
+        return pl.concat([known, self.history.known(b"e", rest).cast(pl.String)])
+
+    def known_fact_ids(self, feedback_ids: pl.Series) -> pl.Series:
+        """Which of `feedback_ids` silver holds."""
+        held = self.facts.rows_where("feedback_id", feedback_ids)["feedback_id"]
+        if self.history is None:
+            return held
+        rest = feedback_ids.filter(~feedback_ids.is_in(held.implode()))
+        return pl.concat([held, self.history.known(b"f", rest).cast(pl.String)])
+
+    def steps_by_key(self, keys: pl.Series) -> pl.DataFrame:
+        """The view's rows of the steps keyed `keys`."""
+        self._ensure(keys.str.replace(r":[0-9]+$", ""))
+        return self.steps.rows_where("step_key", keys)
 
     def derived(
         self,
@@ -379,13 +590,24 @@ class SilverView:
         trajectories: pl.DataFrame,
     ) -> None:
         """Take a run's derived rows (of the trajectories it touched), its versions and the
-        version of its marker."""
-        self.rewards.put(_shaped(rewards, SILVER_STEP_REWARDS))
-        self.trajectories.put(_shaped(trajectories, SILVER_TRAJECTORIES))
+        version of its marker; a bounded view files the run in its history."""
+        rewards = _shaped(rewards, SILVER_STEP_REWARDS)
+        trajectories = _shaped(trajectories, SILVER_TRAJECTORIES)
+        self._file("rewards", rewards.select(VIEW_REWARD_COLUMNS))
+        self._file("trajectories", trajectories.select(VIEW_TRAJECTORY_COLUMNS))
+        if self.history is not None:  # rows of trajectories outside the window: history only
+            inside = pl.Series(list(self.hot), dtype=pl.String).implode()
+            rewards = rewards.filter(pl.col("trajectory_uid").is_in(inside))
+            trajectories = trajectories.filter(pl.col("trajectory_uid").is_in(inside))
+        self.rewards.put(rewards)
+        self.trajectories.put(trajectories)
         self.versions = dict(versions)
         if marker is not None:
             touched = trajectories["trajectory_uid"].unique()
             self.log = [*self.log, (marker, touched)][-KEPT_LOG:]
+        self._write_history()
+        self.runs += 1
+        self._evict()
 
     # -- what changed ------------------------------------------------------------------------
     def touched_since(self, marker: int | None, lake: Lake | None = None) -> pl.Series | None:
@@ -410,6 +632,8 @@ class SilverView:
     def stitched_since(self, since_us: int) -> pl.DataFrame:
         """Steps of unscoped calls (those with an origin key) created at or after
         `since_us`: what new unscoped calls may continue (found without scanning silver)."""
+        if self.history is not None:
+            self._ensure(self.history.stitched_since(since_us))
         upto, rows, times = self._stitched
         frame = self.steps.frame
         if frame.height > upto:
@@ -424,6 +648,9 @@ class SilverView:
 
     def idle_since(self, before_us: int) -> pl.Series:
         """Open trajectories last seen before `before_us`: the idle timeout ends them."""
+        if self.history is not None:
+            opened = self.history.open_trajectories()
+            self._ensure(opened.filter(pl.col("last_seen_us") < before_us)["trajectory_uid"])
         before = pl.lit(before_us).cast(pl.Datetime("us", "UTC"))
         idle = (pl.col("status") == "open") & (pl.col("last_seen_at") < before)
         maybe = self.trajectories.frame.filter(idle)["trajectory_uid"].unique()
@@ -437,6 +664,17 @@ class SilverView:
         unscoped calls before they were stitched)."""
         by_step = facts["step_key"].drop_nulls()
         by_trajectory = facts.filter(pl.col("step_key").is_null())["trajectory_uid"].drop_nulls()
+        if self.history is not None:
+            self._ensure(
+                pl.concat(
+                    [
+                        by_step.str.replace(r":[0-9]+$", ""),
+                        by_trajectory,
+                        self.history.owners(b"o", by_step),
+                        self.history.members(b"p", by_trajectory),
+                    ]
+                )
+            )
         hits = [
             self.steps.rows_where(column, keys)["trajectory_uid"]
             for column, keys in (
@@ -452,7 +690,13 @@ class SilverView:
     # -- rows of some trajectories or groups --------------------------------------------------
     def steps_of(self, trajectories: pl.Series) -> pl.DataFrame:
         """The view's rows of the steps of `trajectories`."""
+        self._ensure(trajectories)
         return self.steps.rows_where("trajectory_uid", trajectories)
+
+    def trajectory_rows(self, trajectories: pl.Series) -> pl.DataFrame:
+        """The view's silver/trajectories rows of `trajectories`."""
+        self._ensure(trajectories)
+        return self.trajectories.rows_where("trajectory_uid", trajectories)
 
     def facts_of(self, steps: pl.DataFrame) -> pl.DataFrame:
         """Every fact that may address one of `steps` (by key, trajectory, or the keys the
@@ -463,6 +707,7 @@ class SilverView:
         trajectory_aliases = pl.concat(
             [steps["trajectory_uid"], steps["origin_trajectory"].drop_nulls()]
         )
+        self._ensure(trajectory_aliases)
         hit = pl.concat(
             [
                 self.facts.rows_where("step_key", step_aliases.unique()),
@@ -475,12 +720,17 @@ class SilverView:
         """The prompt groups the steps of `trajectories` belong to."""
         return self.steps_of(trajectories)[GROUP].unique()
 
+    def _steps_of_groups(self, groups: pl.Series) -> pl.DataFrame:
+        if self.history is not None:
+            self._ensure(self.history.members(b"g", groups))
+        return self.steps.rows_where(GROUP, groups)
+
     def candidates_of(self, groups: pl.Series) -> pl.DataFrame:
         """`candidates` of every step of `groups` (and of any group sharing a trajectory
         with them, so whole trajectories and whole groups are curated together)."""
-        steps = self.steps.rows_where(GROUP, groups)
+        steps = self._steps_of_groups(groups)
         for _ in range(3):  # a trajectory spanning groups pulls the other groups in
-            wider = self.steps.rows_where(GROUP, steps.select(GROUP).to_series().unique())
+            wider = self._steps_of_groups(steps.select(GROUP).to_series().unique())
             wider = pl.concat([wider, self.steps_of(wider["trajectory_uid"].unique())])
             wider = wider.unique("step_key", keep="last", maintain_order=True)
             if wider.height == steps.height:
@@ -489,11 +739,14 @@ class SilverView:
         return self._candidates(steps)
 
     def all_candidates(self) -> pl.DataFrame:
-        """`candidates` of every step in silver (what `gold.candidate_steps` reads)."""
+        """`candidates` of every step in silver (what `gold.candidate_steps` reads); only a
+        complete view holds them all."""
+        assert self.complete, "a bounded view holds the open window only: read the lake"
         return self._candidates(self.steps.current())
 
     def _candidates(self, steps: pl.DataFrame) -> pl.DataFrame:
         uids = steps["trajectory_uid"].unique()
+        self._ensure(uids)
         rewards = self.rewards.rows_where("trajectory_uid", uids)
         trajectories = self.trajectories.rows_where("trajectory_uid", uids)
         dropped = {GROUP, "is_last", "sequence_hash", "origin_step_key", "origin_trajectory"}
@@ -501,3 +754,41 @@ class SilverView:
         keep = [c for c in steps.columns if c not in {*dropped, "response_id"}]
         frame = candidates(steps.select(keep), rewards, trajectories)
         return frame.drop([c for c in CALL_COLUMNS if c in frame.columns])
+
+
+def _new_keys(rows: pl.DataFrame, keyed: Keyed, key: str) -> pl.DataFrame:
+    """`rows` whose `key` the window does not hold yet (what it holds is at least as new)."""
+    held = keyed.rows_where(key, rows[key])[key]
+    if held.is_empty():
+        return rows
+    return rows.filter(~pl.col(key).is_in(held.implode()))
+
+
+def rebuild_history(lake: Lake, versions: dict[str, int | None], history: History) -> None:
+    """File silver as of `versions` in `history` afresh, read a batch at a time (the view's
+    columns only): a follower's history that was lost or fell behind the lake."""
+    history.clear(lake.uri)
+    clock = SilverView.empty(versions)
+    steps_total = 0
+    shapes = {
+        SILVER_STEPS: ("steps", VIEW_STEP_COLUMNS),
+        SILVER_FEEDBACK: ("facts", VIEW_FACT_COLUMNS),
+        SILVER_STEP_REWARDS: ("rewards", VIEW_REWARD_COLUMNS),
+        SILVER_TRAJECTORIES: ("trajectories", VIEW_TRAJECTORY_COLUMNS),
+    }
+    for table, (name, columns) in shapes.items():
+        version = versions.get(table)
+        if version is None or not lake.exists(table):
+            continue
+        for batch in lake.batches(table, version, columns):
+            rows = _shaped(batch, table).select(columns)
+            if name == "steps":
+                rows = _steps_frame(rows)
+                steps_total += rows.height
+                clock._advance_clock(rows, clock.facts.frame.head(0))
+            elif name == "facts":
+                clock._advance_clock(clock.steps.frame.head(0), rows)
+                rows = rows.with_columns(addresses=fact_addresses(rows))
+            history.write({name: rows})
+    clock.steps_total = steps_total
+    history.write({}, clock._state())

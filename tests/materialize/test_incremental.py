@@ -104,26 +104,50 @@ def compacting_prompt(round_: int) -> list[int]:
 
 
 def landed_rounds(
-    lake: Lake, rounds: int, *, bulk: int = 0, whole: bool = False, pulled: bool = False
+    lake: Lake,
+    rounds: int,
+    *,
+    bulk: int = 0,
+    whole: bool = False,
+    pulled: bool = False,
+    history=None,
+    lose_history: bool = False,
 ) -> None:
     """Run the script through a follower, restarting it and changing a spec midway; each
     round curates only the groups it touched (a changed spec: all). `pulled`: a trainer
     pulls `live` from the first round on, so every other dataset is brought up beside the
-    rounds, by the follower's worker, from its snapshot of the view."""
+    rounds, by the follower's worker, from its snapshot of the view. `history`: a bounded
+    follower's folder (a window of HOT_STEPS: most trajectories leave memory every round
+    and are read back from there); `lose_history`: the restart finds it gone (rebuilt)."""
     if bulk:
         write_bulk_bronze(lake, bulk, BulkShape(groups_per_policy_version=200), batch=2_000)
     for spec in SPECS:
         save_spec(lake, spec)
-    follower = LiveMaterializer(lake, OPTIONS)
+    bounded = {} if history is None else {"history": history, "hot_steps": HOT_STEPS}
+    follower = LiveMaterializer(lake, OPTIONS, **bounded)
     follower.step()
     for round_ in range(rounds):
         land(lake, script(round_))
+        if round_ == rounds - 1:  # late facts for trajectories of the first round
+            land(lake, [feedback({"trajectory_uid": "g0-r2"}, "reward", 0.25)])
+            land(lake, [feedback({"step_key": "g0-r0:0"}, "label", "late")])
         if round_ == rounds // 2:
             follower.close()
-            follower = LiveMaterializer(lake, OPTIONS)  # a restart: nothing kept
+            if lose_history:
+                shutil.rmtree(history)
+            follower = LiveMaterializer(lake, OPTIONS, **bounded)  # a restart: nothing kept
             save_spec(lake, LIVE.model_copy(update={"name": "all", "min_group_size": 2}))
         done = follower.step()
         assert done.silver is not None and not done.spec_errors
+        assert not follower.failing, follower.failing
+        if history is not None:  # the window stays bounded; what left it is read back
+            view = follower.at_hand.silver
+            assert view is not None and view.history is not None
+            opened = view.trajectories.frame.filter(pl.col("status") == "open")["trajectory_uid"]
+            closed = view.steps.frame.filter(~pl.col("trajectory_uid").is_in(opened.implode()))
+            assert closed.height <= HOT_STEPS, closed.height
+            assert view.steps_total > view.steps.frame.height or round_ < 2
+            assert view.read_back > 0 or round_ < 2 or round_ == rounds // 2
         if pulled and round_ == 0:  # a trainer pulls: the other datasets go aside
             assert Dataset(lake, "live").next_batch(1, consumer="t", timeout=0) is not None
         elif pulled:
@@ -158,17 +182,23 @@ def same(mine: pl.DataFrame, theirs: pl.DataFrame, order: list[str]) -> None:
     assert mine.equals(theirs, null_equal=True)
 
 
+HOT_STEPS = 8  # a bounded follower's window in the tests: a round lands ~20 steps
+
+
 @pytest.mark.parametrize(
-    ("bulk", "listed", "pulled"),
+    ("bulk", "listed", "pulled", "bounded"),
     [
-        (0, None, False),
-        (0, 3, False),
-        (0, None, True),
-        pytest.param(6_000, None, False, marks=pytest.mark.slow),
+        (0, None, False, None),
+        (0, 3, False, None),
+        (0, None, True, None),
+        (0, None, False, "kept"),
+        (0, None, True, "lost"),
+        pytest.param(6_000, None, False, None, marks=pytest.mark.slow),
+        pytest.param(6_000, None, False, "kept", marks=pytest.mark.slow),
     ],
 )
 def test_increments_equal_full_rebuilds_through_late_facts_stitching_specs_and_restarts(
-    tmp_path, monkeypatch, bulk, listed, pulled
+    tmp_path, monkeypatch, bulk, listed, pulled, bounded
 ):
     if pulled:  # the datasets no trainer pulls from follow every round, beside it
         monkeypatch.setattr(live, "SPECS_EVERY_S", 0.0)
@@ -181,7 +211,16 @@ def test_increments_equal_full_rebuilds_through_late_facts_stitching_specs_and_r
         monkeypatch.setattr(live, "COMPACT_EVERY_S", 0.0)
     lake = Lake(str(tmp_path / "lake"))
     rounds = 6
-    landed_rounds(lake, rounds, bulk=bulk, whole=listed is not None, pulled=pulled)
+    history = None if bounded is None else tmp_path / "follower"
+    landed_rounds(
+        lake,
+        rounds,
+        bulk=bulk,
+        whole=listed is not None,
+        pulled=pulled,
+        history=history,
+        lose_history=bounded == "lost",
+    )
     full = full_rebuild(lake, tmp_path / "full")
 
     # silver: derived rows recomputed for touched trajectories only equal a whole rebuild
