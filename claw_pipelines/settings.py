@@ -134,7 +134,8 @@ class ClawSettings(BaseSettings):
     follower_state: Path | None = Field(
         None,
         description="the follower's history of silver on local disk (a cache of the lake, "
-        "rebuilt from it when lost); default: ~/.cache/claw/follower/<the lake's hash>",
+        "rebuilt from it when lost); default: <lake>/_follower for a local lake, else "
+        "~/.cache/claw/follower/<the lake's hash>",
     )
     follower_hot_steps: int = Field(
         100_000,
@@ -227,6 +228,8 @@ class ClawSettings(BaseSettings):
         """Folder of the follower's history of silver (one per lake)."""
         if self.follower_state is not None:
             return self.follower_state
+        if not self.lake_is_remote:
+            return Path(self.lake_uri.removeprefix("file://")) / "_follower"
         digest = hashlib.sha256(self.lake_uri.encode()).hexdigest()[:16]
         return Path.home() / ".cache" / "claw" / "follower" / digest
 
