@@ -42,6 +42,7 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.lake.catalog import gold_datasets, tenant_filter
 from claw_pipelines.lake.decoding import resolver
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import with_prompts
 from claw_pipelines.materialize import failing
 from claw_pipelines.materialize.failing import FailingBuild
 from claw_pipelines.materialize.gold import classified, source_versions
@@ -406,13 +407,15 @@ def latest_records(at: Where, version: int, count: int = 50) -> pl.DataFrame:
 
 @frame_cache()
 def steps_matching(at: Where, version: int, column: str, value: str) -> pl.DataFrame:
-    """Silver steps whose `column` equals `value` (filter pushed into the scan)."""
-    return (
+    """Silver steps whose `column` equals `value` (filter pushed into the scan), with their
+    whole prompts (silver keeps a prompt relative to an earlier step: docs/DESIGN.md §18)."""
+    rows = (
         scan(at, SILVER_STEPS, version)
         .filter(pl.col(column) == value)
         .sort("trajectory_uid", "step_index")
         .collect()
     )
+    return with_prompts(at.lake(), SILVER_STEPS, version, rows)
 
 
 @frame_cache()

@@ -23,6 +23,7 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.catalog import gold_datasets, lake_exists
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import prompt_columns, with_prompts
 from claw_pipelines.transforms.packing import Layout, Packed, pack
 
 BATCH_STEP_COLUMNS = [
@@ -132,7 +133,15 @@ class GoldSource:
         steps = frame.sort("policy_version", "tree_id", "segment").collect()
         if policy_version is not None and steps.is_empty():
             raise self.missing_policy_version(policy_version, at)
-        return steps
+        return self.whole_prompts(steps, at)
+
+    def whole_prompts(self, rows: pl.DataFrame, at: int) -> pl.DataFrame:
+        """`rows` of the dataset at version `at` with their whole `prompt_ids` (gold keeps a
+        prompt relative to an earlier step of its tree, docs/DESIGN.md §18): what a tree's
+        other steps hold is read from the same version when `rows` lack them."""
+        partitions = rows["policy_version"].unique().implode()
+        where = pl.col("policy_version").is_in(partitions)
+        return with_prompts(self.lake, self.table, at, rows, where=where)
 
     def batch_rows(self, policy_version: int, at: int) -> pl.DataFrame:
         """A partition's steps as batches read them (BATCH_READ_COLUMNS: no token), NotFound
@@ -164,7 +173,10 @@ class GoldSource:
             rows = rows.filter(pl.col("policy_version").is_in(partitions))
         if not every_step:
             rows = rows.filter(pl.col("step_key").is_in(steps["step_key"].implode()))
-        return rows.select("step_key", *columns).collect()
+        if "prompt_ids" not in columns:
+            return rows.select("step_key", *columns).collect()
+        read = self.read(rows, prompt_columns(["step_key", *columns], self.table))
+        return self.whole_prompts(read, at).select("step_key", *columns)
 
     # -- stored trees -----------------------------------------------------------------------
     def stored_trees(

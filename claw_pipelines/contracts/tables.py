@@ -55,6 +55,14 @@ VERSION_LIST = pa.list_(pa.int64())
 # a response generated under several policy versions (a partial rollout joined to its
 # continuation): run-length segments, the version of each run and its token count
 POLICY_RUN_COLUMNS = [("policy_version_runs", VERSION_LIST), ("policy_run_lengths", VERSION_LIST)]
+# a prompt stored relative to an earlier step (docs/DESIGN.md §18; transforms.contexts):
+# prompt = (prompt_ids + response_ids of prefix_step_key)[:prefix_len] + prompt_suffix_ids, and
+# prompt_ids is null; rows written before hold their whole prompt in prompt_ids
+PROMPT_LAYOUT_COLUMNS = [
+    ("prefix_step_key", pa.string()),
+    ("prefix_len", pa.int64()),
+    ("prompt_suffix_ids", TOKEN_LIST),
+]
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,7 @@ SILVER_STEPS_SPEC = TableSpec(
             *POLICY_RUN_COLUMNS,
             ("partial_step_keys", pa.list_(pa.string())),
             ("partial_event_ids", pa.list_(pa.string())),
+            *PROMPT_LAYOUT_COLUMNS,
         ]
     ),
     partition_by=("policy_version",),
@@ -164,7 +173,9 @@ SILVER_STEPS_SPEC = TableSpec(
     "joined from aborted generations and their continuation (claw_pipelines.transforms."
     "partials) lists them in `partial_step_keys` / `partial_event_ids` and carries its "
     "response's policy versions as runs (`policy_version_runs`, `policy_run_lengths`; null: "
-    "the whole response is `policy_version`'s).",
+    "the whole response is `policy_version`'s). A prompt that begins with an earlier step's "
+    "tokens is stored as `prefix_step_key`, `prefix_len` and its new tokens "
+    "(`prompt_suffix_ids`; `prompt_ids` null): claw_pipelines.transforms.contexts.",
 )
 
 SILVER_STEP_CONFLICTS_SPEC = TableSpec(
@@ -428,6 +439,7 @@ GOLD_DATASET_SCHEMA = pa.schema(
         ("fragment", pa.int64()),
         ("fragment_reason", pa.string()),
         *POLICY_RUN_COLUMNS,  # declared since: last, where an older table gets them
+        *PROMPT_LAYOUT_COLUMNS,
     ]
 )
 

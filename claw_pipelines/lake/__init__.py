@@ -10,6 +10,8 @@ Everything above reads and writes through here.
 - `tokenizers`: the tokenizers of the lake's steps (`_tokenizers/<fingerprint>/`);
 - `decoding`: a step's token ids back into text and chat messages, with its own tokenizer;
 - `catalog`: what a lake holds: whether there is one at all, and its gold datasets.
+- `prompts`: silver and gold steps read back with their whole prompts (they are stored
+  relative to earlier steps), for us, DuckDB (`claw_steps`) and pyarrow.
 - `identities`: who may do what in an S3 lake's store: one identity per component
   (`claw lake-secrets`), and the lake's bucket created with the admin's.
 """

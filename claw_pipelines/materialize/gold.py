@@ -43,8 +43,10 @@ from claw_pipelines.contracts.tables import (
     gold_tree_table,
 )
 from claw_pipelines.lake.delta import Guard, Lake, conform, until_landed
+from claw_pipelines.lake.prompts import prompt_columns, with_prompts
 from claw_pipelines.lake.specs import SpecError, load_spec
 from claw_pipelines.materialize.silver import silver_state
+from claw_pipelines.transforms.contexts import REFERENCE_COLUMNS, encode_prompts, full_layout
 from claw_pipelines.transforms.curation import (
     CANDIDATE_STEP_COLUMNS,
     GROUP,
@@ -305,12 +307,13 @@ def with_tokens(
         in_partitions = pl.col("policy_version").is_in(versions)
         if 0 in versions:
             in_partitions = in_partitions | pl.col("policy_version").is_null()
-        parts.append(
-            lake.scan(SILVER_STEPS, at)
-            .filter(in_partitions & pl.col("step_key").is_in(wanted.implode()))
-            .select(TOKEN_COLUMNS)
-            .collect()
-        )
+        read = lake.read(
+            SILVER_STEPS,
+            at,
+            columns=prompt_columns([*TOKEN_COLUMNS, "trajectory_uid"], SILVER_STEPS),
+            where=in_partitions & pl.col("step_key").is_in(wanted.implode()),
+        )  # prompts stored relative to earlier steps are read back whole (§18)
+        parts.append(with_prompts(lake, SILVER_STEPS, at, read).select(TOKEN_COLUMNS))
     tokens = pl.concat(parts, how="vertical_relaxed")
     return chosen.join(tokens, on="step_key", how="inner").sort("step_key")
 
@@ -349,10 +352,35 @@ def tree_rows(policy_version: int, steps: pl.DataFrame, forest: PrefixForest) ->
 
 
 def dataset_rows(steps: pl.DataFrame, landed_at: datetime) -> pa.Table:
-    """The `gold/datasets` rows of merged steps, stamped with when they landed."""
-    return steps.with_columns(
-        landed_at=pl.lit(landed_at, dtype=pl.Datetime("us", "UTC"))
-    ).to_arrow()
+    """The `gold/datasets` rows of merged steps (with whole prompts), stamped with when they
+    landed; each prompt stored relative to an earlier step of its trajectory in its tree
+    (`stored_layout`)."""
+    return (
+        stored_layout(steps)
+        .with_columns(landed_at=pl.lit(landed_at, dtype=pl.Datetime("us", "UTC")))
+        .to_arrow()
+    )
+
+
+def stored_layout(steps: pl.DataFrame) -> pl.DataFrame:
+    """Steps of a gold partition (whole prompts, `tree_id`) as gold stores them: a prompt
+    that begins with the tokens of an earlier step of its trajectory in the same tree and
+    partition refers to it (`transforms.contexts`; every token is at hand and compared), so
+    the rows of a tree, which are written and replaced together, decode alone."""
+    if steps.is_empty():
+        return full_layout(steps)
+    scoped = pl.concat_str(
+        pl.col("policy_version").cast(pl.String),
+        "tree_id",
+        "trajectory_uid",
+        separator="\x1f",
+    )
+    missing = [pl.lit(None, pl.String).alias(c) for c in ("response_id",) if c not in steps]
+    keyed = steps.with_columns(*missing, trajectory_uid=scoped)
+    encoded = encode_prompts(keyed, keyed.clear().select(REFERENCE_COLUMNS))
+    return encoded.with_columns(steps["trajectory_uid"]).drop(
+        [m.meta.output_name() for m in missing]
+    )
 
 
 def partition_writer(policy_version: int) -> str:

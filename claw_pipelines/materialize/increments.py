@@ -59,13 +59,18 @@ from claw_pipelines.materialize.gold import (
     with_tokens,
 )
 from claw_pipelines.materialize.silver_view import SilverView
+from claw_pipelines.transforms.contexts import PREFIX_TYPES
 from claw_pipelines.transforms.curation import GROUP
 from claw_pipelines.transforms.partials import oldest_version
 
 UNIT = ["policy_version", "unit"]
 # what a unit's rows are judged on: every dataset column but tokens and write bookkeeping
 FINGERPRINTED = pa.schema(
-    [f for f in GOLD_DATASET_SCHEMA if f.name not in {*TOKEN_COLUMNS[1:], "segment", "landed_at"}]
+    [
+        f
+        for f in GOLD_DATASET_SCHEMA
+        if f.name not in {*TOKEN_COLUMNS[1:], *PREFIX_TYPES, "segment", "landed_at"}
+    ]
 )
 SHOWN_UNITS = 5  # unit keys a lineage reason names
 

@@ -47,6 +47,7 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.decoding import decode_steps, recorded_requests, resolver
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import prompt_columns, with_prompts
 from claw_pipelines.lake.tokenizers import bundled_fingerprint
 from claw_pipelines.materialize.gold import curated, source_versions
 from claw_pipelines.materialize.silver import silver_state
@@ -65,6 +66,8 @@ JUDGE_SCHEMA = {
     "tokenizer": pl.String,
 }
 JUDGE_INPUT_COLUMNS = list(JUDGE_SCHEMA)
+# what is read of silver for them: prompts are stored relative to earlier steps (§18)
+JUDGE_READ_COLUMNS = prompt_columns(JUDGE_INPUT_COLUMNS, SILVER_STEPS)
 
 
 @dataclass(frozen=True)
@@ -369,8 +372,17 @@ def _new_steps(lake: Lake, mark: Watermark, steps_version: int) -> pl.DataFrame 
         return None  # silver was rebuilt from scratch
     if steps_version == mark.silver_version:
         return pl.DataFrame(schema=JUDGE_SCHEMA)
-    added = lake.changes(SILVER_STEPS, mark.silver_version, steps_version, JUDGE_INPUT_COLUMNS)
-    return None if added is None else pl.from_arrow(added).select(JUDGE_INPUT_COLUMNS)
+    added = lake.changes(SILVER_STEPS, mark.silver_version, steps_version, JUDGE_READ_COLUMNS)
+    if added is None:
+        return None
+    frame = pl.from_arrow(added).select(JUDGE_READ_COLUMNS)
+    assert isinstance(frame, pl.DataFrame)
+    return _whole_prompts(lake, steps_version, frame)
+
+
+def _whole_prompts(lake: Lake, version: int, rows: pl.DataFrame) -> pl.DataFrame:
+    """The judge's columns of silver `rows` (JUDGE_READ_COLUMNS) with whole prompts."""
+    return with_prompts(lake, SILVER_STEPS, version, rows).select(JUDGE_INPUT_COLUMNS)
 
 
 def _scored_since(lake: Lake, judge: Judge, mark: Watermark) -> pl.Series:
@@ -404,11 +416,13 @@ def _step_rows(lake: Lake, version: int, wanted: pl.Series) -> pl.DataFrame:
     if not needed:
         return pl.DataFrame(schema=JUDGE_SCHEMA)
     rows = pl.scan_parquet(needed, storage_options=options, missing_columns="insert")
-    return (
-        rows.select(JUDGE_INPUT_COLUMNS)
+    have = set(rows.collect_schema().names())
+    found = (
+        rows.select(c for c in JUDGE_READ_COLUMNS if c in have)
         .filter(pl.col("step_key").is_in(wanted.implode()))
         .collect()
     )
+    return _whole_prompts(lake, version, found)
 
 
 def _bronze_rows(judge: Judge, scored: pl.DataFrame, now: dt.datetime) -> pa.Table:
@@ -513,7 +527,8 @@ def rescore(
     else:
         done = scored_steps(lake, judge)
         if not done.len() and spec is None:  # nothing scored yet: every step, as stored
-            steps = lake.read(SILVER_STEPS, steps_version, columns=JUDGE_INPUT_COLUMNS)
+            steps = lake.read(SILVER_STEPS, steps_version, columns=JUDGE_READ_COLUMNS)
+            steps = _whole_prompts(lake, steps_version, steps)
             candidates = steps.height
         else:
             if spec is None:

@@ -39,6 +39,12 @@ from claw_pipelines.lake import delta as lake_module
 from claw_pipelines.lake.delta import Guard, Lake, sql_strings, until_landed
 from claw_pipelines.materialize.silver_view import SilverView
 from claw_pipelines.settings import ClawSettings
+from claw_pipelines.transforms.contexts import (
+    REFERENCE_COLUMNS,
+    encode_prompts,
+    full_layout,
+    with_prompt_ids,
+)
 from claw_pipelines.transforms.feedback import (
     RewardTarget,
     bronze_facts,
@@ -309,6 +315,16 @@ def _join_partials(
     return joined, absorbed.select("step_key", "policy_version"), replacing
 
 
+def _stored_layout(view: SilverView, new: pl.DataFrame) -> pl.DataFrame:
+    """`new` steps as silver stores them: each prompt relative to an earlier step of its
+    trajectory when it begins with that step's tokens (`transforms.contexts`; the view's
+    steps of their trajectories are the stored candidates, never read back)."""
+    if new.is_empty():
+        return full_layout(new)
+    earlier = view.steps_of(new["trajectory_uid"].unique())
+    return encode_prompts(new, earlier.select(REFERENCE_COLUMNS))
+
+
 def _in_partitions(steps: pl.DataFrame) -> pl.Expr:
     """Silver's partitions holding `steps` (policy_version; null is its own)."""
     versions = steps["policy_version"].drop_nulls().unique().to_list()
@@ -529,13 +545,18 @@ def _build_once(
         versions[SILVER_FEEDBACK] = lake.append(
             SILVER_FEEDBACK, facts.to_arrow(), metadata=meta, guard=guard
         )
-    plain = new.filter(~pl.col("step_key").is_in(replacing.implode())) if replacing.len() else new
+    written = _stored_layout(view, new)  # each prompt relative to an earlier step (§18)
+    plain = (
+        written.filter(~pl.col("step_key").is_in(replacing.implode()))
+        if replacing.len()
+        else written
+    )
     if plain.height:
         versions[SILVER_STEPS] = lake.append(
             SILVER_STEPS, plain.to_arrow(), metadata=meta, guard=guard
         )
     if replacing.len():  # continuations of stored partials: written with the partials' delete
-        joined = new.filter(pl.col("step_key").is_in(replacing.implode()))
+        joined = written.filter(pl.col("step_key").is_in(replacing.implode()))
         based = Guard(guard.app_ids, guard.version, {**pins, SILVER_STEPS: versions[SILVER_STEPS]})
         versions[SILVER_STEPS] = _replace_partials(lake, based, joined, absorbed, meta)
     view.add(new, facts)
@@ -616,7 +637,9 @@ def _dedupe_once(lake: Lake, options: SilverOptions) -> dict[str, int]:
         schema={c: pl.String for c in ("step_key", "event_id", "prompt_id", "response_id")}
     )
     keep, moved, _ = split_duplicates(once, nobody)
-    kept = keep_rows(once, keep).drop("received_at")
+    # whole prompts, decoded among the kept rows only (a key held twice is ambiguous), then
+    # stored again relative to what is kept (§18)
+    kept = with_prompt_ids(keep_rows(once, keep).drop("received_at"))
     stored = lake.read(SILVER_STEP_CONFLICTS, pins[SILVER_STEP_CONFLICTS])
     moved = moved.with_columns(bronze_version=pl.lit(state.bronze_version, pl.Int64))
     conflicts = pl.concat([stored, moved], how="diagonal_relaxed").unique(
@@ -645,7 +668,11 @@ def _dedupe_once(lake: Lake, options: SilverOptions) -> dict[str, int]:
             removed["steps_moved_to_conflicts"] or removed["conflict_copies"],
         ),
         (SILVER_FEEDBACK, unique_facts, removed["fact_copies"]),
-        (SILVER_STEPS, kept, removed["step_copies"] or removed["steps_moved_to_conflicts"]),
+        (
+            SILVER_STEPS,
+            encode_prompts(kept, kept.clear().select(REFERENCE_COLUMNS)),
+            removed["step_copies"] or removed["steps_moved_to_conflicts"],
+        ),
     )
     for table, rows, changed in rewrites:
         if changed:

@@ -32,6 +32,7 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.catalog import gold_datasets
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import prompt_columns, scope_of, with_prompts
 from claw_pipelines.lake.specs import SpecError, load_spec
 from claw_pipelines.materialize.gold import build_partition, policy_versions
 from claw_pipelines.materialize.silver import (
@@ -41,6 +42,7 @@ from claw_pipelines.materialize.silver import (
     dedupe_silver,
     silver_state,
 )
+from claw_pipelines.transforms.hashing import content_hashes
 from claw_pipelines.transforms.quality import (
     Finding,
     inconsistent_lengths,
@@ -56,6 +58,7 @@ SILVER_KEYS = {
     SILVER_STEP_REWARDS: "step_key",
     SILVER_TRAJECTORIES: "trajectory_uid",
 }
+CHECK_TRAJECTORIES = 4_096  # trajectories decoded at a time when silver's prompts are checked
 REPAIR_HINT = "`claw check` lists the lake's problems; `claw repair` fixes them"
 
 
@@ -126,6 +129,7 @@ def _silver_problems(lake: Lake) -> list[Problem]:
         "bad_rows",
         "log-probs or masks of another length than the response (not repairable: fix the writer)",
     )
+    problems += _prompt_problems(lake, SILVER_STEPS)
     problems += _from(
         rewards_are_finite(lake.read(SILVER_FEEDBACK)),
         SILVER_FEEDBACK,
@@ -147,11 +151,76 @@ def _gold_problems(lake: Lake) -> list[Problem]:
             "step_key held twice",
             dataset=name,
         )
+        problems += _prompt_problems(lake, gold_dataset_table(name), dataset=name)
         for (version,), partition in steps.group_by("policy_version"):
             if dataset.stored_trees(int(version), partition) is None:
                 what = f"the stored trees of policy version {version} do not match its steps"
                 problems.append(Problem(gold_tree_table(name), "trees", what, dataset=name))
     return problems
+
+
+def _prompt_problems(lake: Lake, table: str, dataset: str | None = None) -> list[Problem]:
+    """Steps whose stored prompt does not decode (docs/DESIGN.md §18): a reference to a step
+    not there, of another trajectory (silver) or tree (gold), to more tokens than it has, or
+    a length that does not add up; in silver, also any decoded prompt whose content id is not
+    its `prompt_id` (read a bounded number of trajectories at a time)."""
+    scope = scope_of(table)
+    if "prefix_step_key" not in lake.scan(table).collect_schema().names():
+        return []  # a table written before the layout: its prompts are whole
+    steps = (
+        lake.scan(table)
+        .select(
+            "step_key",
+            "prompt_len",
+            "response_len",
+            "prefix_step_key",
+            "prefix_len",
+            *scope,
+            suffix=pl.col("prompt_suffix_ids").list.len(),
+        )
+        .collect()
+    )
+    targets = steps.select(
+        prefix_step_key="step_key",
+        target_len=pl.col("prompt_len") + pl.col("response_len"),
+        **{f"target_{c}": c for c in scope},
+    )
+    twice = steps.filter(pl.col("step_key").is_duplicated())["step_key"].unique()
+    linked = steps.filter(  # a key held twice is ambiguous: the duplicates check reports it
+        pl.col("prefix_step_key").is_not_null() & ~pl.col("prefix_step_key").is_in(twice.implode())
+    ).join(targets, on="prefix_step_key", how="left")
+    same = pl.all_horizontal(pl.col(c).eq_missing(pl.col(f"target_{c}")) for c in scope)
+    broken = linked.filter(
+        pl.col("target_len").is_null()
+        | ~same
+        | (pl.col("prefix_len") <= 0)
+        | (pl.col("prefix_len") > pl.col("target_len"))
+    )["step_key"]
+    adds_up = pl.col("prefix_len").fill_null(0) + pl.col("suffix") == pl.col("prompt_len")
+    short = steps.filter(pl.col("suffix").is_not_null() & ~adds_up)["step_key"]
+    wrong = pl.concat([broken, short]).unique()
+    if table == SILVER_STEPS and wrong.is_empty() and twice.is_empty():
+        wrong = _prompts_not_their_ids(lake, steps["trajectory_uid"].unique())
+    what = "prompts that do not decode to the stored prompt (a reference missing or wrong)" + (
+        "" if dataset else "; not repairable: fix the writer"
+    )
+    extra = {"dataset": dataset} if dataset else {}
+    return _from(Finding.of(wrong, steps.height), table, "bad_rows", what, **extra)
+
+
+def _prompts_not_their_ids(lake: Lake, trajectories: pl.Series) -> pl.Series:
+    """Silver steps whose decoded prompt's content id is not their `prompt_id`."""
+    wrong = []
+    columns = prompt_columns(
+        ["step_key", "prompt_id", "prompt_ids", "trajectory_uid"], SILVER_STEPS
+    )
+    for first in range(0, trajectories.len(), CHECK_TRAJECTORIES):
+        chunk = trajectories.slice(first, CHECK_TRAJECTORIES).implode()
+        rows = lake.read(SILVER_STEPS, columns=columns, where=pl.col("trajectory_uid").is_in(chunk))
+        rows = with_prompts(lake, SILVER_STEPS, None, rows)
+        ids = pl.Series(content_hashes(rows["prompt_ids"].to_arrow()), dtype=pl.String)
+        wrong.append(rows.filter(ids.ne_missing(rows["prompt_id"]))["step_key"])
+    return pl.concat(wrong) if wrong else pl.Series("step_key", [], pl.String)
 
 
 def _spec_of(lake: Lake, name: str) -> CurationSpec:

@@ -6,6 +6,8 @@
   why;
 - `partials`: aborted generations joined with their continuation into one step (partial
   rollouts), and the policy version of each response token;
+- `contexts`: a prompt stored relative to an earlier step (its new tokens only), and every
+  prompt decoded back whole, vectorized;
 - `feedback`, `trajectories`: reward and feedback facts resolved; trajectories' states;
 - `curation`: a spec's rules over candidate steps (kept, rejected and why, advantages);
 - `judges`: which judge's facts resolve a step's reward;

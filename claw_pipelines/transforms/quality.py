@@ -48,7 +48,7 @@ def inconsistent_lengths() -> pl.Expr:
     return (
         (pl.col("rollout_log_probs").is_not_null() & (pl.col("rollout_log_probs").list.len() != n))
         | (pl.col("response_mask").is_not_null() & (pl.col("response_mask").list.len() != n))
-        | (pl.col("prompt_ids").list.len() == 0)
+        | (pl.col("prompt_len") == 0)  # stored prompts may refer to earlier steps (§18)
     )
 
 

@@ -17,8 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from claw_pipelines.consume.dataset import open_dataset, subtree_ends
-from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, gold_tree_table
+from claw_pipelines.contracts.tables import GOLD_CONSUMPTION, gold_dataset_spec, gold_tree_table
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.materialize.gold import build_partition
 from claw_pipelines.materialize.silver import build_silver
 from tests.support.lakes import TRAIN_SPEC as SPEC
@@ -413,3 +414,61 @@ def test_rebuilt_trees_carry_the_behaviour_log_probs_of_stored_ones(behaviour):
     for packed in (stored, rebuilt):
         assert np.allclose(packed.behaviour_log_probs, expected, atol=1e-6)
         assert np.array_equal(packed.has_behaviour_log_probs, counts > 0)
+
+
+BATCH_ARRAYS = (
+    "input_ids",
+    "parent",
+    "position_ids",
+    "loss_mask",
+    "token_rewards",
+    "advantages",
+    "tree_offsets",
+    "subtree_end",
+    "step_starts",
+    "token_policy_versions",
+    "behaviour_log_probs",
+    "has_behaviour_log_probs",
+    "step_prompt_lens",
+)
+
+
+def test_batches_from_stored_references_equal_those_of_whole_prompts(lake, tmp_path):
+    """Gold keeps a prompt relative to an earlier step of its tree (docs/DESIGN.md §18): a
+    trainer's batches, flat and tree, offline and live, and `steps()` are bit-identical to
+    those of the same dataset stored with whole prompts (as a table written before the
+    layout holds them), which also still reads right."""
+    table = "gold/datasets/train"
+    stored = lake.read(table)
+    assert stored["prefix_step_key"].drop_nulls().len() > 0  # later turns refer to earlier ones
+    assert stored["prompt_ids"].null_count() == stored.height
+    shutil.copytree(lake.uri, tmp_path / "whole")
+    whole = Lake(str(tmp_path / "whole"))
+    rows = read_steps(whole, table)  # every prompt whole, the layout columns left out
+    for version in (1, 2):  # the partitions rewritten as before the layout (same lineage)
+        part = rows.filter(pl.col("policy_version") == version)
+        spec = gold_dataset_spec("train")
+        whole.overwrite(spec, part.to_arrow(), where=f"policy_version = {version}")
+    assert whole.read(table)["prefix_step_key"].null_count() == stored.height
+    ours, theirs = open_dataset("train", lake.uri), open_dataset("train", whole.uri)
+    assert ours.steps().drop("landed_at").equals(theirs.steps().drop("landed_at"))
+    for layout, version in itertools.product(("tree", "flat"), (1, 2)):
+        mine = list(ours.batches(version, 2, layout=layout, seed=1))
+        old = list(theirs.batches(version, 2, layout=layout, seed=1))
+        assert len(mine) == len(old) > 0
+        for a, b in zip(mine, old, strict=True):
+            assert a.step_keys == b.step_keys
+            for name in BATCH_ARRAYS:
+                x, y = getattr(a, name), getattr(b, name)
+                assert x.dtype == y.dtype and np.array_equal(x, y), name
+            assert all(
+                np.array_equal(i, j)
+                for i, j in zip(a.step_token_index, b.step_token_index, strict=True)
+            )
+    for dataset in (ours, theirs):  # live delivery: the same groups, the same tokens
+        batch = dataset.next_batch(2, consumer="refs", timeout=0)
+        assert batch is not None
+    first = ours.replay("refs")
+    second = theirs.replay("refs")
+    for a, b in zip(first, second, strict=True):
+        assert a.step_keys == b.step_keys and np.array_equal(a.input_ids, b.input_ids)

@@ -17,6 +17,7 @@ from claw_pipelines.interop.chat_logs import ChatLogError, import_chat_log
 from claw_pipelines.interop.export import export
 from claw_pipelines.lake.decoding import Undecodable
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.materialize.gold import build_partition
 from claw_pipelines.materialize.silver import build_silver
@@ -70,7 +71,7 @@ def test_a_chat_log_lands_once_with_its_provenance(lake, tmp_path):
     assert (again.steps, again.already) == (0, 4)  # the same file lands nothing new
     assert lake.read(BRONZE_EVENTS).height == 4
     build_silver(lake)
-    steps = lake.read(SILVER_STEPS).sort("step_key")
+    steps = read_steps(lake, SILVER_STEPS).sort("step_key")
     assert steps["step_key"].to_list() == ["chat-1:0", "chat-1:1", "pair.c1:0", "pair:0"]
     assert set(steps["prompt_uid"].drop_nulls()) == {"pair"}  # the two choices: one group
     assert set(steps["tenant"]) == {"acme"} and set(steps["policy_version"]) == {3}
@@ -119,7 +120,9 @@ def test_sft_messages_and_preference_pairs_export_exactly(lake, tmp_path):
         {"role": "user", "content": "+1?"},
         {"role": "assistant", "content": "5"},
     ]
-    silver = lake.read(SILVER_STEPS).filter(pl.col("step_key") == "chat-1:1").row(0, named=True)
+    silver = (
+        read_steps(lake, SILVER_STEPS).filter(pl.col("step_key") == "chat-1:1").row(0, named=True)
+    )
     assert records[1]["prompt_ids"] == silver["prompt_ids"]
     assert records[1]["response_ids"] == silver["response_ids"]
     assert records[1]["decoded_with"] == {

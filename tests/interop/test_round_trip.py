@@ -17,6 +17,7 @@ from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.interop.export import export
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.lake.tokenizers import stored_fingerprints
 from claw_pipelines.materialize.gold import build_partition
@@ -96,7 +97,7 @@ def test_import_materialize_export_gives_the_messages_back(
     out = tmp_path / "sft.jsonl"
     assert export(open_dataset("everything", lake.uri), 1, "sft-messages", out) == 4
     records = {r["step_key"]: r for r in map(json.loads, out.read_text().splitlines())}
-    silver = {r["step_key"]: r for r in lake.read(SILVER_STEPS).to_dicts()}
+    silver = {r["step_key"]: r for r in read_steps(lake, SILVER_STEPS).to_dicts()}
     assert records["t:1"]["messages"] == [
         *second,
         {"role": "assistant", "content": "Six, then twelve."},

@@ -14,6 +14,7 @@ from duckdb_extensions import import_extension
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS, gold_dataset_table
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import DUCKDB_MACRO, arrow_with_prompt_ids, read_steps
 from claw_pipelines.materialize.gold import build_partition
 from claw_pipelines.materialize.silver import build_silver
 from tests.support.lakes import group_of, land
@@ -52,6 +53,7 @@ def duck() -> duckdb.DuckDBPyConnection:
     con = duckdb.connect()
     import_extension("delta", con=con)  # installs the packaged extension file: no network
     con.sql("LOAD delta")
+    con.sql(DUCKDB_MACRO)  # claw_steps(uri): the documented reconstruction of whole prompts
     return con
 
 
@@ -64,16 +66,44 @@ def test_duckdb_reads_bronze_silver_and_gold_with_partitions_and_time_travel(lak
         (count,) = duck.sql(f"SELECT count(*) FROM {scan(lake, table)}").fetchone()
         assert count == lake.read(table).height > 0
     gold = duck.sql(
-        f"SELECT step_key, prompt_ids, response_ids FROM {scan(lake, DATASET)} "
+        f"SELECT step_key, prompt_ids, response_ids FROM claw_steps('{lake.table_uri(DATASET)}') "
         "WHERE policy_version = 2 ORDER BY step_key"
     ).pl()
-    ours = lake.read(DATASET).filter(pl.col("policy_version") == 2).sort("step_key")
+    ours = read_steps(lake, DATASET).filter(pl.col("policy_version") == 2).sort("step_key")
     assert gold["step_key"].to_list() == ours["step_key"].to_list()
     assert gold["prompt_ids"].to_list() == ours["prompt_ids"].to_list()
     assert gold["response_ids"].to_list() == ours["response_ids"].to_list()
     first = duck.sql(f"SELECT count(*) FROM {scan(lake, SILVER_STEPS, ', version => 1')}")
     assert first.fetchone()[0] == lake.read(SILVER_STEPS, version=1).height == 4
     assert lake.read(SILVER_STEPS).height == 8
+
+
+def test_duckdb_and_pyarrow_rebuild_whole_prompts_from_stored_references(lake, duck):
+    """Silver and gold keep a prompt relative to an earlier step (docs/DESIGN.md §18): the
+    documented DuckDB macro and pyarrow call give every step's whole prompt, as ours do."""
+    for table in (SILVER_STEPS, DATASET):
+        stored = lake.read(table)
+        assert stored["prefix_step_key"].drop_nulls().len() > 0  # later turns refer back
+        assert stored["prompt_ids"].null_count() == stored.height
+        ours = read_steps(lake, table).sort("step_key")
+        theirs = duck.sql(
+            f"SELECT * FROM claw_steps('{lake.table_uri(table)}') ORDER BY step_key"
+        ).pl()
+        assert theirs["step_key"].to_list() == ours["step_key"].to_list()
+        assert theirs["prompt_ids"].to_list() == ours["prompt_ids"].to_list()
+        assert theirs["response_ids"].to_list() == ours["response_ids"].to_list()
+        assert "prompt_suffix_ids" not in theirs.columns
+        arrow = arrow_with_prompt_ids(DeltaTable(lake.table_uri(table)).to_pyarrow_table())
+        keys, prompts = arrow["step_key"].to_pylist(), arrow["prompt_ids"].to_pylist()
+        by_key = dict(zip(keys, prompts, strict=True))
+        assert [by_key[k] for k in ours["step_key"]] == ours["prompt_ids"].to_list()
+    built = lake.read(BRONZE_EVENTS).filter(pl.col("kind") == "step")
+    sent = {
+        f"{t}:{i}": p
+        for t, i, p in built.select("trajectory_uid", "step_index", "prompt_ids").rows()
+    }
+    silver = read_steps(lake, SILVER_STEPS)
+    assert dict(zip(silver["step_key"], silver["prompt_ids"].to_list(), strict=True)) == sent
 
 
 def test_pyarrow_datasets_read_every_layer_by_partition_and_version(lake):

@@ -27,6 +27,7 @@ from claw_pipelines.defs.gold import (
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.defs.runs import RETRY_TAG
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.lake.specs import (
     SpecError,
     load_spec,
@@ -249,7 +250,7 @@ def test_trees_follow_the_merge_scope_and_rebuild_from_the_table(lake):
     stored = rows.to_dicts()
     for row, sequence in zip(stored, rebuilt_sequences(stored), strict=True):
         assert len(sequence) == row["end_depth"]  # rebuilt from the stored rows alone
-    dataset = lake.read(gold_dataset_table("prompt-group"))
+    dataset = read_steps(lake, gold_dataset_table("prompt-group"))
     rebuilt_lengths = dict(zip(rows["step_key"], rows["end_depth"], strict=True))
     for key, prompt, response in dataset.select(
         "step_key", "prompt_ids", "response_ids"

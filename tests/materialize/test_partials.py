@@ -17,6 +17,7 @@ import pytest
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import SILVER_STEPS, SILVER_TRAJECTORIES, gold_rejection_table
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.materialize.gold import build_partition
 from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.transforms.hashing import content_hashes
@@ -30,7 +31,7 @@ ALL = CurationSpec(name="all", reward_status=["final", "missing", "pending"])
 
 
 def steps(lake: Lake) -> pl.DataFrame:
-    return lake.read(SILVER_STEPS).sort("step_key")
+    return read_steps(lake, SILVER_STEPS).sort("step_key")
 
 
 def hash_of(ids: list[int]) -> str:

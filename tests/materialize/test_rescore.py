@@ -19,6 +19,7 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEPS,
 )
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.lake.tokenizers import bundled_fingerprint
 from claw_pipelines.materialize.gold import build_partition
 from claw_pipelines.materialize.rescore import (
@@ -49,7 +50,7 @@ def lake(tmp_path) -> Lake:
 
 
 def test_the_arithmetic_verifier_checks_the_last_number_against_the_question(lake):
-    steps = judge_texts(lake, lake.read("silver/steps").sort("step_key"))
+    steps = judge_texts(lake, read_steps(lake, SILVER_STEPS).sort("step_key"))
     rewards = dict(zip(steps["step_key"], exact_match(steps).to_list(), strict=True))
     assert rewards == {
         "chat-1:0": None,  # no question: no opinion

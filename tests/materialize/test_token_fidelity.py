@@ -12,11 +12,13 @@ from claw_pipelines import ContractViolation, open_dataset
 from claw_pipelines.contracts.specs import DEFAULT_SPEC, CurationSpec
 from claw_pipelines.contracts.tables import SILVER_STEPS, gold_rejection_table
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.materialize.gold import build_partition
 from claw_pipelines.materialize.silver import build_silver, silver_findings
+from claw_pipelines.ops.integrity import check_lake
 from claw_pipelines.ops.ledger import waste_ledger
-from tests.support.lakes import completion, land, step
+from tests.support.lakes import completion, land, partial_rollout, step
 
 
 def proxied(trajectory: str, source: str, log_probs: bool = True) -> list[dict]:
@@ -109,3 +111,70 @@ def test_steps_of_different_tokenizers_never_share_a_prefix_tree(tmp_path):
     trees = dict(zip(steps["trajectory_uid"], steps["tree_id"], strict=True))
     assert trees == {"a": "g@fp-one", "b": "g@fp-one", "c": "g@fp-two"}  # same prompt, apart
     assert dict(zip(steps["trajectory_uid"], steps["tokenizer"], strict=True))["c"] == "fp-two"
+
+
+def agent_turns() -> tuple[list[dict], list[dict]]:
+    """Two landings of one prompt group: a trajectory that forks (a call with two choices,
+    the next turn going on from the second), one that compacts its history then truncates it,
+    and one whose second turn is a partial rollout resumed under the next policy version, then
+    a turn after it; the second landing continues all three (their earlier steps stored)."""
+    system, task = [1, 2, 3], [10, 11]
+    fork = [step("fork", 0, [*system, *task], [20, 21], group="g")]
+    fork.append(step("fork", 1, [*system, *task, 20, 21, 30], [40, 41], group="g"))
+    fork.append(step("fork", 2, [*system, *task, 20, 21, 30], [42], group="g"))  # choice 2
+    compact = [step("cmp", 0, [*system, *task], [50], group="g")]
+    compact.append(step("cmp", 1, [*system, *task, 50, 51], [52, 53], group="g"))
+    compact.append(step("cmp", 2, [*system, 99, 98], [54], group="g"))  # history rewritten
+    partial = [step("part", 0, [*system, *task], [60], group="g")]
+    partial += partial_rollout(
+        "part", [*system, *task, 60, 61], [[70, 71], [72, 73]], [1, 2], first_index=1, group="g"
+    )
+    first = fork + compact + partial
+    second = [
+        step("fork", 3, [*system, *task, 20, 21, 30, 42, 31], [43], group="g"),
+        step("cmp", 3, [*system, *task, 50, 51, 52, 53, 55], [56], group="g"),  # truncated
+        step("part", 3, [*system, *task, 60, 61, 70, 71, 72, 73, 62], [63], group="g", version=2),
+        *(completion(t, 1.0) for t in ("fork", "cmp", "part")),
+    ]
+    return first, second
+
+
+def test_forks_compaction_and_partial_rollouts_read_back_exactly(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    first, second = agent_turns()
+    land(lake, first)
+    build_silver(lake)
+    land(lake, second)
+    build_silver(lake)  # the second landing's prompts refer to stored steps
+    silver = lake.read(SILVER_STEPS)
+    assert silver["prompt_ids"].null_count() == silver.height
+    refs = dict(zip(silver["step_key"], silver["prefix_step_key"], strict=True))
+    assert refs["fork:3"] == "fork:2" and refs["fork:2"] == "fork:1"  # a choice: its sibling
+    assert refs["cmp:2"] is None and refs["cmp:3"] is None  # rewritten, truncated
+    assert refs["part:2"] == "part:0" and refs["part:3"] == "part:2"  # the joined step
+    stored = silver["prompt_suffix_ids"].list.len().sum() + silver["response_len"].sum()
+    assert stored < (silver["prompt_len"] + silver["response_len"]).sum()
+
+    whole = read_steps(lake, SILVER_STEPS).sort("step_key")
+    sent = {
+        f"{r['trajectory_uid']}:{r['step_index']}": (r["prompt_ids"], r["response_ids"])
+        for r in first + second
+        if r["kind"] == "step"
+    }
+    for row in whole.to_dicts():
+        prompt, response = sent[row["step_key"]]
+        if row["step_key"] == "part:2":  # the partial joined: its first part's prompt
+            prompt, response = sent["part:1"][0], [70, 71, 72, 73]
+        assert (row["prompt_ids"], row["response_ids"]) == (prompt, response), row["step_key"]
+    for key, prompt in zip(whole["step_key"], whole["prompt_ids"].to_list(), strict=True):
+        one = read_steps(lake, SILVER_STEPS, where=pl.col("step_key") == key)  # fetched alone
+        assert one["prompt_ids"].to_list() == [prompt]
+
+    spec = CurationSpec(name="agents", reward_status=["final", "missing"], merge="prompt_group")
+    for version in (1, 2):
+        build_partition(lake, spec, version)
+    gold = open_dataset("agents", lake.uri).steps().sort("step_key")
+    expected = whole.filter(pl.col("step_key").is_in(gold["step_key"].implode()))
+    assert gold["prompt_ids"].to_list() == expected["prompt_ids"].to_list()
+    assert gold["response_ids"].to_list() == expected["response_ids"].to_list()
+    assert check_lake(lake) == []

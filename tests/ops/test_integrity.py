@@ -190,3 +190,29 @@ def test_a_spec_that_cannot_build_fails_only_its_own_partitions_each_named(tmp_p
     assert "cycle" in failed[0] and "cycle" in failed[1] and "nowhere" in failed[2]
     assert "materialized gold/datasets[good|1]" in done.stdout
     assert "materialized gold/datasets[default|1]" in done.stdout
+
+
+def test_check_finds_stored_prompts_that_do_not_decode(tmp_path):
+    """A reference to more tokens than its step has, and new tokens that were changed (the
+    decoded prompt is not its `prompt_id`): both found (docs/DESIGN.md §18)."""
+    lake = Lake(str(tmp_path / "lake"))
+    fill_bronze(lake)
+    build_silver(lake)
+    assert check_lake(lake) == []
+    steps = lake.read(SILVER_STEPS)
+    later = steps.filter(pl.col("prefix_step_key").is_not_null()).sort("step_key")
+    first, second = later["step_key"][0], later["step_key"][1]
+    for key, change in (
+        (first, {"prefix_len": pl.col("prefix_len") + 1_000}),
+        (second, {"prompt_suffix_ids": pl.col("prompt_suffix_ids").list.eval(pl.element() + 1)}),
+    ):
+        row = steps.filter(pl.col("step_key") == key).with_columns(**change)
+        lake.overwrite(SILVER_STEPS, row.to_arrow(), where=f"step_key = '{key}'")
+        problems = [p for p in check_lake(lake) if "do not decode" in p.what]
+        assert len(problems) == 1 and problems[0].sample == [key], problems
+        lake.overwrite(
+            SILVER_STEPS,
+            steps.filter(pl.col("step_key") == key).to_arrow(),
+            where=f"step_key = '{key}'",
+        )
+    assert check_lake(lake) == []
