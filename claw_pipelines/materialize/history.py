@@ -40,7 +40,7 @@ from claw_pipelines.transforms.curation import GROUP
 
 TABLES = ("steps", "facts", "rewards", "trajectories", "removed")
 _CODE = {name: bytes([i]) for i, name in enumerate(TABLES)}
-CHUNK_ROWS = 4_096  # rows of one table in one chunk (a trajectory's rows sit in one chunk)
+CHUNK_ROWS = 1_024  # rows of one table in one chunk (a trajectory's rows sit in one chunk)
 _META = b"meta"
 _SEP = b"\x00"
 _US = 1_000_000

@@ -175,8 +175,11 @@ class LiveMaterializer:
         bronze = self.lake.version(BRONZE_EVENTS)
         state = silver_state(self.lake)
         bounded = self.history_path is not None and self.hot_steps > 0
-        if self.at_hand.silver is None and (bounded or state.bronze_version is not None):
+        view = self.at_hand.silver
+        if view is None and (bounded or state.bronze_version is not None):
             self.at_hand.silver = self._open_view(state.versions)  # a (re)start
+        elif bounded and view is not None and not view.stands_at(state.versions, self.lake):
+            self.at_hand.silver = self._open_view(state.versions)  # another writer moved silver
         if bronze is not None and (state.bronze_version is None or bronze > state.bronze_version):
             read = -1 if state.bronze_version is None else state.bronze_version
             upto = min(bronze, read + CATCH_UP_VERSIONS)
@@ -399,6 +402,14 @@ class LiveMaterializer:
         brought = dict(self.at_hand.brought)  # the worker may add to it meanwhile
         beat["brought"] = {name: b.to_json() for name, b in brought.items()}
         beat["failing"] = {name: f.to_json() for name, f in self.failing.items()}
+        view = self.at_hand.silver
+        if view is not None:  # what it holds of silver: all, or the window of a bounded view
+            beat["silver"] = {
+                "steps": view.steps_total,
+                "in_memory": view.steps.frame.height,
+                "history": None if view.history is None else str(view.history.path),
+                "read_back": view.read_back,
+            }
         self.lake.write_text(HEARTBEAT, json.dumps(beat))
 
 

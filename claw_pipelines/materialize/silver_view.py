@@ -25,6 +25,7 @@ silver unless the history is missing or behind the lake, then it is rebuilt from
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -98,6 +99,7 @@ VIEW_FACT_COLUMNS = [
 ]
 # the silver/step_rewards columns the view keeps (curation reads them)
 VIEW_REWARD_COLUMNS = ["step_key", "trajectory_uid", "reward", "reward_status", "rating", "labels"]
+log = logging.getLogger(__name__)
 KEPT_LOG = 256  # runs the change log remembers (a dataset further behind is rebuilt)
 RECHUNK_AT = 64  # appended generations before a frame is made contiguous again
 MERGE_AT = 20_000  # rows appended before a HashIndex sorts them in
@@ -335,14 +337,9 @@ class SilverView:
         """A bounded view at `versions` over `history` (a follower's): as the history left
         it when it stands there (nothing read from the lake), else the history is rebuilt
         from the lake first."""
-        meta = history.meta
-        kept = {t: meta.get("versions", {}).get(t) for t in SILVER_TABLES}
-        if not history.stands_for(lake.uri) or not all(
-            kept[t] == versions.get(t) or lake.only_maintenance(t, kept[t], versions.get(t))
-            for t in SILVER_TABLES
-        ):
+        if not history.stands_for(lake.uri) or not catch_up_history(lake, versions, history):
             rebuild_history(lake, versions, history)
-            meta = history.meta
+        meta = history.meta
         view = cls.empty(versions)
         view.history, view.hot_steps = history, hot_steps
         view.clock_us, view.newest_policy = int(meta["clock_us"]), int(meta["newest_policy"])
@@ -764,19 +761,85 @@ def _new_keys(rows: pl.DataFrame, keyed: Keyed, key: str) -> pl.DataFrame:
     return rows.filter(~pl.col(key).is_in(held.implode()))
 
 
+# per silver table: the history's name of it and the view's columns of it
+_SHAPES = {
+    SILVER_STEPS: ("steps", VIEW_STEP_COLUMNS),
+    SILVER_FEEDBACK: ("facts", VIEW_FACT_COLUMNS),
+    SILVER_STEP_REWARDS: ("rewards", VIEW_REWARD_COLUMNS),
+    SILVER_TRAJECTORIES: ("trajectories", VIEW_TRAJECTORY_COLUMNS),
+}
+
+
+def catch_up_history(lake: Lake, versions: dict[str, int | None], history: History) -> bool:
+    """Bring `history` to `versions` by filing what silver's commits since the versions it
+    stands at wrote (their change feed: a follower killed between a silver commit and its
+    history write, another writer); False when a feed does not reach back (rebuild it)."""
+    kept = history.meta.get("versions", {})
+    frames: dict[str, pl.DataFrame] = {}
+    clock = SilverView.empty(versions)
+    for table, (name, columns) in _SHAPES.items():
+        after, until = kept.get(table), versions.get(table)
+        if after == until or lake.only_maintenance(table, after, until):
+            continue
+        if until is None or (after is not None and until < after):
+            log.info("follower history: %s at %s, silver at %s: rebuilt", table, after, until)
+            return False
+        if after is None:  # a table silver created since: all of it is new
+            parts = list(lake.batches(table, until, columns))
+            empty = pl.from_arrow(TABLES[table].schema.empty_table()).select(columns)
+            changes = pl.concat(parts) if parts else empty
+            changes = changes.with_columns(_change_type=pl.lit("insert"))
+        else:
+            feed = lake.change_feed(table, after, until, columns)
+            if feed is None:
+                log.info("follower history: %s's change feed misses %s..%s", table, after, until)
+                return False
+            changes = pl.from_arrow(feed)
+            assert isinstance(changes, pl.DataFrame)
+            changes = changes.sort("_commit_version", maintain_order=True)
+        written = changes.filter(pl.col("_change_type").is_in(["insert", "update_postimage"]))
+        rows = _shaped(written, table).select(columns)
+        if name == "steps":
+            gone = changes.filter(pl.col("_change_type") == "delete")
+            gone = gone.filter(~pl.col("step_key").is_in(rows["step_key"].implode()))
+            frames["removed"] = gone.select("step_key", "trajectory_uid")
+            rows = _steps_frame(rows)
+            clock._advance_clock(rows, clock.facts.frame.head(0))
+        elif name == "facts":
+            clock._advance_clock(clock.steps.frame.head(0), rows)
+            rows = rows.with_columns(addresses=fact_addresses(rows))
+        frames[name] = rows
+    added = (
+        frames.get("steps", pl.DataFrame()).height - frames.get("removed", pl.DataFrame()).height
+    )
+    last_seen = history.meta.get("last_seen")
+    if clock.last_seen is not None and (
+        last_seen is None or clock.last_seen.isoformat() > last_seen
+    ):
+        last_seen = clock.last_seen.isoformat()
+    history.write(
+        frames,
+        {
+            "versions": dict(versions),
+            "clock_us": max(int(history.meta.get("clock_us", 0)), clock.clock_us),
+            "newest_policy": max(int(history.meta.get("newest_policy", 0)), clock.newest_policy),
+            "last_seen": last_seen,
+            "steps_total": int(history.meta.get("steps_total", 0)) + added,
+            "caught_up": int(history.meta.get("caught_up", 0)) + 1,
+        },
+    )
+    return True
+
+
 def rebuild_history(lake: Lake, versions: dict[str, int | None], history: History) -> None:
     """File silver as of `versions` in `history` afresh, read a batch at a time (the view's
     columns only): a follower's history that was lost or fell behind the lake."""
+    # a rebuild of a history this lake's follower kept (a fresh folder is a first build)
+    rebuilds = int(history.meta.get("rebuilds", 0)) + 1 if history.stands_for(lake.uri) else 0
     history.clear(lake.uri)
     clock = SilverView.empty(versions)
     steps_total = 0
-    shapes = {
-        SILVER_STEPS: ("steps", VIEW_STEP_COLUMNS),
-        SILVER_FEEDBACK: ("facts", VIEW_FACT_COLUMNS),
-        SILVER_STEP_REWARDS: ("rewards", VIEW_REWARD_COLUMNS),
-        SILVER_TRAJECTORIES: ("trajectories", VIEW_TRAJECTORY_COLUMNS),
-    }
-    for table, (name, columns) in shapes.items():
+    for table, (name, columns) in _SHAPES.items():
         version = versions.get(table)
         if version is None or not lake.exists(table):
             continue
@@ -791,4 +854,4 @@ def rebuild_history(lake: Lake, versions: dict[str, int | None], history: Histor
                 rows = rows.with_columns(addresses=fact_addresses(rows))
             history.write({name: rows})
     clock.steps_total = steps_total
-    history.write({}, clock._state())
+    history.write({}, {**clock._state(), "rebuilds": rebuilds})
