@@ -196,18 +196,11 @@ def follow(
     assets, with the versions in their metadata, so the UI's asset history shows it."""
     from claw_pipelines.lake.delta import Lake
     from claw_pipelines.materialize.live import LiveMaterializer
-    from claw_pipelines.materialize.silver import SilverOptions
 
     stop = stop or threading.Event()
     lake = Lake.from_settings(settings)
     lake.verify_store()  # a writer: wrong credentials or an unsafe store stop it here, in a line
-    live = LiveMaterializer(
-        lake,
-        SilverOptions.from_settings(settings),
-        datasets or None,
-        history=settings.resolved_follower_state,
-        hot_steps=settings.follower_hot_steps,
-    )
+    live = LiveMaterializer.from_settings(lake, settings, datasets or None)
     report = _dagster_reporter() if os.environ.get("DAGSTER_HOME") else None
     say(f"claw materialize --follow: {lake.uri} (every {poll_s:g} s; Ctrl-C stops)")
     failures = 0

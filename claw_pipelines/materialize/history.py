@@ -144,7 +144,7 @@ class History:
     def _index(self, batch: WriteBatch, table: str, rows: pl.DataFrame) -> None:
         if table == "steps":
             events = rows.select("trajectory_uid", "event_id", "partial_event_ids")
-            for uid, event in events.select("event_id", "trajectory_uid").iter_rows():
+            for event, uid in events.select("event_id", "trajectory_uid").iter_rows():
                 if event is not None:
                     batch.put(b"e" + event.encode(), uid.encode())
             joined = events.explode("partial_event_ids").drop_nulls("partial_event_ids")

@@ -58,6 +58,7 @@ from claw_pipelines.materialize.history import History
 from claw_pipelines.materialize.increments import AtHand, Brought, GoldIncrement, update_dataset
 from claw_pipelines.materialize.silver import SilverOptions, SilverRun, build_silver, silver_state
 from claw_pipelines.materialize.silver_view import SilverView
+from claw_pipelines.settings import ClawSettings
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,20 @@ class LiveMaterializer:
         self.at_hand.brought = brought_before(lake)  # a restart resumes where it was
         self._aside: _Aside | None = None  # work running beside the rounds
         self._worker: tuple[ThreadPoolExecutor, Lake] | None = None  # its thread, its handles
+
+    @classmethod
+    def from_settings(
+        cls, lake: Lake, settings: ClawSettings, datasets: Sequence[str] | None = None
+    ) -> LiveMaterializer:
+        """The follower `claw materialize --follow` runs: the silver options, its history
+        (`CLAW_FOLLOWER_STATE`) and window (`CLAW_FOLLOWER_HOT_STEPS`) of `settings`."""
+        return cls(
+            lake,
+            SilverOptions.from_settings(settings),
+            datasets,
+            history=settings.resolved_follower_state,
+            hot_steps=settings.follower_hot_steps,
+        )
 
     def step(self) -> Round:
         """One round: silver if bronze moved, then the datasets whose inputs moved."""

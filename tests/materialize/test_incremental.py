@@ -127,8 +127,12 @@ def landed_rounds(
     bounded = {} if history is None else {"history": history, "hot_steps": HOT_STEPS}
     follower = LiveMaterializer(lake, OPTIONS, **bounded)
     follower.step()
+    landed = []
     for round_ in range(rounds):
-        land(lake, script(round_))
+        landed.append(script(round_))
+        land(lake, landed[-1])
+        if round_ == rounds - 1 and history is not None:  # the first round's records again
+            land(lake, landed[0])  # (a replay: dropped by event id, read back from history)
         if round_ == rounds - 1:  # late facts for trajectories of the first round
             land(lake, [feedback({"trajectory_uid": "g0-r2"}, "reward", 0.25)])
             land(lake, [feedback({"step_key": "g0-r0:0"}, "label", "late")])
