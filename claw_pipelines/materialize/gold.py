@@ -57,7 +57,11 @@ from claw_pipelines.transforms.curation import (
     rejected_steps,
     tree_ids,
 )
-from claw_pipelines.transforms.prefix_tree import PrefixForest, build_forest
+from claw_pipelines.transforms.prefix_tree import (
+    PrefixForest,
+    build_forest,
+    build_forest_from_parts,
+)
 from claw_pipelines.transforms.quality import (
     Finding,
     groups_are_complete,
@@ -315,15 +319,16 @@ def with_tokens(
         )  # prompts stored relative to earlier steps are read back whole (§18)
         parts.append(with_prompts(lake, SILVER_STEPS, at, read).select(TOKEN_COLUMNS))
     tokens = pl.concat(parts, how="vertical_relaxed")
-    return chosen.join(tokens, on="step_key", how="inner").sort("step_key")
+    # in step_key order with one gather of the token columns (not a join, then a sort)
+    return chosen.sort("step_key").join(tokens, on="step_key", how="inner", maintain_order="left")
 
 
 def merge_trees(steps: pl.DataFrame) -> tuple[pl.DataFrame, PrefixForest]:
     """Merge the steps of one partition (with tokens and `tree_id`) into their prefix trees:
     (the steps with their `segment`, numbered within the tree; the forest)."""
-    sequences = steps.select(pl.concat_list("prompt_ids", "response_ids")).to_series()
     codes = steps["tree_id"].cast(pl.Categorical).to_physical().to_numpy().astype(np.int64)
-    forest = build_forest(codes, sequences.to_arrow())
+    parts = [steps["prompt_ids"].to_arrow(), steps["response_ids"].to_arrow()]
+    forest = build_forest_from_parts(codes, parts)  # no merged copy of the sequences
     segment = forest.segment_of_row()
     local = segment - forest.tree_first()[segment]
     return steps.with_columns(segment=pl.Series(local, dtype=pl.Int64)), forest

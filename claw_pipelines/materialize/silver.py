@@ -198,9 +198,10 @@ def _read_bronze(
         if changed is not None:
             rows = pl.from_arrow(changed)
             facts = rows.filter(is_fact).select(FACT_COLUMNS)
-            return rows.filter(is_step), facts, "changes"
+            # one chunk: every later view of the token columns as Arrow is then free
+            return rows.filter(is_step).rechunk(), facts, "changes"
     scan = lake.scan(BRONZE_EVENTS, version=until)
-    steps = scan.filter(is_step).select(BRONZE_COLUMNS_OF_STEPS).collect()
+    steps = scan.filter(is_step).select(BRONZE_COLUMNS_OF_STEPS).collect().rechunk()
     facts = scan.filter(is_fact).select(FACT_COLUMNS).collect()
     return steps, facts, "full"
 

@@ -29,13 +29,14 @@ reference depth) at a time.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from claw_pipelines.transforms.hashing import list_parts, slice_content_hashes
+from claw_pipelines.transforms.hashing import content_hashes, list_parts, slice_content_hashes
 from claw_pipelines.transforms.partials import is_aborted
 
 PREFIX_TYPES = {
@@ -177,15 +178,11 @@ def _matched(new: pl.DataFrame, pairs: pl.DataFrame) -> np.ndarray:
     r_off, r_val, _ = list_parts(new["response_ids"].to_arrow())
     fits_head = cp <= own
     fits_tail = fits_head & (cp + cr <= own)
-    local = np.flatnonzero(at_hand & fits_head)
+    local = np.flatnonzero(at_hand)
     if len(local):  # the candidate's tokens are at hand: compared token for token
         c_rows = pairs["c_row"].to_numpy()[local].astype(np.int64)
-        starts = p_off[rows[local]]
-        head[local] = _equal_ranges(p_val, starts, p_val, p_off[c_rows], cp[local])
-        second = local[fits_tail[local]]
-        c2 = pairs["c_row"].to_numpy()[second].astype(np.int64)
-        tail[second] = _equal_ranges(
-            p_val, p_off[rows[second]] + cp[second], r_val, r_off[c2], cr[second]
+        head[local], tail[local] = token_matches(
+            (p_off, p_val), (r_off, r_val), rows[local], c_rows, cp[local], cr[local]
         )
     remote = np.flatnonzero(~at_hand & fits_head)
     if len(remote):  # a stored candidate: its content ids (BLAKE2b-128) of both slices
@@ -198,6 +195,32 @@ def _matched(new: pl.DataFrame, pairs: pl.DataFrame) -> np.ndarray:
         tail[remote] = (hashes == pairs["c_response_id"].gather(remote)).fill_null(False).to_numpy()
     full = head & tail & fits_tail
     return np.where(full, cp + cr, np.where(head, cp, 0))
+
+
+def token_matches(
+    prompts: tuple[np.ndarray, np.ndarray],
+    responses: tuple[np.ndarray, np.ndarray],
+    rows: np.ndarray,
+    c_rows: np.ndarray,
+    c_prompt_len: np.ndarray,
+    c_response_len: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per pair (row, c_row) of one frame's steps (`prompts`, `responses`: offsets and values
+    of its prompt and response ids): whether row's prompt begins with c_row's prompt (head),
+    and continues with c_row's response (tail), compared token for token."""
+    p_off, p_val = prompts
+    r_off, r_val = responses
+    own = np.diff(p_off)[rows]
+    cp, cr = c_prompt_len.astype(np.int64), c_response_len.astype(np.int64)
+    head = np.zeros(len(rows), dtype=bool)
+    tail = np.zeros(len(rows), dtype=bool)
+    first = np.flatnonzero(cp <= own)
+    head[first] = _equal_ranges(p_val, p_off[rows[first]], p_val, p_off[c_rows[first]], cp[first])
+    second = np.flatnonzero(head & (cp + cr <= own))
+    tail[second] = _equal_ranges(
+        p_val, p_off[rows[second]] + cp[second], r_val, r_off[c_rows[second]], cr[second]
+    )
+    return head, tail
 
 
 def _equal_ranges(
@@ -407,3 +430,65 @@ def with_prompt_ids(
     prompts = decode_prompts(rows, fetch, scope)
     rest = rows.drop([c for c in PREFIX_TYPES if c in rows.columns])
     return rest.with_columns(prompts)
+
+
+_INCREMENTAL_FROM = 4_096  # a prompt whose known prefix is at least this long is hashed on
+
+
+def prompt_content_ids(steps: pl.DataFrame) -> pa.StringArray:
+    """The content id (BLAKE2b-128, as `hashing.content_hashes`) of each step's `prompt_ids`,
+    hashing only the tokens no earlier step holds: a prompt that begins with the prompt (+
+    response) of the step before it in its trajectory (`trajectory_uid`, `step_index`;
+    compared token for token) goes on from that step's hash state, so a turn costs its new
+    tokens, not its context. The digests are the same as hashing each prompt whole."""
+    prompts, responses = steps["prompt_ids"].to_arrow(), steps["response_ids"].to_arrow()
+    if steps.is_empty():
+        return content_hashes(prompts)
+    p_off, p_val, p_valid = list_parts(prompts)
+    r_off, r_val, _ = list_parts(responses)
+    order = steps.select(
+        pl.col("trajectory_uid"), pl.col("step_index"), row=pl.int_range(pl.len())
+    ).sort("trajectory_uid", "step_index", "row", nulls_last=True)
+    rows = order["row"].to_numpy().astype(np.int64)
+    same = order["trajectory_uid"].eq_missing(order["trajectory_uid"].shift(1)).to_numpy()
+    base = np.where(same, np.r_[-1, rows[:-1]], -1)
+    p_len, r_len = np.diff(p_off), np.diff(r_off)
+    carried = p_len[np.maximum(base, 0)] + r_len[np.maximum(base, 0)]
+    linked = np.flatnonzero(  # only a long context is worth comparing (short ones: hashed)
+        (base >= 0) & p_valid[rows] & p_valid[np.maximum(base, 0)] & (carried >= _INCREMENTAL_FROM)
+    )
+    if not len(linked):
+        return content_hashes(prompts)
+    cp = np.diff(p_off)[base[linked]]
+    cr = np.diff(r_off)[base[linked]]
+    head, tail = token_matches((p_off, p_val), (r_off, r_val), rows[linked], base[linked], cp, cr)
+    known = np.zeros(len(rows), dtype=np.int64)  # per position in `order`: tokens carried on
+    mode = np.zeros(len(rows), dtype=np.int8)  # 0: hashed whole, 1: on from the prompt, 2: +reply
+    known[linked] = np.where(tail, cp + cr, np.where(head, cp, 0))
+    mode[linked] = np.where(tail, 2, np.where(head, 1, 0))
+    mode[known < _INCREMENTAL_FROM] = 0
+    if not mode.any():
+        return content_hashes(prompts)
+    data = np.ascontiguousarray(p_val, dtype="<i4")
+    reply = np.ascontiguousarray(r_val, dtype="<i4")
+    out: list[str | None] = [None] * len(rows)
+    starts, ends, r_starts, r_ends = p_off[:-1].tolist(), p_off[1:].tolist(), r_off[:-1], r_off[1:]
+    valid = p_valid.tolist()
+    state = None  # the hash of the previous step's prompt, kept while its trajectory goes on
+    for at, (row, how, skip) in enumerate(
+        zip(rows.tolist(), mode.tolist(), known.tolist(), strict=True)
+    ):
+        if not valid[row]:
+            state = None
+            continue
+        if how and state is not None:
+            h = state.copy()
+            if how == 2:
+                previous = int(base[at])
+                h.update(reply[int(r_starts[previous]) : int(r_ends[previous])])
+            h.update(data[starts[row] + skip : ends[row]])
+        else:
+            h = hashlib.blake2b(data[starts[row] : ends[row]], digest_size=16)
+        out[row] = h.hexdigest()
+        state = h
+    return pa.array(out, pa.string())

@@ -29,7 +29,8 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from claw_pipelines.transforms.hashing import slice_content_hashes
+from claw_pipelines.transforms.contexts import token_matches
+from claw_pipelines.transforms.hashing import list_parts, slice_content_hashes
 
 REPLY_RETOKENIZED = "reply_retokenized"
 HISTORY_TRUNCATED = "history_truncated"
@@ -150,6 +151,7 @@ def _previous_call_steps(steps: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFra
             "response_id",
             "prompt_len",
             "response_len",
+            c_row="row",
         ),
         on="previous",
     )
@@ -157,13 +159,37 @@ def _previous_call_steps(steps: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFra
 
 def _continues(new: pl.DataFrame, pairs: pl.DataFrame) -> tuple[pl.Series, pl.Series]:
     """Per pair (a new row, an earlier step): whether the row's prompt starts with the step's
-    prompt + response, and whether it starts with the step's prompt at least."""
+    prompt + response, and whether it starts with the step's prompt at least. An earlier
+    step among the new ones (`c_row`) is compared token for token, a stored one on the
+    content ids of the prompt's slices."""
     rows = pairs["row"].to_numpy()
     middle = pairs["prompt_len"].to_numpy()
     stop = middle + pairs["response_len"].to_numpy()
-    prompts = new["prompt_ids"].to_arrow()
-    head = _slices_match(prompts, rows, np.zeros_like(middle), middle, pairs["prompt_id"])
-    tail = _slices_match(prompts, rows, middle, stop, pairs["response_id"])
+    head = np.zeros(len(rows), dtype=bool)
+    tail = np.zeros(len(rows), dtype=bool)
+    at_hand = np.zeros(len(rows), dtype=bool)
+    if "c_row" in pairs.columns and "response_ids" in new.columns and len(rows):
+        at_hand = pairs["c_row"].is_not_null().to_numpy()
+        local = np.flatnonzero(at_hand)
+        if len(local):
+            p_off, p_val, _ = list_parts(new["prompt_ids"].to_arrow())
+            r_off, r_val, _ = list_parts(new["response_ids"].to_arrow())
+            c_rows = pairs["c_row"].to_numpy()[local].astype(np.int64)
+            head[local], tail[local] = token_matches(
+                (p_off, p_val),
+                (r_off, r_val),
+                rows[local],
+                c_rows,
+                middle[local],
+                stop[local] - middle[local],
+            )
+    remote = np.flatnonzero(~at_hand)
+    if len(remote):
+        prompts = new["prompt_ids"].to_arrow()
+        ids, responses = pairs["prompt_id"].gather(remote), pairs["response_id"].gather(remote)
+        start = np.zeros(len(remote), dtype=middle.dtype)
+        head[remote] = _slices_match(prompts, rows[remote], start, middle[remote], ids)
+        tail[remote] = _slices_match(prompts, rows[remote], middle[remote], stop[remote], responses)
     return pl.Series(head & tail), pl.Series(head)
 
 
@@ -181,6 +207,7 @@ def _continue_earlier_turns(
         "prompt_len",
         "response_len",
         earlier_call="call",
+        c_row="row",
     )
     pairs = broken.select(
         "call", "row", "trajectory_uid", own_prompt="prompt_id", previous=pl.col("call") - 1

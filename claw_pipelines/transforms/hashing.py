@@ -26,12 +26,32 @@ def list_parts(lists: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarra
     """(offsets int64, values, validity) of a list array, with offsets indexing `values`."""
     if isinstance(lists, pa.ChunkedArray):
         lists = lists.combine_chunks() if lists.num_chunks != 1 else lists.chunk(0)
-    if isinstance(lists, pa.LargeListArray):
-        lists = lists.cast(pa.list_(lists.type.value_type))
-    offsets = lists.offsets.to_numpy().astype(np.int64, copy=False)
-    values = lists.values.to_numpy(zero_copy_only=False)
+    # the offsets read off their buffer: pyarrow's `.offsets` costs what the values hold
+    # (~0.3 s for a column of 27 M ids), the buffer what the rows do
+    kind = np.int64 if isinstance(lists, pa.LargeListArray) else np.int32
+    buffer = lists.buffers()[1]
+    if buffer is None:  # no rows
+        offsets = np.zeros(1, dtype=np.int64)
+    else:
+        raw = np.frombuffer(buffer, dtype=kind)
+        offsets = raw[lists.offset : lists.offset + len(lists) + 1].astype(np.int64)
+    values = primitive_values(lists.values)
     valid = lists.is_valid().to_numpy(zero_copy_only=False)
     return offsets, values, valid
+
+
+def primitive_values(array: pa.Array) -> np.ndarray:
+    """An Arrow array of numbers as numpy: without nulls, a view of its data buffer
+    (`to_numpy` copies a column exported by polars: ~0.3 s for 27 M ids)."""
+    kind = array.type
+    if array.null_count or not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        return array.to_numpy(zero_copy_only=False)
+    data = array.buffers()[1]
+    if data is None:
+        return np.empty(0, dtype=kind.to_pandas_dtype())
+    return np.frombuffer(data, dtype=kind.to_pandas_dtype())[
+        array.offset : array.offset + len(array)
+    ]
 
 
 def content_hashes(lists: pa.Array | pa.ChunkedArray) -> pa.StringArray:

@@ -19,6 +19,7 @@ import hashlib
 import numpy as np
 import polars as pl
 
+from claw_pipelines.transforms.contexts import prompt_content_ids
 from claw_pipelines.transforms.hashing import content_hashes
 from claw_pipelines.transforms.stitching import StitchInput, stitch
 
@@ -93,9 +94,15 @@ def keep_rows(frame: pl.DataFrame, mask: np.ndarray) -> pl.DataFrame:
 
 
 def with_content_ids(frame: pl.DataFrame) -> pl.DataFrame:
-    """Add `prompt_id` / `response_id`: BLAKE2b-128 of the token ids."""
+    """Add `prompt_id` / `response_id`: BLAKE2b-128 of the token ids (a prompt that goes on
+    from the step before it in its trajectory is hashed on from that step's: its new tokens
+    only, `contexts.prompt_content_ids`)."""
+    by_turn = {"trajectory_uid", "step_index"} <= set(frame.columns)
+    prompts = (
+        prompt_content_ids(frame) if by_turn else content_hashes(frame["prompt_ids"].to_arrow())
+    )
     return frame.with_columns(
-        prompt_id=pl.Series(content_hashes(frame["prompt_ids"].to_arrow()), dtype=pl.String),
+        prompt_id=pl.Series(prompts, dtype=pl.String),
         response_id=pl.Series(content_hashes(frame["response_ids"].to_arrow()), dtype=pl.String),
     )
 

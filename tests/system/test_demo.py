@@ -15,6 +15,7 @@ import pytest
 from claw_pipelines.app.demo import demo_summary
 from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.materialize.silver import SILVER_TABLES
 from tests.support.lakes import rebuilt_sequences
 from tests.support.servers import REPO
@@ -59,7 +60,7 @@ def test_claw_demo_fills_bronze_and_silver(demo):
     assert set(lineage["dataset"]) == {"default", "live-grpo"}
     newest = lineage.filter(pl.col("dataset") == "default").sort("written_at")
     newest = newest.unique("policy_version", keep="last")
-    dataset = lake.read("gold/datasets/default")
+    dataset = read_steps(lake, "gold/datasets/default")  # whole prompts (DESIGN §18)
     assert dataset.height == newest["steps"].sum() > 0
     trees = lake.read("gold/trees/default")
     assert trees.height == dataset.height  # a segment per step

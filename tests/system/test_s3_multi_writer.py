@@ -34,6 +34,7 @@ from claw_pipelines.contracts.tables import (
     gold_dataset_table,
 )
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.materialize.gold import build_partition
 from claw_pipelines.materialize.live import LiveMaterializer
@@ -204,7 +205,9 @@ def test_three_replicas_materializer_and_maintenance_on_s3_through_sigkills(tmp_
         assert lake.read("silver/step_conflicts").is_empty()
 
         # gold, built in increments while everything above happened, equals a rebuild
-        live = lake.read(gold_dataset_table(SPEC.name)).filter(pl.col("policy_version") == 0)
+        live = read_steps(lake, gold_dataset_table(SPEC.name)).filter(
+            pl.col("policy_version") == 0
+        )  # whole prompts (DESIGN §18)
         fresh = Lake(str(tmp_path / "rebuilt"))
         fresh.append(BRONZE_EVENTS, lake.read(BRONZE_EVENTS).to_arrow())
         build_silver(fresh)

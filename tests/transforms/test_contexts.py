@@ -15,8 +15,10 @@ from claw_pipelines.transforms.contexts import (
     decode_prompts,
     encode_prompts,
     full_layout,
+    prompt_content_ids,
     with_prompt_ids,
 )
+from claw_pipelines.transforms.hashing import content_hashes
 from claw_pipelines.transforms.steps import with_content_ids
 
 TOKENS = pl.List(pl.Int32)
@@ -183,3 +185,29 @@ def test_a_reference_that_cannot_be_resolved_is_an_error(steps):
     )
     with pytest.raises(BrokenReference, match="fewer"):
         decode_prompts(too_long)
+
+
+def test_prompt_content_ids_hash_only_new_tokens_and_equal_whole_hashes():
+    """Long turns are hashed on from the step before them (its prompt, or prompt + reply,
+    compared token for token); the ids are those of each prompt hashed whole, whatever the
+    row order, for forks, a rewritten history and rows of other trajectories between."""
+    rng = np.random.default_rng(11)
+    rows, history = [], rng.integers(0, 9_000, 5_000).tolist()
+    for turn in range(6):
+        reply = rng.integers(0, 9_000, 50).tolist()
+        rows.append({"trajectory_uid": "long", "step_index": turn, "prompt_ids": history})
+        rows[-1]["response_ids"] = reply
+        if turn == 2:  # a second choice of the same call: begins with its prompt only
+            rows.append({"trajectory_uid": "long", "step_index": 100 + turn, "prompt_ids": history})
+            rows[-1]["response_ids"] = [1]
+        if turn == 4:  # the history rewritten: hashed whole
+            history = [7, *history[1:]]
+        history = [*history, *reply, *rng.integers(0, 9_000, 30).tolist()]
+    rows.append({"trajectory_uid": "short", "step_index": 0, "prompt_ids": [1, 2]})
+    rows[-1]["response_ids"] = [3]
+    steps = pl.DataFrame(
+        rows, schema_overrides={"prompt_ids": TOKENS, "response_ids": TOKENS}
+    ).sample(fraction=1.0, shuffle=True, seed=2)
+    whole = content_hashes(steps["prompt_ids"].to_arrow()).to_pylist()
+    assert prompt_content_ids(steps).to_pylist() == whole
+    assert with_content_ids(steps)["prompt_id"].to_list() == whole
