@@ -36,7 +36,13 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from claw_pipelines.transforms.hashing import content_hashes, list_parts, slice_content_hashes
+from claw_pipelines.transforms.hashing import (
+    arrow_of,
+    content_hashes,
+    list_parts,
+    slice_content_hashes,
+    strings,
+)
 from claw_pipelines.transforms.partials import is_aborted
 
 PREFIX_TYPES = {
@@ -119,7 +125,7 @@ def _tails(lists: pa.Array | pa.ChunkedArray, start: np.ndarray) -> pa.Array:
     lengths = np.diff(offsets) - start
     kept = values.astype(np.int32, copy=False)[_range_index(offsets[:-1] + start, lengths)]
     new_offsets = np.r_[0, np.cumsum(lengths)]
-    return pa.ListArray.from_arrays(pa.array(new_offsets.astype(np.int32)), pa.array(kept))
+    return pa.ListArray.from_arrays(arrow_of(new_offsets.astype(np.int32)), arrow_of(kept))
 
 
 def _candidates(new: pl.DataFrame, earlier: pl.DataFrame) -> pl.DataFrame:
@@ -186,7 +192,7 @@ def _matched(new: pl.DataFrame, pairs: pl.DataFrame) -> np.ndarray:
         )
     remote = np.flatnonzero(~at_hand & fits_head)
     if len(remote):  # a stored candidate: its content ids (BLAKE2b-128) of both slices
-        lists = new["prompt_ids"].to_arrow().take(pa.array(rows[remote]))
+        lists = new["prompt_ids"].to_arrow().take(arrow_of(rows[remote]))
         begin = np.zeros(len(remote), dtype=np.int64)
         hashes = pl.Series(slice_content_hashes(lists, begin, cp[remote]))
         head[remote] = (hashes == pairs["c_prompt_id"].gather(remote)).fill_null(False).to_numpy()
@@ -418,8 +424,8 @@ def _resolve(known: pl.DataFrame) -> pa.Array:
         done[ready] = True
         pending = pending[~done[pending]]
     if offsets[-1] < 2**31:
-        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(out))
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(out))
+        return pa.ListArray.from_arrays(arrow_of(offsets.astype(np.int32)), arrow_of(out))
+    return pa.LargeListArray.from_arrays(arrow_of(offsets), arrow_of(out))
 
 
 def with_prompt_ids(
@@ -491,4 +497,4 @@ def prompt_content_ids(steps: pl.DataFrame) -> pa.StringArray:
             h = hashlib.blake2b(data[starts[row] : ends[row]], digest_size=16)
         out[row] = h.hexdigest()
         state = h
-    return pa.array(out, pa.string())
+    return strings(out)
