@@ -178,3 +178,34 @@ def test_forks_compaction_and_partial_rollouts_read_back_exactly(tmp_path):
     assert gold["prompt_ids"].to_list() == expected["prompt_ids"].to_list()
     assert gold["response_ids"].to_list() == expected["response_ids"].to_list()
     assert check_lake(lake) == []
+
+
+def test_a_lake_written_before_the_layout_reads_right_and_new_turns_refer_to_it(tmp_path):
+    """Rows stored whole (`prompt_ids`, no reference: silver as written before DESIGN §18)
+    read as they are, and the next turns landing after refer to them."""
+    lake = Lake(str(tmp_path / "lake"))
+    first, second = agent_turns()
+    land(lake, first)
+    build_silver(lake)
+    whole = read_steps(lake, SILVER_STEPS)
+    versions = whole["policy_version"].unique().to_list()
+    for version in versions:  # rewritten as the layout before wrote them
+        rows = whole.filter(pl.col("policy_version") == version)
+        lake.overwrite(SILVER_STEPS, rows.to_arrow(), where=f"policy_version = {version}")
+    stored = lake.read(SILVER_STEPS)
+    assert stored["prompt_suffix_ids"].null_count() == stored.height
+    assert stored["prompt_ids"].null_count() == 0
+    land(lake, second)
+    build_silver(lake)
+    silver = lake.read(SILVER_STEPS)
+    refs = dict(zip(silver["step_key"], silver["prefix_step_key"], strict=True))
+    assert refs["fork:3"] == "fork:2" and refs["part:3"] == "part:2"  # to rows stored whole
+    sent = {
+        f"{r['trajectory_uid']}:{r['step_index']}": r["prompt_ids"]
+        for r in first + second
+        if r["kind"] == "step"
+    }
+    sent["part:2"] = sent.pop("part:1")  # the joined partial: its first part's prompt
+    read = read_steps(lake, SILVER_STEPS)
+    assert dict(zip(read["step_key"], read["prompt_ids"].to_list(), strict=True)) == sent
+    assert check_lake(lake) == []
