@@ -33,6 +33,7 @@ from benchmarks.harness import emit  # noqa: E402
 from claw_pipelines.consume.dataset import open_dataset  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
+from claw_pipelines.lake.prompts import read_steps  # noqa: E402
 from claw_pipelines.materialize.gold import build_partition  # noqa: E402
 from claw_pipelines.materialize.silver import build_silver  # noqa: E402
 from tests.support.lakes import completion, land, partial_rollout, step  # noqa: E402
@@ -96,9 +97,12 @@ def production(lake: Lake, rounds: int) -> dict:
     reads, builds, bares = [], [], []
     for _ in range(rounds):  # the arms alternate, so noise hits them alike
         started = time.perf_counter()
-        lake.scan("gold/datasets/bench").filter(pl.col("policy_version") == 1).select(
-            "prompt_ids", "response_ids"
-        ).collect()
+        read_steps(  # whole prompts: gold keeps them relative to earlier steps (DESIGN §18)
+            lake,
+            "gold/datasets/bench",
+            columns=["prompt_ids", "response_ids"],
+            where=pl.col("policy_version") == 1,
+        )
         reads.append(time.perf_counter() - started)
         started = time.perf_counter()
         batches = list(ds.batches(1, batch_size=64, layout="tree"))

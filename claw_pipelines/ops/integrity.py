@@ -58,7 +58,7 @@ SILVER_KEYS = {
     SILVER_STEP_REWARDS: "step_key",
     SILVER_TRAJECTORIES: "trajectory_uid",
 }
-CHECK_TRAJECTORIES = 4_096  # trajectories decoded at a time when silver's prompts are checked
+CHECK_TRAJECTORIES = 20_000  # trajectories decoded at a time when silver's prompts are checked
 REPAIR_HINT = "`claw check` lists the lake's problems; `claw repair` fixes them"
 
 
@@ -209,15 +209,19 @@ def _prompt_problems(lake: Lake, table: str, dataset: str | None = None) -> list
 
 
 def _prompts_not_their_ids(lake: Lake, trajectories: pl.Series) -> pl.Series:
-    """Silver steps whose decoded prompt's content id is not their `prompt_id`."""
+    """Silver steps whose decoded prompt's content id is not their `prompt_id`, read a range
+    of trajectories at a time (rows are sorted by key, so a range's row groups are few)."""
     wrong = []
     columns = prompt_columns(
         ["step_key", "prompt_id", "prompt_ids", "trajectory_uid"], SILVER_STEPS
     )
-    for first in range(0, trajectories.len(), CHECK_TRAJECTORIES):
-        chunk = trajectories.slice(first, CHECK_TRAJECTORIES).implode()
-        rows = lake.read(SILVER_STEPS, columns=columns, where=pl.col("trajectory_uid").is_in(chunk))
-        rows = with_prompts(lake, SILVER_STEPS, None, rows)
+    ordered = trajectories.drop_nulls().sort()
+    for first in range(0, ordered.len(), CHECK_TRAJECTORIES):
+        chunk = ordered.slice(first, CHECK_TRAJECTORIES)
+        within = pl.col("trajectory_uid").is_between(pl.lit(chunk[0]), pl.lit(chunk[-1]))
+        rows = with_prompts(
+            lake, SILVER_STEPS, None, lake.read(SILVER_STEPS, None, columns, within)
+        )
         ids = pl.Series(content_hashes(rows["prompt_ids"].to_arrow()), dtype=pl.String)
         wrong.append(rows.filter(ids.ne_missing(rows["prompt_id"]))["step_key"])
     return pl.concat(wrong) if wrong else pl.Series("step_key", [], pl.String)

@@ -109,10 +109,10 @@ def encode_prompts(new: pl.DataFrame, earlier: pl.DataFrame) -> pl.DataFrame:
         chosen = order[best & (lengths[order] > 0)]
         prefix[rows[chosen]] = lengths[chosen]
         ref[rows[chosen]] = chosen
-    keys = pairs["key"].to_numpy() if pairs.height else np.empty(0, dtype=object)
-    refs = pl.Series([keys[i] if i >= 0 else None for i in ref.tolist()], dtype=pl.String)
+    at = pl.Series(ref, dtype=pl.Int64)
+    refs = pairs["key"].gather(at.set(at < 0, None)) if pairs.height else pl.repeat(None, len(ref))
     return new.with_columns(
-        prefix_step_key=refs,
+        prefix_step_key=refs.cast(pl.String),
         prefix_len=pl.Series(prefix, dtype=pl.Int64),
         prompt_suffix_ids=pl.Series(_tails(new["prompt_ids"].to_arrow(), prefix)),
         prompt_ids=pl.lit(None, pl.List(pl.Int32)),
