@@ -20,7 +20,8 @@ Memory, for each lake size (default 500,000 and 5,000,000 short steps, `BulkShap
      that brought them into silver and gold.
 Targets: steady resident at the largest lake <= 1.25 x at the smallest and <= 1.5 GiB; peak at
 the largest <= 3 GiB; median increment at the largest <= 1.5 x at the smallest; restart to a
-normal increment at the largest <= 30 s.
+normal increment at the largest <= 30 s. With `--workdir`, a lake an earlier run left there
+(caught up) is followed again as it is: phases 3 and 4 only.
 
 Storage and speed on the agentic shape (`simulation.bulk.AGENTIC`: 8 rollouts x 30 turns a
 group, prompts 2-4 k tokens, replies 100-400, tool results 200-1,500, each turn's prompt the
@@ -291,18 +292,22 @@ def wait_first_round(lake, follower: Follower, timeout: float = 1_800.0) -> floa
 
 
 class Lander:
-    """New GRPO groups landed in bronze, numbered after the bulk lake's (one commit a call)."""
+    """New GRPO groups landed in bronze, numbered after the lake's (one commit a call)."""
 
     def __init__(self, uri: str, bulk_steps: int, seed: int) -> None:
         import numpy as np
+        import polars as pl
 
+        from claw_pipelines.contracts.tables import SILVER_TRAJECTORIES
         from claw_pipelines.lake.delta import Lake
         from claw_pipelines.simulation.bulk import BulkShape
 
         self.lake, self.shape = Lake(uri), BulkShape()
         self.rng = np.random.default_rng(seed)
-        self.group = -(-bulk_steps // GROUP_STEPS)  # the bulk lake's groups are 0 .. this - 1
-        self.seq = 50_000_000 + seed * 1_000_000
+        # the lake's groups are 0 .. this - 1 (a kept lake's earlier runs landed more)
+        held = self.lake.scan(SILVER_TRAJECTORIES).select(pl.len()).collect().item()
+        self.group = max(-(-bulk_steps // GROUP_STEPS), held // self.shape.rollouts)
+        self.seq = 50_000_000 + seed * 1_000_000 + self.group
 
     def land(self, groups: int) -> int:
         """Append `groups` new groups (and their rewards) in one commit; its version."""
@@ -419,17 +424,22 @@ def memory_lake(steps: int, workdir: Path, args) -> dict:
     state.mkdir(parents=True, exist_ok=True)
     phases: dict = {}
     lake = Lake(uri)
+    result: dict = {"steps": steps}
+    if Path(uri, "silver").exists():  # a kept lake (--workdir), caught up by an earlier run
+        result["kept_lake"] = True
+        log(f"{steps:,}: a kept lake")
+    else:
+        started = time.perf_counter()
+        result["records"] = write_bulk_bronze(lake, steps, BulkShape(), batch=5_000, seed=7)
+        save_spec(lake, _spec(MEMORY_DATASET))
+        phases["bronze_s"] = round(time.perf_counter() - started, 1)
+        log(f"{steps:,}: bronze written ({phases['bronze_s']} s); backlog")
+        started = time.perf_counter()
+        env = {STATE_ENV: str(state)}
+        result["backlog"] = _in_child(take_backlog, uri, args.backlog_versions, env=env)
+        phases["backlog_s"] = round(time.perf_counter() - started, 1)
+        log(f"{steps:,}: backlog taken in: {result['backlog']}")
     started = time.perf_counter()
-    records = write_bulk_bronze(lake, steps, BulkShape(), batch=5_000, seed=7)
-    save_spec(lake, _spec(MEMORY_DATASET))
-    phases["bronze_s"] = round(time.perf_counter() - started, 1)
-    log(f"{steps:,}: bronze written ({records:,} records, {phases['bronze_s']} s); backlog")
-    started = time.perf_counter()
-    backlog = _in_child(take_backlog, uri, args.backlog_versions, env={STATE_ENV: str(state)})
-    phases["backlog_s"] = round(time.perf_counter() - started, 1)
-    log(f"{steps:,}: backlog taken in: {backlog}")
-    started = time.perf_counter()
-    result = {"steps": steps, "records": records, "backlog": backlog}
     result |= follow_lake(uri, steps, state, workdir, args)
     phases["follower_s"] = round(time.perf_counter() - started, 1)
     result["phases"] = phases
@@ -574,6 +584,8 @@ def agentic(workdir: Path, groups: int, runs: int) -> dict:
     from claw_pipelines.simulation.bulk import AGENTIC, bulk_batches, token_counts
 
     uri = str(workdir / "agentic")
+    for built in ("agentic", "agentic-state", "floor"):  # a kept workdir's: built again
+        shutil.rmtree(workdir / built, ignore_errors=True)
     lake = Lake(uri)
     per_group = AGENTIC.rollouts * AGENTIC.turns
     started, sent, distinct = time.perf_counter(), 0, 0
@@ -618,7 +630,9 @@ def main() -> None:
     parser.add_argument("--baseline-runs", type=int, default=3, help="the baseline's (median)")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-storage", action="store_true")
-    parser.add_argument("--workdir", help="keep the lakes here (a new folder: they are built)")
+    parser.add_argument(
+        "--workdir", help="keep the lakes here (a kept caught-up lake is followed again as it is)"
+    )
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
 
