@@ -4,9 +4,10 @@ speed on long agentic trajectories.
 Memory, for each lake size (default 500,000 and 5,000,000 short steps, `BulkShape()` as
 `benchmarks/scale.py`: 8 rollouts x 3 turns a group, 1,000 groups a policy version):
   1. bronze: the bulk lake written straight to bronze (`simulation/bulk.py`);
-  2. backlog: a LiveMaterializer in a child process takes it all in (the same rounds as the
-     follower, `--backlog-versions` bronze versions a round), then the maintenance schedule's
-     pass over every table (as scale.py);
+  2. backlog: the follower `claw materialize --follow` runs (`LiveMaterializer.from_settings`:
+     its window and its history in the lake's state folder) takes it all in, in a child process
+     (`--backlog-versions` bronze versions a round), then the maintenance schedule's pass over
+     every table (as scale.py);
   3. follower: `claw materialize --follow` (a child process, `CLAW_FOLLOWER_STATE` set to a
      folder of this lake's, the backlog's too) starts on the caught-up lake; its first round
      (from its start to its first heartbeat), then 5 increments of 20 groups (480 steps), one
@@ -159,11 +160,13 @@ def take_backlog(uri: str, versions: int, out) -> None:
     from claw_pipelines.defs.maintenance import maintained_tables
     from claw_pipelines.lake.delta import Lake
     from claw_pipelines.materialize import live
+    from claw_pipelines.settings import ClawSettings
 
     live.CATCH_UP_VERSIONS = versions
     lake = Lake(uri)
     started, rounds = time.perf_counter(), 0
-    follower = live.LiveMaterializer(lake)
+    # the follower claw materialize --follow runs (bounded, its history in the state folder)
+    follower = live.LiveMaterializer.from_settings(lake, ClawSettings(lake_uri=uri))
     while follower.step().changed:
         rounds += 1
         if rounds % 10 == 0:
@@ -531,7 +534,8 @@ def _cpu_s() -> float:
 def agentic_child(
     uri: str, floor_uri: str, cpu: int, steps: int, distinct: int, runs: int, out
 ) -> None:
-    """Child, pinned to one core: a LiveMaterializer takes the agentic bronze in; storage as
+    """Child, pinned to one core: the follower (as claw materialize --follow runs it, its
+    history in the state folder) takes the agentic bronze in; storage as
     it left it and after maintenance; then the baseline on the same bronze (`runs` times)."""
     os.sched_setaffinity(0, {cpu})
     import resource
@@ -539,10 +543,11 @@ def agentic_child(
     from claw_pipelines.defs.maintenance import maintained_tables
     from claw_pipelines.lake.delta import Lake
     from claw_pipelines.materialize.live import LiveMaterializer
+    from claw_pipelines.settings import ClawSettings
 
     lake = Lake(uri)
     started, cpu_before, rounds = time.perf_counter(), _cpu_s(), 0
-    follower = LiveMaterializer(lake)
+    follower = LiveMaterializer.from_settings(lake, ClawSettings(lake_uri=uri))
     while follower.step().changed:
         rounds += 1
     follower.close()

@@ -742,7 +742,9 @@ class Lake:
         table = self.open(name, version)
         present = set(table.schema().to_arrow().names)
         kept = [c for c in columns if c in present]
-        scanner = table.to_pyarrow_dataset().scanner(columns=kept, batch_size=rows)
+        scanner = table.to_pyarrow_dataset().scanner(
+            columns=kept, batch_size=rows, batch_readahead=1, fragment_readahead=1
+        )
         for batch in scanner.to_batches():
             frame = pl.from_arrow(pa.Table.from_batches([batch]))
             assert isinstance(frame, pl.DataFrame)

@@ -41,6 +41,7 @@ from claw_pipelines.transforms.curation import GROUP
 TABLES = ("steps", "facts", "rewards", "trajectories", "removed")
 _CODE = {name: bytes([i]) for i, name in enumerate(TABLES)}
 CHUNK_ROWS = 1_024  # rows of one table in one chunk (a trajectory's rows sit in one chunk)
+WRITE_BUFFER_BYTES = 16 << 20  # a memtable (RocksDB's default, 64 MiB, twice, is more)
 _META = b"meta"
 _SEP = b"\x00"
 _US = 1_000_000
@@ -86,6 +87,8 @@ class History:
         self.path.mkdir(parents=True, exist_ok=True)
         options = Options(raw_mode=True)
         options.create_if_missing(True)
+        options.set_write_buffer_size(WRITE_BUFFER_BYTES)  # what it holds in memory is bounded
+        options.set_max_write_buffer_number(2)
         self._db = Rdict(str(self.path), options)
         self.meta: dict[str, Any] = json.loads(self._db.get(_META) or b"{}")
 

@@ -24,13 +24,16 @@ silver unless the history is missing or behind the lake, then it is rebuilt from
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from claw_pipelines.contracts.tables import (
     SILVER_FEEDBACK,
@@ -831,6 +834,14 @@ def catch_up_history(lake: Lake, versions: dict[str, int | None], history: Histo
     return True
 
 
+def release_memory() -> None:
+    """Hand memory freed by a large read back to the system: Arrow's pool and glibc keep
+    freed pages for reuse, which a follower's resident memory would count for good."""
+    pa.default_memory_pool().release_unused()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def rebuild_history(lake: Lake, versions: dict[str, int | None], history: History) -> None:
     """File silver as of `versions` in `history` afresh, read a batch at a time (the view's
     columns only): a follower's history that was lost or fell behind the lake."""
@@ -855,3 +866,4 @@ def rebuild_history(lake: Lake, versions: dict[str, int | None], history: Histor
             history.write({name: rows})
     clock.steps_total = steps_total
     history.write({}, {**clock._state(), "rebuilds": rebuilds})
+    release_memory()  # what the batches took goes back to the system, not to the allocators
