@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing as mp
 import os
+import queue
 import threading
 import time
 import uuid
@@ -316,3 +318,29 @@ def start_load(url: str, plan: Plan) -> tuple[threading.Thread, Acks]:
     thread = threading.Thread(target=asyncio.run, args=(_paced(url, plan, acks),), daemon=True)
     thread.start()
     return thread, acks
+
+
+def in_child(target, *args, env: dict[str, str] | None = None):
+    """Run `target(*args, out)` in a spawned process (with `env` added); what it put on `out`."""
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # a spawned child takes the environment as it starts
+    try:
+        proc = context.Process(target=target, args=(*args, out))
+        proc.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    while True:  # a child that dies (an assertion, the OOM killer) must not hang the run
+        try:
+            result = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{target.__name__} exited with {proc.exitcode}") from None
+    proc.join()
+    return result

@@ -46,7 +46,6 @@ Prints one JSON line (progress on stderr); each target's pass/fail under `target
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import queue
 import re
@@ -64,7 +63,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.harness import emit, status_kib  # noqa: E402
+from benchmarks.harness import emit, in_child, status_kib  # noqa: E402
 
 STATE_ENV = "CLAW_FOLLOWER_STATE"
 MEMORY_DATASET, AGENTIC_DATASET = "long", "agentic"
@@ -121,32 +120,6 @@ def _spec(name: str):
 
 def _mib(kib: int | None) -> float | None:
     return None if kib is None else round(kib / 1024, 1)
-
-
-def _in_child(target, *args, env: dict[str, str] | None = None):
-    """Run `target(*args, out)` in a spawned process (with `env` added); what it put on `out`."""
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})  # a spawned child takes the environment as it starts
-    try:
-        proc = context.Process(target=target, args=(*args, out))
-        proc.start()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    while True:  # a child that dies (an assertion, the OOM killer) must not hang the run
-        try:
-            result = out.get(timeout=5)
-            break
-        except queue.Empty:
-            if not proc.is_alive():
-                raise RuntimeError(f"{target.__name__} exited with {proc.exitcode}") from None
-    proc.join()
-    return result
 
 
 # -- memory: the backlog ----------------------------------------------------------------------
@@ -439,7 +412,7 @@ def memory_lake(steps: int, workdir: Path, args) -> dict:
         log(f"{steps:,}: bronze written ({phases['bronze_s']} s); backlog")
         started = time.perf_counter()
         env = {STATE_ENV: str(state)}
-        result["backlog"] = _in_child(take_backlog, uri, args.backlog_versions, env=env)
+        result["backlog"] = in_child(take_backlog, uri, args.backlog_versions, env=env)
         phases["backlog_s"] = round(time.perf_counter() - started, 1)
         log(f"{steps:,}: backlog taken in: {result['backlog']}")
     started = time.perf_counter()
@@ -606,7 +579,7 @@ def agentic(workdir: Path, groups: int, runs: int) -> dict:
     cpu = max(os.sched_getaffinity(0))
     state = {STATE_ENV: str(workdir / "agentic-state")}
     floor = str(workdir / "floor" / "tokens")
-    result = _in_child(agentic_child, uri, floor, cpu, steps, distinct, runs, env=state)
+    result = in_child(agentic_child, uri, floor, cpu, steps, distinct, runs, env=state)
     result |= {
         "groups": groups,
         "steps": steps,

@@ -26,8 +26,6 @@ the materializer's memory at 2 M <= 4 GiB; next_batch <= 0.5 s; every dashboard 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import queue
 import resource
 import statistics
 import sys
@@ -39,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import dashboard, freshness  # noqa: E402
-from benchmarks.harness import emit  # noqa: E402
+from benchmarks.harness import emit, in_child  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
 from claw_pipelines.simulation.bulk import (  # noqa: E402
@@ -70,23 +68,6 @@ def log(message: str) -> None:
 
 def _peak_gib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
-
-
-def _in_child(target, *args):
-    """Run `target(*args, out)` in a spawned process; return what it put on `out`."""
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    proc = context.Process(target=target, args=(*args, out))
-    proc.start()
-    while True:  # a child that dies (an assertion, the OOM killer) must not hang the run
-        try:
-            result = out.get(timeout=5)
-            break
-        except queue.Empty:
-            if not proc.is_alive():
-                raise RuntimeError(f"{target.__name__} exited with {proc.exitcode}") from None
-    proc.join()
-    return result
 
 
 def take_in(uri: str, out) -> None:
@@ -191,7 +172,7 @@ def build(uri: str, steps: int) -> dict:
     written = time.perf_counter() - started
     save_spec(lake, SPEC)
     log(f"{steps:,} steps: bronze written ({records:,} records, {written:.0f} s); taking in")
-    taken = _in_child(take_in, uri)
+    taken = in_child(take_in, uri)
     log(f"{steps:,} steps: taken in: {taken}")
     return {"bronze_s": round(written, 1), "records": records, "take_in": taken}
 
@@ -218,8 +199,8 @@ def measure(steps: int, workdir: Path, args: argparse.Namespace) -> dict:
     if not Path(uri, "bronze").exists():
         result["build"] = build(uri, steps)
     else:  # a kept lake: maintained, as the schedule would have since its last use
-        result["maintenance_s"] = _in_child(maintain, uri)
-    result |= _in_child(increments, uri, args.increments, args.groups)
+        result["maintenance_s"] = in_child(maintain, uri)
+    result |= in_child(increments, uri, args.increments, args.groups)
     first = result["first_round_s"]
     log(f"{steps:,} steps: increments {result['increment_s']} (first round {first} s)")
     if args.freshness_seconds > 0 and steps == max(args.sizes):
@@ -257,7 +238,7 @@ def measure(steps: int, workdir: Path, args: argparse.Namespace) -> dict:
         log(f"{steps:,} steps: freshness {result['freshness']}")
     # after the load run: a pull marks the bulk dataset as one a trainer waits on, and the
     # materializer would then curate it every round beside the load's own dataset
-    result["next_batch"] = _in_child(next_batch, uri)
+    result["next_batch"] = in_child(next_batch, uri)
     log(f"{steps:,} steps: next_batch {result['next_batch']}")
     if args.dashboard_loads > 0 and steps == max(args.sizes):
         pages = dashboard.time_pages(Path(uri), args.dashboard_loads, workdir / "dashboard.log")

@@ -29,7 +29,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from claw_pipelines.transforms.contexts import token_matches
+from claw_pipelines.transforms.contexts import REFERENCE_COLUMNS, token_matches
 from claw_pipelines.transforms.hashing import list_parts, slice_content_hashes
 
 REPLY_RETOKENIZED = "reply_retokenized"
@@ -39,15 +39,7 @@ FRAGMENT_REASONS = (REPLY_RETOKENIZED, HISTORY_TRUNCATED, HISTORY_REWRITTEN)
 # the reasons that mean the agent changed its history on purpose (not drift)
 HISTORY_REASONS = (HISTORY_TRUNCATED, HISTORY_REWRITTEN)
 # the small step columns fragments are decided on (beside the new steps' prompt ids)
-FRAGMENT_INPUT_COLUMNS = [
-    "step_key",
-    "trajectory_uid",
-    "step_index",
-    "prompt_id",
-    "response_id",
-    "prompt_len",
-    "response_len",
-]
+FRAGMENT_INPUT_COLUMNS = [c for c in REFERENCE_COLUMNS if c != "finish_reason"]
 
 
 def with_fragments(new: pl.DataFrame, earlier: pl.DataFrame) -> pl.DataFrame:
