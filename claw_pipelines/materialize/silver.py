@@ -36,7 +36,7 @@ from claw_pipelines.contracts.tables import (
     TABLES,
 )
 from claw_pipelines.lake import delta as lake_module
-from claw_pipelines.lake.delta import Guard, Lake, sql_strings, until_landed
+from claw_pipelines.lake.delta import Guard, Lake, empty_frame, sql_strings, until_landed
 from claw_pipelines.materialize.silver_view import SilverView
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.contexts import (
@@ -209,7 +209,7 @@ def _read_bronze(
 def _stored(lake: Lake, table: str, columns: list[str], version: int | None = None) -> pl.DataFrame:
     spec = TABLES[table]
     if not lake.exists(table):
-        return pl.from_arrow(spec.schema.empty_table()).select(columns)
+        return empty_frame(spec.schema).select(columns)
     return lake.read(table, version=version, columns=columns)
 
 
@@ -687,9 +687,9 @@ def silver_findings(lake: Lake, run: SilverRun) -> dict[str, Finding]:
     index = run.index if run.index.height else _stored(lake, SILVER_STEPS, INDEX_COLUMNS)
     new, facts = run.new_steps, run.new_facts
     if new.is_empty():
-        new = pl.from_arrow(TABLES[SILVER_STEPS].schema.empty_table())
+        new = empty_frame(TABLES[SILVER_STEPS].schema)
     if facts.is_empty():
-        facts = pl.from_arrow(TABLES[SILVER_FEEDBACK].schema.empty_table())
+        facts = empty_frame(TABLES[SILVER_FEEDBACK].schema)
     return {
         "step_keys_are_unique": step_keys_are_unique(index["step_key"]),
         "lengths_are_consistent": lengths_are_consistent(new),

@@ -43,7 +43,7 @@ from claw_pipelines.contracts.tables import (
     SILVER_TRAJECTORIES,
     TABLES,
 )
-from claw_pipelines.lake.delta import Lake, conform
+from claw_pipelines.lake.delta import Lake, conform, empty_frame
 from claw_pipelines.materialize.history import History, fact_addresses
 from claw_pipelines.transforms.curation import (
     CALL_COLUMNS,
@@ -313,7 +313,7 @@ class SilverView:
         def read(table: str, columns: list[str] | None = None) -> pl.DataFrame:
             if versions.get(table) is None or not lake.exists(table):
                 schema = TABLES[table].schema
-                return pl.from_arrow(schema.empty_table()).select(columns or schema.names)
+                return empty_frame(schema).select(columns or schema.names)
             return lake.read(table, versions[table], columns=columns)
 
         steps = _steps_frame(read(SILVER_STEPS, VIEW_STEP_COLUMNS))
@@ -357,7 +357,7 @@ class SilverView:
         """A view holding no rows (yet), at `versions`."""
 
         def nothing(table: str, columns: list[str]) -> pl.DataFrame:
-            return pl.from_arrow(TABLES[table].schema.empty_table()).select(columns)
+            return empty_frame(TABLES[table].schema).select(columns)
 
         steps = _steps_frame(nothing(SILVER_STEPS, VIEW_STEP_COLUMNS))
         return cls(
@@ -787,11 +787,8 @@ def catch_up_history(lake: Lake, versions: dict[str, int | None], history: Histo
         if until is None or (after is not None and until < after):
             log.info("follower history: %s at %s, silver at %s: rebuilt", table, after, until)
             return False
-        if after is None:  # a table silver created since: all of it is new
-            parts = list(lake.batches(table, until, columns))
-            empty = pl.from_arrow(TABLES[table].schema.empty_table()).select(columns)
-            changes = pl.concat(parts) if parts else empty
-            changes = changes.with_columns(_change_type=pl.lit("insert"))
+        if after is None:  # a table silver created since (by this run): all of it is new
+            changes = lake.read(table, until, columns).with_columns(_change_type=pl.lit("insert"))
         else:
             feed = lake.change_feed(table, after, until, columns)
             if feed is None:
