@@ -46,6 +46,7 @@ Prints one JSON line (progress on stderr); each target's pass/fail under `target
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import queue
 import re
@@ -59,6 +60,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -172,6 +174,8 @@ class Taken:
 class Follower:
     """`claw materialize --follow` on a lake as a child process; its round lines, timed."""
 
+    started_here: ClassVar[list[Follower]] = []  # every one this run started (killed on failure)
+
     def __init__(self, uri: str, state: Path, log_path: Path) -> None:
         env = os.environ | {"CLAW_LAKE_URI": uri, STATE_ENV: str(state), "PYTHONPATH": str(REPO)}
         env.pop("DAGSTER_HOME", None)  # no Dagster reports: the follower alone
@@ -190,6 +194,7 @@ class Follower:
         self.lines: queue.Queue[tuple[float, str]] = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+        Follower.started_here.append(self)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -218,7 +223,11 @@ class Follower:
                 )
             except queue.Empty:
                 if time.perf_counter() > deadline:
-                    raise TimeoutError(f"follower: {taken} after {timeout} s") from None
+                    said = taken.lines[-5:]
+                    raise TimeoutError(
+                        f"follower: {taken.steps} steps, {taken.groups} groups "
+                        f"after {timeout} s; it said {said}"
+                    ) from None
                 continue
             taken.lines.append(line)
             if (found := SILVER.search(line)) is not None:
@@ -595,6 +604,18 @@ def agentic(workdir: Path, groups: int, runs: int) -> dict:
     return result
 
 
+@contextlib.contextmanager
+def _followers_killed():
+    """Kill every follower this run started that still runs (a phase that raised)."""
+    try:
+        yield
+    finally:
+        for follower in Follower.started_here:
+            if follower.proc.poll() is None:
+                follower.proc.kill()
+                follower.proc.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="500000,5000000", help="lake sizes, in steps")
@@ -617,7 +638,7 @@ def main() -> None:
     figures: dict = {}
     met: dict[str, bool] = {}
     ratio: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="claw-bench-long-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="claw-bench-long-") as tmp, _followers_killed():
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         if not args.skip_storage:
