@@ -34,13 +34,14 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 from rocksdict import Options, Rdict, ReadOptions, WriteBatch
 
 from claw_pipelines.transforms.curation import GROUP
 
 TABLES = ("steps", "facts", "rewards", "trajectories", "removed")
 _CODE = {name: bytes([i]) for i, name in enumerate(TABLES)}
-CHUNK_ROWS = 1_024  # rows of one table in one chunk (a trajectory's rows sit in one chunk)
+CHUNK_ROWS = 64  # rows of one table in one chunk (a trajectory's rows sit in one chunk)
 WRITE_BUFFER_BYTES = 16 << 20  # a memtable (RocksDB's default, 64 MiB, twice, is more)
 _META = b"meta"
 _SEP = b"\x00"
@@ -60,9 +61,8 @@ def _ipc(frame: pl.DataFrame) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def _frame(data: bytes) -> pl.DataFrame:
-    """Arrow IPC stream bytes as a polars frame."""
-    frame = pl.from_arrow(pa.ipc.open_stream(data).read_all())
+def _polars(table: pa.Table) -> pl.DataFrame:
+    frame = pl.from_arrow(table)
     assert isinstance(frame, pl.DataFrame)
     return frame
 
@@ -192,19 +192,24 @@ class History:
                 if upto is None or struct.unpack(">Q", tail[:8])[0] < upto:
                     chunks.add(tail)
         ordered = sorted(chunks)
-        found: dict[str, list[pl.DataFrame]] = {}
+        found: dict[str, list[pa.Table]] = {}
         keys = [b"s" + tail + _CODE[t] for tail in ordered for t in TABLES]
         for key, data in zip(keys, self._db.get(keys) if keys else [], strict=True):
-            if data is None:
-                continue
-            table = TABLES[key[-1]]
-            rows = _frame(data)
+            if data is not None:
+                found.setdefault(TABLES[key[-1]], []).append(pa.ipc.open_stream(data).read_all())
+        rows_of: dict[str, pl.DataFrame] = {}
+        mine = pa.array(list(wanted), pa.string())
+        for table, parts in found.items():  # filtered in Arrow, then one conversion a table
+            rows = pa.concat_tables(parts, promote_options="permissive").combine_chunks()
             if table == "facts":
-                mine = rows["addresses"].list.eval(pl.element().is_in(list(wanted))).list.any()
+                addresses = rows.column("addresses").combine_chunks()
+                flat = pc.is_in(pc.list_flatten(addresses), value_set=mine)
+                owners = pc.list_parent_indices(addresses).filter(flat)
+                rows = rows.take(pc.unique(owners).sort())
             else:
-                mine = rows["trajectory_uid"].is_in(list(wanted))
-            found.setdefault(table, []).append(rows.filter(mine))
-        return {t: pl.concat(parts, how="vertical_relaxed") for t, parts in found.items()}
+                rows = rows.filter(pc.is_in(rows.column("trajectory_uid"), value_set=mine))
+            rows_of[table] = _polars(rows)
+        return rows_of
 
     def known(self, prefix: bytes, values: pl.Series) -> pl.Series:
         """Which of `values` the index `prefix` holds (`e` event ids, `f` feedback ids)."""
