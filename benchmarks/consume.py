@@ -97,7 +97,7 @@ def production(lake: Lake, rounds: int) -> dict:
     reads, builds, bares = [], [], []
     for _ in range(rounds):  # the arms alternate, so noise hits them alike
         started = time.perf_counter()
-        read_steps(  # whole prompts: gold keeps them relative to earlier steps (DESIGN §18)
+        read_steps(  # whole prompts: gold keeps them relative (docs/DESIGN.md §18)
             lake,
             "gold/datasets/bench",
             columns=["prompt_ids", "response_ids"],

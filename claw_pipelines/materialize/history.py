@@ -5,7 +5,7 @@ lately (`SilverView`'s open window). Everything it ever took is also written her
 what closed history is needed for (a late reward or rescore for a trajectory closed long
 ago, a duplicate event, stitching into an old conversation) is read back by key.
 
-The store is RocksDB (`rocksdict`; DESIGN §12 says why, with the measurements): an embedded
+The store is RocksDB (`rocksdict`; docs/DESIGN.md §11 says why, with the measurements): an embedded
 key-value store whose memory is bounded (its block cache and memtables), whose write batch
 is atomic (a round's rows and the versions they bring it to land together or not at all, so
 a follower killed mid-round finds the store at the last round it finished), and which lives

@@ -181,7 +181,7 @@ def test_forks_compaction_and_partial_rollouts_read_back_exactly(tmp_path):
 
 
 def test_a_lake_written_before_the_layout_reads_right_and_new_turns_refer_to_it(tmp_path):
-    """Rows stored whole (`prompt_ids`, no reference: silver as written before DESIGN §18)
+    """Rows stored whole (`prompt_ids`, no reference: silver as written before docs/DESIGN.md §18)
     read as they are, and the next turns landing after refer to them."""
     lake = Lake(str(tmp_path / "lake"))
     first, second = agent_turns()

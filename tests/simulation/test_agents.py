@@ -22,6 +22,7 @@ from claw_pipelines.contracts.tables import SILVER_STEPS, gold_tree_table
 from claw_pipelines.definitions import defs
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.materialize.gold import build_partition, partition_findings
 from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.simulation.agents import Tally, Task, black_box_rollout, compacted
@@ -91,7 +92,7 @@ def agents(tmp_path_factory) -> Agents:
 
 
 def trajectory(lake: Lake, uid: str) -> pl.DataFrame:
-    steps = lake.read(SILVER_STEPS).filter(pl.col("trajectory_uid") == uid)
+    steps = read_steps(lake, SILVER_STEPS).filter(pl.col("trajectory_uid") == uid)
     return steps.sort("step_index")
 
 
@@ -189,7 +190,7 @@ def test_trees_share_only_true_prefixes_and_returns_cover_every_fragment(agents)
 
 @pytest.mark.slow
 def test_unscoped_fragments_stitch_on_their_own_and_never_onto_the_old_history(agents):
-    steps = agents.lake.read(SILVER_STEPS)
+    steps = read_steps(agents.lake, SILVER_STEPS)
     stitched = steps.filter(pl.col("origin_step_key").is_not_null()).sort("step_index")
     assert stitched.height == TURNS  # every unscoped call, once
     groups = {uid: rows for (uid,), rows in stitched.group_by("trajectory_uid")}
@@ -228,7 +229,7 @@ def test_the_bulk_simulation_compacts_a_share_of_its_rollouts(tmp_path):
     shape = BulkShape(rollouts=4, turns=5, compacting=0.5, compact_every=2)
     write_bulk_bronze(lake, 4 * 5 * 3, shape, batch=40)
     build_silver(lake)
-    steps = lake.read(SILVER_STEPS).sort("trajectory_uid", "step_index")
+    steps = read_steps(lake, SILVER_STEPS).sort("trajectory_uid", "step_index")
     per = steps.group_by("trajectory_uid", maintain_order=True).agg("fragment", "fragment_reason")
     rollout = per["trajectory_uid"].str.extract(r"-r(\d+)$").cast(pl.Int64)
     for fragments, reasons, compacts in zip(

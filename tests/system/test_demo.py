@@ -60,7 +60,7 @@ def test_claw_demo_fills_bronze_and_silver(demo):
     assert set(lineage["dataset"]) == {"default", "live-grpo"}
     newest = lineage.filter(pl.col("dataset") == "default").sort("written_at")
     newest = newest.unique("policy_version", keep="last")
-    dataset = read_steps(lake, "gold/datasets/default")  # whole prompts (DESIGN §18)
+    dataset = read_steps(lake, "gold/datasets/default")  # whole prompts (docs/DESIGN.md §18)
     assert dataset.height == newest["steps"].sum() > 0
     trees = lake.read("gold/trees/default")
     assert trees.height == dataset.height  # a segment per step

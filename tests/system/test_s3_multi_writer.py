@@ -207,7 +207,7 @@ def test_three_replicas_materializer_and_maintenance_on_s3_through_sigkills(tmp_
         # gold, built in increments while everything above happened, equals a rebuild
         live = read_steps(lake, gold_dataset_table(SPEC.name)).filter(
             pl.col("policy_version") == 0
-        )  # whole prompts (DESIGN §18)
+        )  # whole prompts (docs/DESIGN.md §18)
         fresh = Lake(str(tmp_path / "rebuilt"))
         fresh.append(BRONZE_EVENTS, lake.read(BRONZE_EVENTS).to_arrow())
         build_silver(fresh)

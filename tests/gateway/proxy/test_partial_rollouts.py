@@ -18,6 +18,7 @@ import pytest
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.contracts.tables import SILVER_STEPS, gold_rejection_table
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.materialize.gold import build_partition
 from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.ops.ledger import waste_ledger
@@ -47,7 +48,7 @@ def silver_steps(gw: GatewayProcess, trajectory: str) -> list[dict]:
     """The trajectory's silver steps after a silver run over what bronze holds."""
     lake = Lake(str(gw.lake))
     build_silver(lake)
-    steps = lake.read(SILVER_STEPS).filter(pl.col("trajectory_uid") == trajectory)
+    steps = read_steps(lake, SILVER_STEPS).filter(pl.col("trajectory_uid") == trajectory)
     return steps.sort("step_index").to_dicts()
 
 

@@ -10,6 +10,7 @@ import polars as pl
 from claw_pipelines.consume.dataset import open_dataset
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.materialize.gold import build_partition, candidate_steps, source_versions
 from claw_pipelines.materialize.silver import build_silver
 from tests.support.servers import GatewayProcess, bronze, wait_until
@@ -62,7 +63,7 @@ def test_a_retried_call_supersedes_the_first_attempt_and_the_trajectory_stays_wh
     everything = CurationSpec(name="all", reward_status=spec.reward_status, keep_superseded=True)
     build_partition(lake, everything, 0)
     assert open_dataset("all", lake.uri).steps().height == 4
-    steps = lake.read("silver/steps").sort("step_index")
+    steps = read_steps(lake, "silver/steps").sort("step_index")
     prompts, responses = steps["prompt_ids"].to_list(), steps["response_ids"].to_list()
     assert prompts[1] == prompts[2]  # the retry repeats the orphan's input
     assert prompts[3][: len(prompts[2]) + len(responses[2])] == prompts[2] + responses[2]

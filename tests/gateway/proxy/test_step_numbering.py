@@ -16,6 +16,7 @@ import polars as pl
 import pytest
 
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.prompts import read_steps
 from claw_pipelines.materialize.silver import build_silver
 from gateway.numbering import RecordedSteps, turns_shown, wal_steps
 from gateway.proxy.scope import TrajectoryBook
@@ -79,7 +80,7 @@ def silver_of(lake: Path, trajectory: str, count: int) -> tuple[pl.DataFrame, pl
     `count` of its records and silver was built."""
     trajectory_rows(_Lake(lake), trajectory, count)
     build_silver(Lake(str(lake)))
-    steps = pl.read_delta(str(lake / "silver" / "steps")).filter(
+    steps = read_steps(Lake(str(lake)), "silver/steps").filter(
         pl.col("trajectory_uid") == trajectory
     )
     try:
