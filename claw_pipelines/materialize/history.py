@@ -84,13 +84,16 @@ class History:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self._db = self._open()
+        self.meta: dict[str, Any] = json.loads(self._db.get(_META) or b"{}")
+
+    def _open(self) -> Rdict:
         self.path.mkdir(parents=True, exist_ok=True)
         options = Options(raw_mode=True)
         options.create_if_missing(True)
         options.set_write_buffer_size(WRITE_BUFFER_BYTES)  # what it holds in memory is bounded
         options.set_max_write_buffer_number(2)
-        self._db = Rdict(str(self.path), options)
-        self.meta: dict[str, Any] = json.loads(self._db.get(_META) or b"{}")
+        return Rdict(str(self.path), options)
 
     # -- the state it stands at --------------------------------------------------------------
     @property
@@ -106,7 +109,7 @@ class History:
         """Drop everything (before a rebuild from the lake)."""
         self._db.close()
         shutil.rmtree(self.path, ignore_errors=True)
-        self.__init__(self.path)  # type: ignore[misc]
+        self._db = self._open()
         self.meta = {"lake": lake_uri, "segments": 0}
 
     def close(self) -> None:
