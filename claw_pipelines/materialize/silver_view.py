@@ -595,6 +595,7 @@ class SilverView:
         trajectories = _shaped(trajectories, SILVER_TRAJECTORIES)
         self._file("rewards", rewards.select(VIEW_REWARD_COLUMNS))
         self._file("trajectories", trajectories.select(VIEW_TRAJECTORY_COLUMNS))
+        touched = trajectories["trajectory_uid"].unique()  # (the window's or not)
         if self.history is not None:  # rows of trajectories outside the window: history only
             inside = pl.Series(list(self.hot), dtype=pl.String).implode()
             rewards = rewards.filter(pl.col("trajectory_uid").is_in(inside))
@@ -603,7 +604,6 @@ class SilverView:
         self.trajectories.put(trajectories)
         self.versions = dict(versions)
         if marker is not None:
-            touched = trajectories["trajectory_uid"].unique()
             self.log = [*self.log, (marker, touched)][-KEPT_LOG:]
         self._write_history()
         self.runs += 1

@@ -155,7 +155,7 @@ def landed_rounds(
             closed = view.steps.frame.filter(~pl.col("trajectory_uid").is_in(opened.implode()))
             assert closed.height <= HOT_STEPS, closed.height
             assert view.steps_total > view.steps.frame.height or round_ < 2
-            assert view.read_back > 0 or round_ < 2 or round_ == rounds // 2
+            assert view.read_back > 0 or whole or round_ < 2 or round_ == rounds // 2
         if pulled and round_ == 0:  # a trainer pulls: the other datasets go aside
             assert Dataset(lake, "live").next_batch(1, consumer="t", timeout=0) is not None
         elif pulled:
@@ -205,6 +205,7 @@ HOT_STEPS = 8  # a bounded follower's window in the tests: a round lands ~20 ste
         (0, 3, False, None),
         (0, None, True, None),
         (0, None, False, "kept"),
+        (0, 3, False, "kept"),  # silver derived whole from the lake, gold curated whole
         (0, None, True, "lost"),
         pytest.param(6_000, None, False, None, marks=pytest.mark.slow),
         pytest.param(6_000, None, False, "kept", marks=pytest.mark.slow),
