@@ -70,6 +70,7 @@ PULLS_EVERY_S = 10.0  # which datasets trainers pull from is read again at most 
 PULLING_S = 600.0  # a dataset pulled from live within this long has a trainer waiting
 BACKGROUND_S = 15.0  # while trainers wait on some datasets, the others follow this often
 RECENT_S = 300.0  # how much data time of new steps' tokens a follower keeps at hand
+RECENT_STEPS = 50_000  # and at most how many steps' (the rest is read from silver)
 CATCH_UP_VERSIONS = 64  # bronze versions (gateway flushes) one round takes at most
 RETRY_FIRST_S = 1.0  # a dataset whose increment failed is tried again after this long,
 RETRY_MAX_S = 60.0  # doubling with each failure in a row up to this
@@ -376,7 +377,8 @@ class LiveMaterializer:
         kept = self.at_hand.tokens
         recent = pl.concat([kept, fresh], how="vertical_relaxed") if kept is not None else fresh
         horizon = recent["created_at"].max() - timedelta(seconds=RECENT_S)
-        self.at_hand.tokens = recent.filter(pl.col("created_at") >= horizon)
+        # at most RECENT_STEPS of them: a backlog lands much in little data time
+        self.at_hand.tokens = recent.filter(pl.col("created_at") >= horizon).tail(RECENT_STEPS)
 
     def _due(self, name: str) -> bool:
         """Whether dataset `name` is brought up to date this round: every round while no
