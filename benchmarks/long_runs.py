@@ -107,17 +107,9 @@ def log(message: str) -> None:
 
 def _spec(name: str):
     """The GRPO dataset both parts build (freshness.py's: complete groups of 8)."""
-    from claw_pipelines.contracts.specs import CurationSpec
+    from benchmarks.freshness import SPEC
 
-    return CurationSpec(
-        name=name,
-        reward_status=["final", "missing"],
-        trajectory_status=["complete"],
-        complete_groups_only=True,
-        min_group_size=8,
-        merge="prompt_group",
-        advantage="grpo",
-    )
+    return SPEC.model_copy(update={"name": name})
 
 
 def _mib(kib: int | None) -> float | None:

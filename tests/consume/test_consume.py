@@ -162,8 +162,9 @@ def test_claw_export_writes_verl_parquet_and_jsonl(lake, tmp_path):
     ]
     missing = subprocess.run([*base[:-1], "9", "--out", str(out)], capture_output=True, text=True)
     assert missing.returncode == 1
+    current = open_dataset("train", lake.uri).version  # another test may have built one more
     assert missing.stderr == (
-        "claw: error: dataset 'train' (version 3) has policy versions 1, 2; "
+        f"claw: error: dataset 'train' (version {current}) has policy versions 1, 2; "
         "policy version 9 does not exist\n"
     )
 
@@ -276,20 +277,23 @@ def test_batches_packed_by_tokens_keep_trees_whole_and_report_padding(lake, layo
         next(ds.batches(1))
 
 
+TREE_ARRAYS = (  # a batch's token ids, tree and weights
+    "input_ids",
+    "parent",
+    "position_ids",
+    "loss_mask",
+    "token_rewards",
+    "advantages",
+    "tree_offsets",
+    "subtree_end",
+    "step_starts",
+)
+
+
 def same_batch(got, want) -> None:
     """Two batches are the same: token ids, tree, weights, step indices, contract."""
     assert got.step_keys == want.step_keys and got.layout == want.layout
-    for name in (
-        "input_ids",
-        "parent",
-        "position_ids",
-        "loss_mask",
-        "token_rewards",
-        "advantages",
-        "tree_offsets",
-        "subtree_end",
-        "step_starts",
-    ):
+    for name in TREE_ARRAYS:
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and np.array_equal(a, b), name
     assert all(
@@ -417,15 +421,7 @@ def test_rebuilt_trees_carry_the_behaviour_log_probs_of_stored_ones(behaviour):
 
 
 BATCH_ARRAYS = (
-    "input_ids",
-    "parent",
-    "position_ids",
-    "loss_mask",
-    "token_rewards",
-    "advantages",
-    "tree_offsets",
-    "subtree_end",
-    "step_starts",
+    *TREE_ARRAYS,
     "token_policy_versions",
     "behaviour_log_probs",
     "has_behaviour_log_probs",
