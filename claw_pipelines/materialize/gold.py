@@ -46,7 +46,12 @@ from claw_pipelines.lake.delta import Guard, Lake, conform, until_landed
 from claw_pipelines.lake.prompts import prompt_columns, with_prompts
 from claw_pipelines.lake.specs import SpecError, load_spec
 from claw_pipelines.materialize.silver import silver_state
-from claw_pipelines.transforms.contexts import REFERENCE_COLUMNS, encode_prompts, full_layout
+from claw_pipelines.transforms.contexts import (
+    CARRIED_REFERENCE,
+    REFERENCE_COLUMNS,
+    encode_prompts,
+    full_layout,
+)
 from claw_pipelines.transforms.curation import (
     CANDIDATE_STEP_COLUMNS,
     GROUP,
@@ -84,6 +89,9 @@ JUDGE_FACT_COLUMNS = [
     "received_at",
 ]
 TOKEN_COLUMNS = ["step_key", "prompt_ids", "response_ids", "rollout_log_probs", "response_mask"]
+# silver's stored reference of a step's prompt, carried beside its whole prompt: gold keeps it
+# when the step it names is in the same tree of the same partition (`stored_layout`)
+SILVER_REFERENCE = list(CARRIED_REFERENCE.values())
 
 
 @dataclass
@@ -298,16 +306,25 @@ def policy_versions(lake: Lake) -> list[int]:
 def with_tokens(
     lake: Lake, chosen: pl.DataFrame, at: int | None, known: pl.DataFrame | None = None
 ) -> pl.DataFrame:
-    """`chosen` (curated rows) beside their token columns from silver, in step_key order (the
-    canonical order trees are merged in). `known` (TOKEN_COLUMNS of steps at hand, e.g. the
-    ones a silver run just wrote) saves reading those from silver."""
-    wanted, parts = chosen["step_key"], []
+    """`chosen` (curated rows) beside their token columns from silver and the reference
+    silver stores each prompt with (SILVER_REFERENCE), in step_key order (the canonical order
+    trees are merged in). `known` (those columns of steps at hand, e.g. the ones a silver run
+    just wrote) saves reading them from silver."""
+    ordered = chosen.sort("step_key")
+    carried = [*TOKEN_COLUMNS, *SILVER_REFERENCE]
+    wanted, parts = ordered["step_key"], []
     if known is not None and known.height:
-        hit = known.select(TOKEN_COLUMNS).filter(pl.col("step_key").is_in(wanted.implode()))
+        index = known.select("step_key").with_row_index("at")
+        at_rows = ordered.select("step_key").join(
+            index, on="step_key", how="left", maintain_order="left"
+        )["at"]
+        if not at_rows.null_count():  # all at hand: one gather, or a slice when in order
+            return ordered.hstack(_rows_at(known.select(carried[1:]), at_rows).get_columns())
+        hit = known.select(carried).filter(pl.col("step_key").is_in(wanted.implode()))
         parts.append(hit)
         wanted = wanted.filter(~wanted.is_in(hit["step_key"].implode()))
     if wanted.len() or not parts:
-        versions = chosen["policy_version"].unique().to_list()
+        versions = ordered["policy_version"].unique().to_list()
         in_partitions = pl.col("policy_version").is_in(versions)
         if 0 in versions:
             in_partitions = in_partitions | pl.col("policy_version").is_null()
@@ -317,10 +334,27 @@ def with_tokens(
             columns=prompt_columns([*TOKEN_COLUMNS, "trajectory_uid"], SILVER_STEPS),
             where=in_partitions & pl.col("step_key").is_in(wanted.implode()),
         )  # prompts stored relative to earlier steps are read back whole (§18)
-        parts.append(with_prompts(lake, SILVER_STEPS, at, read).select(TOKEN_COLUMNS))
+        references = read.select(
+            "step_key", *[pl.col(c).alias(a) for c, a in CARRIED_REFERENCE.items()]
+        )
+        whole = with_prompts(lake, SILVER_STEPS, at, read).select(TOKEN_COLUMNS)
+        parts.append(whole.join(references, on="step_key", how="left", maintain_order="left"))
     tokens = pl.concat(parts, how="vertical_relaxed")
     # in step_key order with one gather of the token columns (not a join, then a sort)
-    return chosen.sort("step_key").join(tokens, on="step_key", how="inner", maintain_order="left")
+    return ordered.join(tokens, on="step_key", how="inner", maintain_order="left")
+
+
+def _rows_at(frame: pl.DataFrame, at: pl.Series) -> pl.DataFrame:
+    """`frame`'s rows at the positions `at` (no copy when they are one ascending run)."""
+    if at.is_empty():
+        return frame.clear()
+    first = int(at[0])
+    if (
+        first + at.len() <= frame.height
+        and (at - pl.int_range(at.len(), eager=True)).eq(first).all()
+    ):
+        return frame.slice(first, at.len())
+    return frame[at]
 
 
 def merge_trees(steps: pl.DataFrame) -> tuple[pl.DataFrame, PrefixForest]:
@@ -370,10 +404,13 @@ def dataset_rows(steps: pl.DataFrame, landed_at: datetime) -> pa.Table:
 def stored_layout(steps: pl.DataFrame) -> pl.DataFrame:
     """Steps of a gold partition (whole prompts, `tree_id`) as gold stores them: a prompt
     that begins with the tokens of an earlier step of its trajectory in the same tree and
-    partition refers to it (`transforms.contexts`; every token is at hand and compared), so
-    the rows of a tree, which are written and replaced together, decode alone."""
+    partition refers to it, so the rows of a tree, which are written and replaced together,
+    decode alone. Silver's reference is kept when the step it names is there (both hold the
+    same tokens); the other prompts are encoded (`transforms.contexts`; every token is at
+    hand and compared)."""
+    carried = [c for c in SILVER_REFERENCE if c in steps.columns]
     if steps.is_empty():
-        return full_layout(steps)
+        return full_layout(steps).drop(carried)
     scoped = pl.concat_str(
         pl.col("policy_version").cast(pl.String),
         "tree_id",
@@ -382,7 +419,18 @@ def stored_layout(steps: pl.DataFrame) -> pl.DataFrame:
     )
     missing = [pl.lit(None, pl.String).alias(c) for c in ("response_id",) if c not in steps]
     keyed = steps.with_columns(*missing, trajectory_uid=scoped)
-    encoded = encode_prompts(keyed, keyed.clear().select(REFERENCE_COLUMNS))
+    given = None
+    if carried:
+        here = keyed.select(silver_prefix_step_key="step_key", scope_there="trajectory_uid")
+        given = keyed.select("trajectory_uid", *SILVER_REFERENCE).join(
+            here, on="silver_prefix_step_key", how="left", maintain_order="left"
+        )
+        held = pl.col("scope_there") == pl.col("trajectory_uid")
+        given = given.select(
+            prefix_step_key=pl.when(held).then("silver_prefix_step_key"),
+            prefix_len=pl.when(held).then("silver_prefix_len"),
+        )
+    encoded = encode_prompts(keyed.drop(carried), keyed.clear().select(REFERENCE_COLUMNS), given)
     return encoded.with_columns(steps["trajectory_uid"]).drop(
         [m.meta.output_name() for m in missing]
     )

@@ -53,7 +53,7 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import SpecError, read_specs, spec_path
-from claw_pipelines.materialize.gold import TOKEN_COLUMNS
+from claw_pipelines.materialize.gold import SILVER_REFERENCE, TOKEN_COLUMNS
 from claw_pipelines.materialize.history import History
 from claw_pipelines.materialize.increments import AtHand, Brought, GoldIncrement, update_dataset
 from claw_pipelines.materialize.silver import SilverOptions, SilverRun, build_silver, silver_state
@@ -373,12 +373,14 @@ class LiveMaterializer:
         their tokens from here instead of from silver."""
         if run.new_steps.is_empty():
             return
-        fresh = run.new_steps.select(*TOKEN_COLUMNS, "created_at")
+        fresh = run.new_steps.select(*TOKEN_COLUMNS, *SILVER_REFERENCE, "created_at")
         kept = self.at_hand.tokens
         recent = pl.concat([kept, fresh], how="vertical_relaxed") if kept is not None else fresh
         horizon = recent["created_at"].max() - timedelta(seconds=RECENT_S)
+        if recent["created_at"].min() < horizon:  # (a filter copies every token column)
+            recent = recent.filter(pl.col("created_at") >= horizon)
         # at most RECENT_STEPS of them: a backlog lands much in little data time
-        self.at_hand.tokens = recent.filter(pl.col("created_at") >= horizon).tail(RECENT_STEPS)
+        self.at_hand.tokens = recent.tail(RECENT_STEPS)
 
     def _due(self, name: str) -> bool:
         """Whether dataset `name` is brought up to date this round: every round while no

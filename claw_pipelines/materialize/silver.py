@@ -40,6 +40,7 @@ from claw_pipelines.lake.delta import Guard, Lake, empty_frame, sql_strings, unt
 from claw_pipelines.materialize.silver_view import SilverView
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.contexts import (
+    CARRIED_REFERENCE,
     REFERENCE_COLUMNS,
     encode_prompts,
     full_layout,
@@ -191,19 +192,29 @@ def _read_bronze(
     lake: Lake, after: int | None, until: int
 ) -> tuple[pl.DataFrame, pl.DataFrame, str]:
     """(step records, fact records, how they were read): the versions after `after`."""
-    is_step = pl.col("kind").is_in(STEP_KINDS)
-    is_fact = pl.col("kind").is_in(FACT_KINDS)
+    columns = list(dict.fromkeys([*BRONZE_COLUMNS_OF_STEPS, *FACT_COLUMNS]))
     if after is not None and after >= 0:
-        changed = lake.changes(BRONZE_EVENTS, after, until, columns=BRONZE_COLUMNS_OF_STEPS)
+        changed = lake.changes(BRONZE_EVENTS, after, until, columns=columns)
         if changed is not None:
             rows = pl.from_arrow(changed)
-            facts = rows.filter(is_fact).select(FACT_COLUMNS)
-            # one chunk: every later view of the token columns as Arrow is then free
-            return rows.filter(is_step).rechunk(), facts, "changes"
-    scan = lake.scan(BRONZE_EVENTS, version=until)
-    steps = scan.filter(is_step).select(BRONZE_COLUMNS_OF_STEPS).collect().rechunk()
-    facts = scan.filter(is_fact).select(FACT_COLUMNS).collect()
-    return steps, facts, "full"
+            assert isinstance(rows, pl.DataFrame)
+            return *_split_records(rows), "changes"
+    return *_split_records(
+        lake.scan(BRONZE_EVENTS, version=until).select(columns).collect()
+    ), "full"
+
+
+def _split_records(rows: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(step records, fact records) of bronze `rows`. The steps are taken with one gather,
+    in one chunk (every later view of their token columns as Arrow is then free) and in the
+    order of the keys most will take (arrival order within a key): gold, which merges steps
+    in step_key order, then takes the new steps' tokens without a copy."""
+    key = pl.col("trajectory_uid") + ":" + pl.col("step_index").cast(pl.String)
+    order = pl.arg_sort_by(key, maintain_order=True, nulls_last=True)
+    is_step = pl.col("kind").is_in(STEP_KINDS)
+    steps_at = rows.select(order.filter(is_step.gather(order))).to_series()
+    facts = rows.select(FACT_COLUMNS).filter(pl.col("kind").is_in(FACT_KINDS))
+    return rows.select(BRONZE_COLUMNS_OF_STEPS)[steps_at], facts
 
 
 def _stored(lake: Lake, table: str, columns: list[str], version: int | None = None) -> pl.DataFrame:
@@ -587,7 +598,9 @@ def _build_once(
     run.steps_added, run.feedback_added = new.height, facts.height
     run.conflicts_added = conflicts.height
     run.steps_total, run.trajectories = view.steps_total, trajectories.height
-    run.new_steps, run.new_facts, run.conflicts = new, facts, conflicts
+    # with the references silver stored them with (gold keeps those that hold there)
+    carried = [written[c].alias(name) for c, name in CARRIED_REFERENCE.items()]
+    run.new_steps, run.new_facts, run.conflicts = new.hstack(carried), facts, conflicts
     if view.complete:  # (a bounded view's findings read the lake)
         run.index = view.steps.frame.select(INDEX_COLUMNS)
     run.versions = versions

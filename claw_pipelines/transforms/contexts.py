@@ -70,6 +70,9 @@ REFERENCE_COLUMNS = [
     "response_len",
     "finish_reason",
 ]
+# a step's stored reference as silver chose it, carried beside its whole prompt (gold keeps it
+# where it holds: `encode_prompts`' `given`)
+CARRIED_REFERENCE = {"prefix_step_key": "silver_prefix_step_key", "prefix_len": "silver_prefix_len"}
 _CHUNK_TOKENS = 1 << 22  # range copies and comparisons in chunks of ~4 M tokens
 _LONG_RANGE = 2_048  # a range this long is compared alone, in place
 
@@ -89,16 +92,24 @@ def full_layout(rows: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def encode_prompts(new: pl.DataFrame, earlier: pl.DataFrame) -> pl.DataFrame:
+def encode_prompts(
+    new: pl.DataFrame, earlier: pl.DataFrame, given: pl.DataFrame | None = None
+) -> pl.DataFrame:
     """`new` steps (REFERENCE_COLUMNS, full `prompt_ids`, `response_ids`) in the stored
     layout: each prompt relative to a step of its trajectory when it begins with one's
     tokens. `earlier`: stored steps of their trajectories (REFERENCE_COLUMNS; any of `new`'s
-    keys among them are ignored)."""
+    keys among them are ignored). `given` (a row per row of `new`: `prefix_step_key`,
+    `prefix_len`): references already known to hold, kept as they are without comparing
+    tokens (null: the row is encoded)."""
     if new.is_empty():
         return full_layout(new)
     pairs = _candidates(new, earlier)
     prefix = np.zeros(new.height, dtype=np.int64)
     ref = np.full(new.height, -1, dtype=np.int64)  # index into `pairs`
+    known = None
+    if given is not None:
+        known = given["prefix_step_key"].is_not_null().to_numpy()
+        pairs = pairs.filter(~pl.Series(known).gather(pairs["row"]))
     if pairs.height:
         lengths = _matched(new, pairs)
         rows = pairs["row"].to_numpy()
@@ -110,9 +121,17 @@ def encode_prompts(new: pl.DataFrame, earlier: pl.DataFrame) -> pl.DataFrame:
         prefix[rows[chosen]] = lengths[chosen]
         ref[rows[chosen]] = chosen
     at = pl.Series(ref, dtype=pl.Int64)
-    refs = pairs["key"].gather(at.set(at < 0, None)) if pairs.height else pl.repeat(None, len(ref))
+    refs = (
+        pairs["key"].gather(at.set(at < 0, None))
+        if pairs.height
+        else pl.Series([None] * len(ref), dtype=pl.String)
+    )
+    refs = refs.cast(pl.String)
+    if given is not None and known is not None and known.any():
+        refs = given["prefix_step_key"].cast(pl.String).fill_null(refs)
+        prefix = np.where(known, given["prefix_len"].fill_null(0).to_numpy(), prefix)
     return new.with_columns(
-        prefix_step_key=refs.cast(pl.String),
+        prefix_step_key=refs,
         prefix_len=pl.Series(prefix, dtype=pl.Int64),
         prompt_suffix_ids=pl.Series(_tails(new["prompt_ids"].to_arrow(), prefix)),
         prompt_ids=pl.lit(None, pl.List(pl.Int32)),
