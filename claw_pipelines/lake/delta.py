@@ -28,7 +28,7 @@ from deltalake import (
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from claw_pipelines.contracts.errors import WriteConflict
-from claw_pipelines.contracts.tables import TABLES, TableSpec
+from claw_pipelines.contracts.tables import LOGPROB_LIST, TABLES, TOKEN_LIST, TableSpec
 from claw_pipelines.lake.object_store import (
     list_folders,
     list_names,
@@ -167,13 +167,29 @@ def _claw_metadata(entry: Mapping[str, Any]) -> dict[str, Any]:
     return json.loads(raw) if isinstance(raw, str) else dict(raw or {})
 
 
+# Columns of token ids or log-probs, in tables of whole steps: as for APPEND_HEAVY_WRITER
+# (the other columns keep their dictionaries and the statistics reads prune files by)
+TOKEN_COLUMN_WRITER = ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")
+
+
 def _writer(spec: TableSpec) -> WriterProperties | None:
     """Parquet writer settings of a table's appends."""
     if spec.append_heavy:
         return APPEND_HEAVY_WRITER
-    if spec.row_group_rows:
-        return WriterProperties(max_row_group_size=spec.row_group_rows)
-    return None
+    tokens = [f.name for f in spec.schema if f.type in (TOKEN_LIST, LOGPROB_LIST)]
+    if not tokens and not spec.row_group_rows:
+        return None
+    return WriterProperties(
+        max_row_group_size=spec.row_group_rows,
+        compression="ZSTD" if tokens else None,
+        compression_level=1 if tokens else None,
+        column_properties=dict.fromkeys(tokens, TOKEN_COLUMN_WRITER) or None,
+    )
+
+
+def _is_sorted(frame: pl.DataFrame, by: tuple[str, ...]) -> bool:
+    """Whether `frame`'s rows are in the order `sort(by)` gives (one column; else: unknown)."""
+    return frame.height < 2 or (len(by) == 1 and frame[by[0]].is_sorted())
 
 
 class Lake:
@@ -506,7 +522,10 @@ class Lake:
         """
         spec = _spec(spec)
         if spec.sort_by:  # polars sorts list columns far faster than pyarrow's take
-            data = pl.from_arrow(data).sort(spec.sort_by).to_arrow()
+            frame = pl.from_arrow(data)
+            assert isinstance(frame, pl.DataFrame)
+            if not _is_sorted(frame, spec.sort_by):  # (a sort copies every column)
+                data = frame.sort(spec.sort_by).to_arrow()
         rows = conform(data, spec.schema)
         txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
         commit = _commit(metadata, guard.transactions() if guard else txns)
