@@ -75,3 +75,8 @@ class Forbidden(ClawError, PermissionError):
 class WriteConflict(ClawError):
     """A concurrent writer committed to a table this write was computed from; the write did
     not land. Recompute from the new state and try again."""
+
+
+class Fenced(ClawError):
+    """A newer owner of this writer's share holds it now (its fencing token reached the
+    table): the write did not land, and no write of this owner will. Stop; do not retry."""

@@ -29,6 +29,7 @@ GOLD_TRAINER_FEEDBACK = "gold/trainer_feedback"
 GOLD_DATASETS_PREFIX = "gold/datasets"
 GOLD_TREES_PREFIX = "gold/trees"
 GOLD_REJECTIONS_PREFIX = "gold/rejections"
+SHARD_LEASES = "ops/shard_leases"
 # what one gold run writes: the keys of the gold multi-asset, which runs select whole
 GOLD_RUN_TABLES = (GOLD_DATASETS_PREFIX, GOLD_TREES_PREFIX, GOLD_REJECTIONS_PREFIX, GOLD_LINEAGE)
 
@@ -374,6 +375,27 @@ GOLD_POLICY_VERSIONS_SPEC = TableSpec(
     "stamps on steps that name none, and staleness counts from.",
 )
 
+SHARD_LEASES_SPEC = TableSpec(
+    SHARD_LEASES,
+    pa.schema(
+        [
+            pa.field("shard_count", pa.int32(), nullable=False),
+            pa.field("shard_index", pa.int32(), nullable=False),
+            pa.field("owner", pa.string(), nullable=False),
+            pa.field("token", pa.int64(), nullable=False),
+            pa.field("acquired_at", UTC_MICROS, nullable=False),
+            pa.field("renewed_at", UTC_MICROS, nullable=False),
+            pa.field("expires_at", UTC_MICROS, nullable=False),
+            ("released_at", UTC_MICROS),
+        ]
+    ),
+    partition_by=("shard_count", "shard_index"),
+    description="Who owns each materializer shard (`shard_index` of `shard_count`): one row a "
+    "shard, rewritten by each acquisition, renewal and release. `token` (the fencing token) "
+    "grows with every change of owner; every commit of the shard's writer carries it, so a "
+    "follower presumed dead that comes back cannot commit (claw_pipelines.lake.leases).",
+)
+
 TABLES: dict[str, TableSpec] = {
     spec.name: spec
     for spec in (
@@ -387,6 +409,7 @@ TABLES: dict[str, TableSpec] = {
         GOLD_CONSUMPTION_SPEC,
         GOLD_TRAINER_FEEDBACK_SPEC,
         GOLD_POLICY_VERSIONS_SPEC,
+        SHARD_LEASES_SPEC,
     )
 }
 

@@ -13,6 +13,7 @@ from claw_pipelines.contracts.tables import (
     GOLD_CONSUMPTION,
     GOLD_LINEAGE,
     GOLD_TRAINER_FEEDBACK,
+    SHARD_LEASES,
     gold_dataset_table,
     gold_rejection_table,
     gold_tree_table,
@@ -29,6 +30,7 @@ MAINTAINED_TABLES = (
     GOLD_LINEAGE,
     GOLD_CONSUMPTION,
     GOLD_TRAINER_FEEDBACK,
+    SHARD_LEASES,  # a commit at every renewal of a shard's lease
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from deltalake import (
 )
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
-from claw_pipelines.contracts.errors import WriteConflict
+from claw_pipelines.contracts.errors import Fenced, WriteConflict
 from claw_pipelines.contracts.tables import LOGPROB_LIST, TABLES, TOKEN_LIST, TableSpec
 from claw_pipelines.lake.object_store import (
     list_folders,
@@ -76,15 +77,30 @@ class Guard:
     the files a concurrent compaction wrote). Anything else raises WriteConflict: nothing is
     ever committed on top of a state the writer did not see. (One app id names one writer's
     share of a table: all of silver, or one gold partition.)
+
+    `fences` (app id -> fencing token: a shard lease's, `lake.leases`) are carried too, each
+    at its token; a commit to a table where a larger token of one of them was committed
+    raises Fenced instead (a newer owner took the share over).
     """
 
     app_ids: tuple[str, ...]
     version: int
     read_versions: Mapping[str, int]
+    fences: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def transactions(self) -> list[Transaction]:
         """The application transactions every guarded commit carries."""
-        return [Transaction(app_id=app_id, version=self.version) for app_id in self.app_ids]
+        given = [Transaction(app_id=app_id, version=self.version) for app_id in self.app_ids]
+        return given + [Transaction(app_id=a, version=t) for a, t in self.fences.items()]
+
+    def check_fences(self, table: DeltaTable, name: str) -> None:
+        """Raise Fenced when `table` (as read) holds a larger token of one of the fences."""
+        for app_id, token in self.fences.items():
+            recorded = table.transaction_version(app_id)
+            if recorded is not None and recorded > token:
+                raise Fenced(
+                    f"{name}: {app_id} is owned under token {recorded} now (this writer's: {token})"
+                )
 
 
 def until_landed(work: Callable[[], T], what: str, attempts: int = 50) -> tuple[T, int]:
@@ -493,6 +509,7 @@ class Lake:
             table = latest if latest is not None and latest.version() == base else None
             if table is None:
                 table = self.open(spec.name, base)
+            guard.check_fences(table, spec.name)
             try:
                 write(table)
             except CommitFailedError as exc:
@@ -503,6 +520,21 @@ class Lake:
             if table is latest:
                 self._latest_tables[spec.name] = self._renewed(spec.name, table)
             return table.version()  # the table object now stands at its own commit
+
+    def fence(self, spec: TableSpec | str, app_id: str, token: int) -> int:
+        """Record fencing token `token` of `app_id` in table `spec` (created if missing) with a
+        commit that adds no rows: from then on a commit carrying a smaller token of it
+        raises Fenced. Fenced itself if a larger one is there; the new version."""
+        spec = _spec(spec)
+        self.ensure(spec)
+        empty = spec.schema.empty_table()
+        for _ in range(50):
+            guard = Guard((), 0, {spec.name: self.version(spec.name)}, {app_id: token})
+            try:
+                return self.append(spec, empty, guard=guard)
+            except WriteConflict:  # another commit of app_id came first: look again
+                continue
+        raise WriteConflict(f"{spec.name}: could not record {app_id}'s token {token}")
 
     def append(
         self,
