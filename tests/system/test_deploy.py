@@ -43,7 +43,8 @@ DEPLOY = REPO / "deploy"
 # `helm pull dagster/dagster --version 1.13.x --untar` folder).
 CHART = Path(os.environ.get("CLAW_DAGSTER_CHART") or "/nonexistent/dagster-chart")
 # Key paths of Dagster's Helm chart (1.13) these values may use: its values schema
-# (helm/dagster/schema: UserDeployment, Webserver, Daemon, Concurrency*). "[]" is a list item.
+# (helm/dagster/schema: UserDeployment, Webserver, Daemon, RunLauncher, Concurrency*). "[]" is a
+# list item.
 # Where the chart's schema is at hand, every path here is checked to exist in it.
 CHART_KEYS = {
     "dagster-user-deployments.enabled",
@@ -60,6 +61,9 @@ CHART_KEYS = {
     "dagsterWebserver.enableReadOnly",
     "dagsterDaemon.enabled",
     "dagsterDaemon.envSecrets[].name",
+    "runLauncher.type",
+    "runLauncher.config.k8sRunLauncher.envSecrets[].name",
+    "runLauncher.config.k8sRunLauncher.envConfigMaps[].name",
     "concurrency.enabled",
     "concurrency.pools.defaultLimit",
     "concurrency.pools.granularity",
@@ -326,12 +330,18 @@ def test_helm_values_use_chart_keys_and_name_a_code_location_that_loads():
 
 
 def test_helm_values_give_the_lake_to_the_code_location_only_and_put_the_uis_behind_auth():
-    """The code location (and the runs it launches) reads its own Secret; the webserver and the
-    daemon get no lake credentials; a read-only webserver for viewers; the ingress, when
-    enabled, sends both UIs through an authenticating proxy (ingress-nginx's auth-url)."""
+    """The code location and the runs it launches (Kubernetes Jobs of the K8sRunLauncher) read
+    its own Secret; the webserver and the daemon get no lake credentials; a read-only
+    webserver for viewers; the ingress, when enabled, sends both UIs through an
+    authenticating proxy (ingress-nginx's auth-url)."""
     values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
     (deployment,) = values["dagster-user-deployments"]["deployments"]
     assert [s["name"] for s in deployment["envSecrets"]] == ["claw-lake-dagster"]
+    launcher = values["runLauncher"]
+    assert launcher["type"] == "K8sRunLauncher"
+    assert set(launcher["config"]) == {"k8sRunLauncher"}  # the config the type reads
+    runs = launcher["config"]["k8sRunLauncher"]
+    assert [s["name"] for s in runs["envSecrets"]] == ["claw-lake-dagster"]
     for part in ("dagsterWebserver", "dagsterDaemon"):
         assert "envSecrets" not in values[part], part
     assert values["dagsterWebserver"]["enableReadOnly"] is True
