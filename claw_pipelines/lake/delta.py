@@ -114,6 +114,8 @@ def until_landed(work: Callable[[], T], what: str, attempts: int = 50) -> tuple[
     raise WriteConflict(f"{what}: lost {attempts} times in a row to concurrent writers")
 
 
+REBASES = 20  # a guarded write refused only for others' commits is written again this often
+
 # keys one Delta predicate may list (`col IN (...)`): delta-rs 1.6 segfaults on an overwrite
 # whose predicate lists 30,000 (20,000 pass); a write that would list more goes whole
 MAX_PREDICATE_KEYS = 10_000
@@ -499,9 +501,16 @@ class Lake:
         guard: Guard,
         write: Callable[[DeltaTable], None],
         commit: CommitProperties,
+        rebase: bool = True,
     ) -> int:
         """Run `write` (committing with `commit`) on the table as the guard's writer read
-        it; the new version."""
+        it; the new version.
+
+        A commit Delta refuses because of others' commits since (no commit of the guard's
+        own writers or fences among them: another writer's share, e.g. another shard's keys
+        or partition, or a compaction) is written again on the newest state when `rebase`
+        (the write touches only the writer's own share, so what it computed still holds);
+        otherwise, or when one of its own writers committed since, WriteConflict."""
         base = guard.read_versions[spec.name]
         self.verify_store()
         with self._lock:
@@ -509,12 +518,23 @@ class Lake:
             table = latest if latest is not None and latest.version() == base else None
             if table is None:
                 table = self.open(spec.name, base)
-            guard.check_fences(table, spec.name)
-            try:
-                write(table)
-            except CommitFailedError as exc:
-                self._wrote(spec.name)  # someone else did: look again next time
-                raise WriteConflict(f"{spec.name}: {exc}".splitlines()[0]) from None
+            own = {a: table.transaction_version(a) for a in [*guard.app_ids, *guard.fences]}
+            for _ in range(REBASES):
+                guard.check_fences(table, spec.name)
+                try:
+                    write(table)
+                    break
+                except CommitFailedError as exc:
+                    self._wrote(spec.name)  # someone else did: look again next time
+                    conflict = WriteConflict(f"{spec.name}: {exc}".splitlines()[0])
+                    if not rebase:
+                        raise conflict from None
+                    table = self.open(spec.name)
+                    if any(table.transaction_version(a) != v for a, v in own.items()):
+                        guard.check_fences(table, spec.name)  # a newer owner: Fenced
+                        raise conflict from None  # one of its own writers: compute again
+            else:
+                raise WriteConflict(f"{spec.name}: lost {REBASES} times to other writers")
             self._wrote(spec.name)
             self._remember(spec.name, table.version(), commit)
             if table is latest:
@@ -636,7 +656,7 @@ class Lake:
                 commit_properties=commit,
             )
 
-        return self._replacing(spec, guard, write, commit)
+        return self._replacing(spec, guard, write, commit, rebase=where is not None)
 
     def _replacing(
         self,
@@ -644,11 +664,13 @@ class Lake:
         guard: Guard | None,
         write: Callable[[DeltaTable], None],
         commit: CommitProperties,
+        rebase: bool = True,
     ) -> int:
         """Commit a write that replaces rows: guarded, or unguarded based on the newest
-        state and written again when a concurrent commit came first; the new version."""
+        state and written again when a concurrent commit came first; the new version.
+        (`rebase`: see `_guarded`.)"""
         if guard is not None:
-            return self._guarded(spec, guard, write, commit)
+            return self._guarded(spec, guard, write, commit, rebase)
         table = self.ensure(spec)
         written = _retry_conflicts(table, lambda: write(table))
         self._wrote(spec.name)

@@ -216,3 +216,60 @@ def test_kept_handles_are_opened_again_every_reopen_commits(tmp_path):
     assert newest.version() - lake._opened_at[id(newest)] < delta.REOPEN_COMMITS
     assert lake.read(BRONZE_EVENTS)["event_id"].n_unique() == 2 * delta.REOPEN_COMMITS + 5
     assert lake.transaction_version(BRONZE_EVENTS, "gw") == 2 * delta.REOPEN_COMMITS + 4
+
+
+def _published(versions: list[int], note: str) -> pa.Table:
+    """gold/policy_versions rows (a small table with a key to merge on)."""
+    from claw_pipelines.contracts.tables import GOLD_POLICY_VERSIONS_SPEC
+
+    at = dt.datetime(2026, 12, 7, tzinfo=dt.UTC)
+    return pa.Table.from_pydict(
+        {
+            "policy_version": versions,
+            "published_at": [at] * len(versions),
+            "published_by": ["test"] * len(versions),
+            "note": [note] * len(versions),
+        },
+        schema=GOLD_POLICY_VERSIONS_SPEC.schema,
+    )
+
+
+def test_guarded_writes_of_other_writers_shares_are_rebased_and_their_own_conflict(tmp_path):
+    """Delta refuses a merge after any concurrent commit to an unpartitioned table; a guarded
+    write refused only for other writers' commits (another shard's keys) lands on the new
+    state, one whose own writer committed since is computed again (WriteConflict), and a
+    whole-table overwrite is never rebased."""
+    from claw_pipelines.contracts.errors import WriteConflict
+    from claw_pipelines.contracts.tables import GOLD_POLICY_VERSIONS
+
+    lake = Lake(str(tmp_path / "lake"))
+    lake.append(GOLD_POLICY_VERSIONS, _published([0], "first"))
+    read = lake.version(GOLD_POLICY_VERSIONS)
+
+    def guard(app: str) -> delta.Guard:
+        return delta.Guard((app,), 1, {GOLD_POLICY_VERSIONS: read})
+
+    def upsert(versions: list[int], app: str) -> int:
+        key = ("policy_version",)
+        rows = _published(versions, app)
+        return lake.upsert(GOLD_POLICY_VERSIONS, rows, key=key, guard=guard(app))
+
+    upsert([1], "share.a")
+    upsert([2], "share.b")  # computed from `read` too: refused by Delta, rebased, lands
+    with pytest.raises(WriteConflict):
+        upsert([3], "share.a")  # its own writer committed since `read`
+    with pytest.raises(WriteConflict):
+        lake.overwrite(GOLD_POLICY_VERSIONS, _published([9], "all"), guard=guard("share.c"))
+    with pytest.raises(WriteConflict):  # a predicate overwrite of share.b's, stale too
+        lake.overwrite(
+            GOLD_POLICY_VERSIONS,
+            _published([2], "again"),
+            where="policy_version = 2",
+            guard=guard("share.b"),
+        )
+    rows = lake.read(GOLD_POLICY_VERSIONS).sort("policy_version")
+    assert rows.select("policy_version", "note").rows() == [
+        (0, "first"),
+        (1, "share.a"),
+        (2, "share.b"),
+    ]

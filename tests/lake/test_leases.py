@@ -16,7 +16,7 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from claw_pipelines.contracts.errors import Fenced, WriteConflict
+from claw_pipelines.contracts.errors import Fenced
 from claw_pipelines.contracts.tables import SHARD_LEASES, SILVER_FEEDBACK, TABLES
 from claw_pipelines.lake.delta import Guard, Lake
 from claw_pipelines.lake.leases import Lease, LeaseLost, ShardLeases, Slot
@@ -147,11 +147,11 @@ def test_a_follower_presumed_dead_cannot_commit_once_another_owns_its_shard(tmp_
     new.fence(lease, [SILVER_FEEDBACK])
 
     # it comes back with a write computed before the takeover: the new owner's commit of
-    # the same application id came since, so it conflicts ...
-    with pytest.raises(WriteConflict):
-        shard_append(lake, stale, "f-2", read=before_takeover)
-    # ... and read again, the larger token is there: refused for good
+    # the same application id came since, so Delta refuses it, and read again the larger
+    # token is there: refused for good
     with pytest.raises(Fenced, match=r"claw\.shard\.1of2 is owned under token 2"):
+        shard_append(lake, stale, "f-2", read=before_takeover)
+    with pytest.raises(Fenced):  # and computed on the newest state
         shard_append(lake, stale, "f-2")
     shard_append(lake, lease, "f-3")  # the new owner's commits land
     ids = lake.read(SILVER_FEEDBACK, columns=["feedback_id"])["feedback_id"].to_list()
