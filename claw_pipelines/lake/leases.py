@@ -18,7 +18,6 @@ conflicts (the same application id committed since it read) and, read again, is 
 from __future__ import annotations
 
 import os
-import re
 import socket
 import uuid
 from collections.abc import Callable, Iterable
@@ -29,44 +28,11 @@ import polars as pl
 import pyarrow as pa
 
 from claw_pipelines.contracts.errors import WriteConflict
+from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.tables import SHARD_LEASES, TABLES
 from claw_pipelines.lake.delta import Guard, Lake, empty_frame
 
 LEASE_TTL_S = 30.0  # a lease not renewed for this long may be taken over
-_SLOT = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
-
-
-@dataclass(frozen=True, order=True)
-class Slot:
-    """Shard `index` of `count` (0 <= index < count)."""
-
-    index: int
-    count: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.index < self.count:
-            raise ValueError(f"shard: {self.index}/{self.count} is not i/N with 0 <= i < N")
-
-    @classmethod
-    def parse(cls, text: str) -> Slot:
-        """A slot from "i/N" (e.g. "0/2")."""
-        found = _SLOT.match(text)
-        if found is None:
-            raise ValueError(f"shard: {text!r} is not i/N (e.g. 0/2)")
-        return cls(int(found.group(1)), int(found.group(2)))
-
-    @property
-    def lease_app_id(self) -> str:
-        """The application id of the lease's own commits."""
-        return f"claw.lease.{self.index}of{self.count}"
-
-    @property
-    def writer_app_id(self) -> str:
-        """The application id every commit of the shard's writer carries at its token."""
-        return f"claw.shard.{self.index}of{self.count}"
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"
 
 
 @dataclass(frozen=True)

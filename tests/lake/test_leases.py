@@ -17,9 +17,10 @@ import pyarrow as pa
 import pytest
 
 from claw_pipelines.contracts.errors import Fenced
+from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.tables import SHARD_LEASES, SILVER_FEEDBACK, TABLES
 from claw_pipelines.lake.delta import Guard, Lake
-from claw_pipelines.lake.leases import Lease, LeaseLost, ShardLeases, Slot
+from claw_pipelines.lake.leases import Lease, LeaseLost, ShardLeases
 from tests.support.racing import BarrierLake
 
 REPO = Path(__file__).resolve().parents[2]
