@@ -96,15 +96,15 @@ class ShardLeases:
             held = row is not None and row["released_at"] is None and row["expires_at"] > now
             if held and row["owner"] != self.owner:
                 return None
-            if held:  # ours already (e.g. acquired again after a restart of this object)
-                return self._renewed(slot, version, row)
-            token = (row["token"] if row is not None else 0) + 1
-            lease = Lease(slot, self.owner, token, now, now + self.ttl)
             try:
+                if held:  # ours already (e.g. asked again after a restart of this object)
+                    return self._renewed(slot, version, row)
+                token = (row["token"] if row is not None else 0) + 1
+                lease = Lease(slot, self.owner, token, now, now + self.ttl)
                 self._write(lease, version, renewed_at=now, released_at=None)
+                return lease
             except WriteConflict:  # another follower committed for this slot: look again
                 continue
-            return lease
         return None
 
     def renew(self, lease: Lease) -> Lease:
