@@ -29,7 +29,13 @@ from deltalake import (
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from claw_pipelines.contracts.errors import Fenced, WriteConflict
-from claw_pipelines.contracts.tables import LOGPROB_LIST, TABLES, TOKEN_LIST, TableSpec
+from claw_pipelines.contracts.tables import (
+    LOGPROB_LIST,
+    MASK_LIST,
+    TABLES,
+    TOKEN_LIST,
+    TableSpec,
+)
 from claw_pipelines.lake.object_store import (
     list_folders,
     list_names,
@@ -56,14 +62,6 @@ REFRESH_S = 0.025  # kept table handles are refreshed at most this often (own wr
 REOPEN_COMMITS = 50
 CHANGE_FEED_PROPERTY = "delta.enableChangeDataFeed"
 CHANGE_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
-
-# Micro-batches of token ids: dictionary pages and page statistics cost half the encoding
-# time and buy nothing for random ids; zstd level 1 compresses them well at the same cost.
-APPEND_HEAVY_WRITER = WriterProperties(
-    compression="ZSTD",
-    compression_level=1,
-    default_column_properties=ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE"),
-)
 
 
 @dataclass(frozen=True)
@@ -185,22 +183,29 @@ def _claw_metadata(entry: Mapping[str, Any]) -> dict[str, Any]:
     return json.loads(raw) if isinstance(raw, str) else dict(raw or {})
 
 
-# Columns of token ids or log-probs, in tables of whole steps: as for APPEND_HEAVY_WRITER
-# (the other columns keep their dictionaries and the statistics reads prune files by)
+# Columns of token ids, log-probs and masks: dictionary pages and page statistics cost half
+# the encoding time and buy nothing for random ids (nothing prunes on them); zstd level 1
+# compresses them well at the same cost. The other columns keep their statistics: readers
+# prune files by them (and delta-rs's pyarrow dataset takes a file without statistics for a
+# column to hold nulls only there, so a filter on that column would skip the file).
 TOKEN_COLUMN_WRITER = ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")
+# Micro-batches (bronze): no dictionaries, statistics per column chunk, values in them cut
+# at STATISTICS_BYTES (a payload's JSON would otherwise fill the log's stats)
+APPEND_HEAVY_COLUMNS = ColumnProperties(dictionary_enabled=False, statistics_enabled="CHUNK")
+STATISTICS_BYTES = 64
 
 
 def _writer(spec: TableSpec) -> WriterProperties | None:
     """Parquet writer settings of a table's appends."""
-    if spec.append_heavy:
-        return APPEND_HEAVY_WRITER
-    tokens = [f.name for f in spec.schema if f.type in (TOKEN_LIST, LOGPROB_LIST)]
-    if not tokens and not spec.row_group_rows:
+    tokens = [f.name for f in spec.schema if f.type in (TOKEN_LIST, LOGPROB_LIST, MASK_LIST)]
+    if not tokens and not spec.row_group_rows and not spec.append_heavy:
         return None
     return WriterProperties(
         max_row_group_size=spec.row_group_rows,
-        compression="ZSTD" if tokens else None,
-        compression_level=1 if tokens else None,
+        compression="ZSTD" if tokens or spec.append_heavy else None,
+        compression_level=1 if tokens or spec.append_heavy else None,
+        statistics_truncate_length=STATISTICS_BYTES if spec.append_heavy else None,
+        default_column_properties=APPEND_HEAVY_COLUMNS if spec.append_heavy else None,
         column_properties=dict.fromkeys(tokens, TOKEN_COLUMN_WRITER) or None,
     )
 
