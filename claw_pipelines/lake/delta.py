@@ -200,12 +200,14 @@ def _writer(spec: TableSpec) -> WriterProperties | None:
     tokens = [f.name for f in spec.schema if f.type in (TOKEN_LIST, LOGPROB_LIST, MASK_LIST)]
     if not tokens and not spec.row_group_rows and not spec.append_heavy:
         return None
+    zstd = bool(tokens) or spec.append_heavy
+    heavy = spec.append_heavy
     return WriterProperties(
         max_row_group_size=spec.row_group_rows,
-        compression="ZSTD" if tokens or spec.append_heavy else None,
-        compression_level=1 if tokens or spec.append_heavy else None,
-        statistics_truncate_length=STATISTICS_BYTES if spec.append_heavy else None,
-        default_column_properties=APPEND_HEAVY_COLUMNS if spec.append_heavy else None,
+        compression="ZSTD" if zstd else None,
+        compression_level=1 if zstd else None,
+        statistics_truncate_length=STATISTICS_BYTES if heavy else None,
+        default_column_properties=APPEND_HEAVY_COLUMNS if heavy else None,
         column_properties=dict.fromkeys(tokens, TOKEN_COLUMN_WRITER) or None,
     )
 
