@@ -199,9 +199,9 @@ def _read_bronze(
             rows = pl.from_arrow(changed)
             assert isinstance(rows, pl.DataFrame)
             return *_split_records(rows), "changes"
-    return *_split_records(
-        lake.scan(BRONZE_EVENTS, version=until).select(columns).collect()
-    ), "full"
+    rows = pl.from_arrow(lake.open(BRONZE_EVENTS, until).to_pyarrow_table(columns=columns))
+    assert isinstance(rows, pl.DataFrame)
+    return *_split_records(rows), "full"
 
 
 def _split_records(rows: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:

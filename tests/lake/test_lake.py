@@ -185,6 +185,34 @@ def test_the_change_feed_falls_back_only_when_its_versions_are_gone(tmp_path, ca
         Lake(lake.uri).changes(BRONZE_EVENTS, newest - 1, newest)
 
 
+def test_appended_rows_are_read_from_the_files_their_commits_added(tmp_path):
+    """An append-only range is read from the files it added (partition column included),
+    the same rows the change feed gives; a range that deleted rows, or compacted a file it
+    added, is left to the feed (None)."""
+    lake = Lake(str(tmp_path / "lake"))
+    lake.ensure(BRONZE_EVENTS_SPEC)
+    for batch in range(3):
+        lake.append(BRONZE_EVENTS, events([f"e{batch}-a", f"e{batch}-b"]))
+    columns = ["event_id", "ingest_date", "prompt_ids"]
+    read = lake.appended(BRONZE_EVENTS, 1, 3, columns)
+    fed = lake.change_feed(BRONZE_EVENTS, 1, 3, columns)
+    assert read is not None and fed is not None
+    assert read.column_names == columns
+    assert sorted(read.to_pylist(), key=str) == sorted(fed.select(columns).to_pylist(), key=str)
+    assert sorted(read.column("event_id").to_pylist()) == ["e1-a", "e1-b", "e2-a", "e2-b"]
+    assert lake.changes(BRONZE_EVENTS, 1, 3, columns).num_rows == 4
+
+    lake.compact(BRONZE_EVENTS)  # rewrites files 2 and 3 added: the feed answers instead
+    assert lake.appended(BRONZE_EVENTS, 1, lake.version(BRONZE_EVENTS)) is None
+    compacted = lake.version(BRONZE_EVENTS)
+    lake.append(BRONZE_EVENTS, events(["e3"]))
+    assert lake.appended(BRONZE_EVENTS, compacted, compacted + 1).column(
+        "event_id"
+    ).to_pylist() == ["e3"]
+    lake.open(BRONZE_EVENTS).delete("event_id = 'e3'")
+    assert lake.appended(BRONZE_EVENTS, compacted, compacted + 2) is None
+
+
 def _mtime(path: Path) -> float:
     return path.stat().st_mtime
 
