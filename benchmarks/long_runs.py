@@ -28,7 +28,9 @@ Storage and speed on the agentic shape (`simulation.bulk.AGENTIC`: 8 rollouts x 
 group, prompts 2-4 k tokens, replies 100-400, tool results 200-1,500, each turn's prompt the
 whole history; `--agentic-groups` groups, a bronze commit each): in a child process pinned to
 one core, a LiveMaterializer takes the bronze into silver and the agentic dataset (steps/s; as
-`claw materialize --follow --dataset agentic` does), then the baseline, 3 times (the median):
+`claw materialize --follow --dataset agentic` does), running as the bronze lands (its first
+round done on the lake before the bronze commits land; `started_cold` beside it: a follower
+started on the landed bronze, its start-up timed too), then the baseline, 3 times (the median):
 read that bronze and write its distinct tokens once to a Delta table (each step's new prompt
 tokens, its reply and its log-probs). Beside it (`every_spec`, no target: each dataset more
 writes the distinct tokens twice more), a copy of that bronze taken into silver and every
