@@ -41,6 +41,11 @@ class Slot:
         """The application id every commit of the shard's writer carries at its token."""
         return f"claw.shard.{self.index}of{self.count}"
 
+    @property
+    def silver_app_id(self) -> str:
+        """The application id of the shard's silver commits (its share of silver)."""
+        return f"claw.silver.{self.index}of{self.count}"
+
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"
 

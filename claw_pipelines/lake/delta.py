@@ -521,17 +521,30 @@ class Lake:
         ]
 
     def last_commit_with(
-        self, name: str, key: str, at: int | None = None
+        self,
+        name: str,
+        key: str,
+        at: int | None = None,
+        *,
+        equal: Any = None,
+        without: str | None = None,
     ) -> tuple[int, dict[str, Any]] | None:
         """(version, claw metadata) of the newest commit at or before `at` whose metadata holds
-        `key` (commits without it, e.g. compactions, are passed over); None if there is none."""
+        `key` (equal to `equal` when given; not holding `without`): commits without it, e.g.
+        compactions, are passed over; None if there is none."""
+
+        def fits(metadata: Mapping[str, Any]) -> bool:
+            if key not in metadata or (without is not None and without in metadata):
+                return False
+            return equal is None or metadata[key] == equal
+
         newest = self._latest(name).version() if at is None else at
         own = self._own_commit(name, newest)
-        if own is not None and key in own:
+        if own is not None and fits(own):
             return newest, own
         for entry in self._commits(name, newest):
             metadata = _claw_metadata(entry)
-            if key in metadata:
+            if fits(metadata):
                 return int(entry["version"]), metadata
         return None
 

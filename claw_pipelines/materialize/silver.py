@@ -18,11 +18,13 @@ simply redone, and what it had appended is recognised (by event_id, feedback_id)
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
 
+from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     FACT_KINDS,
@@ -64,6 +66,7 @@ from claw_pipelines.transforms.quality import (
     steps_have_no_conflicts,
     token_ids_are_exact,
 )
+from claw_pipelines.transforms.shards import owned, record_shard_keys
 from claw_pipelines.transforms.steps import (
     BRONZE_COLUMNS_OF_STEPS,
     FACT_COLUMNS,
@@ -167,13 +170,16 @@ class SilverState:
     versions: dict[str, int | None]
 
 
-def silver_state(lake: Lake, at: int | None = None) -> SilverState:
-    """The state recorded by the newest run marker (at or before trajectories version `at`).
+def silver_state(lake: Lake, at: int | None = None, slot: Slot | None = None) -> SilverState:
+    """The state recorded by the newest run marker (at or before trajectories version `at`;
+    with `slot`, that shard's newest marker).
 
     Before any run completed, the tables' current versions (and no bronze version)."""
     found = None
-    if lake.exists(WATERMARK_TABLE):
-        found = lake.last_commit_with(WATERMARK_TABLE, "bronze_version", at)
+    if lake.exists(WATERMARK_TABLE) and slot is None:
+        found = lake.last_commit_with(WATERMARK_TABLE, "bronze_version", at, without="shard")
+    elif lake.exists(WATERMARK_TABLE):
+        found = lake.last_commit_with(WATERMARK_TABLE, "shard", at, equal=str(slot))
     if found is None:
         return SilverState(None, {t: lake.version(t) for t in SILVER_TABLES})
     version, marker = found
@@ -188,33 +194,48 @@ def watermark(lake: Lake) -> int | None:
     return silver_state(lake).bronze_version
 
 
-def _read_bronze(
-    lake: Lake, after: int | None, until: int
-) -> tuple[pl.DataFrame, pl.DataFrame, str]:
-    """(step records, fact records, how they were read): the versions after `after`."""
+@dataclass(frozen=True)
+class BronzeRead:
+    """What a silver run read of bronze: its step records (a shard's: of its buckets), every
+    fact record, the step records of other shards (`received_at`, `policy_version`: they
+    move its clocks) and how it read them (changes | full)."""
+
+    steps: pl.DataFrame
+    facts: pl.DataFrame
+    others: pl.DataFrame
+    mode: str
+
+
+def _read_bronze(lake: Lake, after: int | None, until: int, slot: Slot | None) -> BronzeRead:
+    """The bronze records of the versions after `after` up to `until`."""
     columns = list(dict.fromkeys([*BRONZE_COLUMNS_OF_STEPS, *FACT_COLUMNS]))
+    mode, rows = "full", None
     if after is not None and after >= 0:
         changed = lake.changes(BRONZE_EVENTS, after, until, columns=columns)
         if changed is not None:
-            rows = pl.from_arrow(changed)
-            assert isinstance(rows, pl.DataFrame)
-            return *_split_records(rows), "changes"
-    rows = pl.from_arrow(lake.open(BRONZE_EVENTS, until).to_pyarrow_table(columns=columns))
+            mode, rows = "changes", pl.from_arrow(changed)
+    if rows is None:
+        rows = pl.from_arrow(lake.open(BRONZE_EVENTS, until).to_pyarrow_table(columns=columns))
     assert isinstance(rows, pl.DataFrame)
-    return *_split_records(rows), "full"
+    return _split_records(rows, slot, mode)
 
 
-def _split_records(rows: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(step records, fact records) of bronze `rows`. The steps are taken with one gather,
-    in one chunk (every later view of their token columns as Arrow is then free) and in the
-    order of the keys most will take (arrival order within a key): gold, which merges steps
-    in step_key order, then takes the new steps' tokens without a copy."""
+def _split_records(rows: pl.DataFrame, slot: Slot | None, mode: str) -> BronzeRead:
+    """Bronze `rows` split. The steps are taken with one gather, in one chunk (every later
+    view of their token columns as Arrow is then free) and in the order of the keys most
+    will take (arrival order within a key): gold, which merges steps in step_key order, then
+    takes the new steps' tokens without a copy."""
     key = pl.col("trajectory_uid") + ":" + pl.col("step_index").cast(pl.String)
     order = pl.arg_sort_by(key, maintain_order=True, nulls_last=True)
     is_step = pl.col("kind").is_in(STEP_KINDS)
+    others = rows.head(0).select("received_at", "policy_version")
+    if slot is not None:
+        mine = pl.Series(owned(slot, record_shard_keys(rows)))
+        others = rows.filter(is_step & ~mine).select("received_at", "policy_version")
+        is_step = is_step & pl.lit(mine)
     steps_at = rows.select(order.filter(is_step.gather(order))).to_series()
     facts = rows.select(FACT_COLUMNS).filter(pl.col("kind").is_in(FACT_KINDS))
-    return rows.select(BRONZE_COLUMNS_OF_STEPS)[steps_at], facts
+    return BronzeRead(rows.select(BRONZE_COLUMNS_OF_STEPS)[steps_at], facts, others, mode)
 
 
 def _stored(lake: Lake, table: str, columns: list[str], version: int | None = None) -> pl.DataFrame:
@@ -482,6 +503,8 @@ def build_silver(
     *,
     full: bool = False,
     view: SilverView | None = None,
+    slot: Slot | None = None,
+    fences: Mapping[str, int] | None = None,
 ) -> SilverRun:
     """Bring silver up to `bronze_version` (default: bronze's current version).
 
@@ -489,18 +512,54 @@ def build_silver(
     is recognised and dropped) and rewrites the derived tables whole: the repair for a
     watermark that cannot be trusted. `view`: the silver view a follower kept (loaded from
     the lake when missing or behind); the run's `view` is the one to keep. A run that loses
-    to a concurrent writer starts again from the new state."""
+    to a concurrent writer starts again from the new state.
+
+    `slot`: the run of one shard (docs/DESIGN.md §19): the steps of its buckets, the facts
+    they derive and the bronze facts of its buckets (by `feedback_id`), the derived rows of
+    its trajectories, under its own writer and marker; `fences`: its lease's
+    (`Lease.guard`)."""
     options = options or SilverOptions()
     ensure_silver(lake)
     kept = [view]
+    share = Share(slot, dict(fences or {}))
 
     def attempt() -> SilverRun:
-        run = _build_once(lake, options, bronze_version, full, kept[0])
+        run = _build_once(lake, options, bronze_version, full, kept[0], share)
         kept[0] = run.view
         return run
 
     run, run.write_conflicts = until_landed(attempt, "silver")
     return run
+
+
+@dataclass(frozen=True)
+class Share:
+    """Whose silver a run writes: all of it (no slot), or one shard's (its fences)."""
+
+    slot: Slot | None = None
+    fences: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def writer(self) -> str:
+        """The application id the run's commits carry."""
+        return SILVER_WRITER if self.slot is None else self.slot.silver_app_id
+
+    def own_writes(self, lake: Lake) -> dict[str, int | None]:
+        """The version of this writer's transaction in each silver table."""
+        return {t: lake.transaction_version(t, self.writer) for t in SILVER_TABLES}
+
+    def holds(self, view: SilverView | None, pins: dict[str, int | None], lake: Lake) -> bool:
+        """Whether `view` is silver (this share's) as of `pins`: for a shard, no commit of
+        its own writer came since the view was brought up to date (other shards' commits
+        hold nothing it keeps but facts, which it files from bronze itself)."""
+        if view is None or view.slot != self.slot:
+            return False
+        if self.slot is None:
+            return view.stands_at(pins, lake)
+        if not view.own_writes or view.own_writes != self.own_writes(lake):
+            return False
+        view.versions = dict(pins)
+        return True
 
 
 def _build_once(
@@ -509,10 +568,12 @@ def _build_once(
     bronze_version: int | None,
     full: bool,
     view: SilverView | None,
+    share: Share,
 ) -> SilverRun:
     """One attempt: pin every silver table, compute against the pins, commit guarded."""
     pins = {t: lake.version(t) for t in SILVER_TABLES}
-    state = silver_state(lake, at=pins[WATERMARK_TABLE])
+    slot = share.slot
+    state = silver_state(lake, at=pins[WATERMARK_TABLE], slot=slot)
     until = lake.version(BRONZE_EVENTS) if bronze_version is None else bronze_version
     after = None if full else state.bronze_version
     run = SilverRun(bronze_version=until, previous_bronze_version=state.bronze_version)
@@ -521,11 +582,13 @@ def _build_once(
         run.bronze_version = state.bronze_version
         run.versions = dict(state.versions)
         return run
-    if view is None or not view.stands_at(pins, lake):
-        view = run.view = _reloaded(lake, pins, view)
-    guard = Guard((SILVER_WRITER,), until, pins)
-    steps, fact_records, run.read_mode = _read_bronze(lake, after, until)
-    run.bronze_rows = steps.height + fact_records.height
+    if not share.holds(view, pins, lake):
+        view = run.view = _reloaded(lake, pins, view, slot)
+    guard = Guard((share.writer,), until, pins, share.fences)
+    read = _read_bronze(lake, after, until, slot)
+    steps, fact_records, run.read_mode = read.steps, read.facts, read.mode
+    run.bronze_rows = steps.height + fact_records.height + read.others.height
+    view.saw(read.others)
     new, conflicts, run.duplicates_dropped, run.steps_renumbered = _new_steps(view, steps, options)
     new, absorbed, replacing = _join_partials(lake, view, new, pins[SILVER_STEPS])
     if conflicts.height:  # rare: the (small) conflicts table is read only then
@@ -533,29 +596,34 @@ def _build_once(
             lake, SILVER_STEP_CONFLICTS, ["event_id"], pins[SILVER_STEP_CONFLICTS]
         )
         conflicts = conflicts.join(stored_conflicts, on="event_id", how="anti")
-    facts = pl.concat([bronze_facts(fact_records), step_reward_facts(new)], how="vertical_relaxed")
+    derived_facts = step_reward_facts(new)
+    facts = pl.concat([bronze_facts(fact_records), derived_facts], how="vertical_relaxed")
+    # what the run's facts touch: a shard's, every fact it read (another shard may have
+    # written one already, none of them has been applied to this shard's trajectories)
+    touching = facts if slot is not None else None
     stored_facts = view.known_fact_ids(facts["feedback_id"])
     facts = facts.unique("feedback_id", keep="first", maintain_order=True).filter(
         ~pl.col("feedback_id").is_in(stored_facts.implode())
     )
-    meta = {"bronze_version": until, "bronze_after": after, "read_mode": run.read_mode}
+    written_facts = facts  # a shard files every fact, writes those of its buckets
+    if slot is not None:
+        ours = pl.Series(owned(slot, facts["feedback_id"])) | facts["feedback_id"].is_in(
+            derived_facts["feedback_id"].implode()
+        )
+        written_facts = facts.filter(ours)
+    meta: dict[str, Any] = {"bronze_version": until, "bronze_after": after}
+    meta |= {"read_mode": run.read_mode} | ({} if slot is None else {"shard": str(slot)})
     versions = dict(pins)
-    # a run killed after its appends left rows past the last marker: derive everything again
-    # (before any marker: rows already in silver are a killed first run's)
-    first_killed = state.bronze_version is None and bool(view.steps_total + view.facts.frame.height)
-    leftovers = first_killed or not all(
-        pins[t] == state.versions.get(t) or lake.only_maintenance(t, state.versions.get(t), pins[t])
-        for t in (SILVER_STEPS, SILVER_FEEDBACK)
-    )
+    leftovers = _left_over(lake, share, state, view, pins)
     view.versions = {}  # changing: not to be trusted until the run completes
     if conflicts.height:  # appends first, in this order: a rerun recognises each of them
         conflicts = conflicts.with_columns(bronze_version=pl.lit(until, pl.Int64))
         versions[SILVER_STEP_CONFLICTS] = lake.append(
             SILVER_STEP_CONFLICTS, conflicts.to_arrow(), metadata=meta, guard=guard
         )
-    if facts.height:  # before the steps: a rerun would not derive their reward facts again
+    if written_facts.height:  # before the steps: a rerun would not derive their facts again
         versions[SILVER_FEEDBACK] = lake.append(
-            SILVER_FEEDBACK, facts.to_arrow(), metadata=meta, guard=guard
+            SILVER_FEEDBACK, written_facts.to_arrow(), metadata=meta, guard=guard
         )
     written = _stored_layout(view, new)  # each prompt relative to an earlier step (§18)
     plain = (
@@ -573,9 +641,13 @@ def _build_once(
         versions[SILVER_STEPS] = _replace_partials(lake, based, joined, absorbed, meta)
     view.add(new, facts)
     view.drop_steps(absorbed["step_key"])
-    touched = None if full or leftovers else _touched(view, new, facts, options)
+    touching = facts if touching is None else touching
+    touched = None if full or leftovers else _touched(view, new, touching, options)
     if touched is not None and touched.len() > lake_module.MAX_PREDICATE_KEYS:
         touched = None  # most of silver: rewritten whole rather than listed in a predicate
+    if touched is None and slot is not None:  # a shard's whole share: its trajectories
+        touched = pl.concat([view.trajectories.current()["trajectory_uid"], new["trajectory_uid"]])
+        touched = pl.concat([touched, view.steps.frame["trajectory_uid"]]).unique()
     if touched is None and view.complete:
         index, derived_from, stored = view.steps.current(), view.facts.current(), None
         steps_stay = False
@@ -595,24 +667,76 @@ def _build_once(
     )
     _write_derived(lake, guard, versions, rewards, trajectories, meta, stored, steps_stay)
     view.derived(versions[WATERMARK_TABLE], versions, rewards, trajectories)
-    run.steps_added, run.feedback_added = new.height, facts.height
+    if slot is not None:
+        view.own_writes = share.own_writes(lake)
+    run.steps_added, run.feedback_added = new.height, written_facts.height
     run.conflicts_added = conflicts.height
     run.steps_total, run.trajectories = view.steps_total, trajectories.height
     # with the references silver stored them with (gold keeps those that hold there)
     carried = [written[c].alias(name) for c, name in CARRIED_REFERENCE.items()]
-    run.new_steps, run.new_facts, run.conflicts = new.hstack(carried), facts, conflicts
+    run.new_steps, run.new_facts, run.conflicts = new.hstack(carried), written_facts, conflicts
     if view.complete:  # (a bounded view's findings read the lake)
         run.index = view.steps.frame.select(INDEX_COLUMNS)
     run.versions = versions
     return run
 
 
-def _reloaded(lake: Lake, pins: dict[str, int | None], view: SilverView | None) -> SilverView:
+def _reloaded(
+    lake: Lake, pins: dict[str, int | None], view: SilverView | None, slot: Slot | None = None
+) -> SilverView:
     """The view at `pins` after another writer moved silver: read from the lake again, or for
-    a bounded view its history brought there (rebuilt from the lake)."""
+    a bounded view its history brought there (rebuilt from the lake). A shard's view also
+    files the facts bronze holds that their shards have not written yet."""
+    if slot is not None:
+        if view is not None and view.history is not None:
+            raise NotImplementedError("a shard's follower keeps no history yet (§19)")
+        loaded = SilverView.load(lake, pins, slot)
+        pending = _unwritten_facts(lake, slot)  # its own: read again from its marker on
+        pending = pending.filter(~pl.Series(owned(slot, pending["feedback_id"])))
+        known = loaded.known_fact_ids(pending["feedback_id"])
+        loaded.add(pending.head(0), pending.filter(~pl.col("feedback_id").is_in(known.implode())))
+        return loaded
     if view is None or view.history is None:
         return SilverView.load(lake, pins)
     return SilverView.open(lake, pins, view.history, view.hot_steps)
+
+
+def _unwritten_facts(lake: Lake, slot: Slot) -> pl.DataFrame:
+    """The facts of bronze's records after the oldest marker of the shards of `slot`'s count
+    (every one of them, when one has none): those another shard may not have written yet."""
+    marks = [silver_state(lake, slot=Slot(i, slot.count)).bronze_version for i in range(slot.count)]
+    after = None if None in marks else min(m for m in marks if m is not None)
+    until = lake.version(BRONZE_EVENTS)
+    if until is None or (after is not None and until <= after):
+        return bronze_facts(empty_frame(TABLES[BRONZE_EVENTS].schema).select(FACT_COLUMNS))
+    columns = FACT_COLUMNS
+    changed = None if after is None else lake.changes(BRONZE_EVENTS, after, until, columns)
+    records = pl.from_arrow(
+        changed
+        if changed is not None
+        else lake.open(BRONZE_EVENTS, until).to_pyarrow_table(columns=columns)
+    )
+    assert isinstance(records, pl.DataFrame)
+    return bronze_facts(records.filter(pl.col("kind").is_in(FACT_KINDS)))
+
+
+def _left_over(
+    lake: Lake, share: Share, state: SilverState, view: SilverView, pins: dict[str, int | None]
+) -> bool:
+    """Whether a run killed after its appends left rows past its writer's last marker: then
+    everything (a shard: its share) is derived again. Before any marker, rows already in
+    silver are a killed first run's."""
+    if share.slot is not None:  # its writer's transactions name the bronze version read
+        marked = state.bronze_version
+        return any(
+            written is not None and (marked is None or written > marked)
+            for written in share.own_writes(lake).values()
+        )
+    first_killed = state.bronze_version is None and bool(view.steps_total + view.facts.frame.height)
+    return first_killed or not all(
+        pins[t] == state.versions.get(t) or lake.only_maintenance(t, state.versions.get(t), pins[t])
+        for t in (SILVER_STEPS, SILVER_FEEDBACK)
+    )
 
 
 def _touched(

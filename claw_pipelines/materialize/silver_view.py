@@ -35,6 +35,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.tables import (
     SILVER_FEEDBACK,
     SILVER_STEP_REWARDS,
@@ -52,6 +53,7 @@ from claw_pipelines.transforms.curation import (
     candidates,
     with_call_columns,
 )
+from claw_pipelines.transforms.shards import owned, stored_step_shard_keys
 
 # the silver/steps columns the view keeps (metadata only as the call columns drawn from it)
 VIEW_STEP_COLUMNS = list(
@@ -305,10 +307,18 @@ class SilverView:
     read_back: int = 0  # trajectories read back from the history (the window had let go)
     _upto: int | None = None  # a snapshot reads the history's segments before this one
     _pending: dict[str, list[pl.DataFrame]] = field(default_factory=dict)  # the run's rows
+    # a shard's view (docs/DESIGN.md §19): its slot, and the versions of its writer's
+    # transaction in each silver table when the view was last brought up to date
+    slot: Slot | None = None
+    own_writes: dict[str, int | None] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, lake: Lake, versions: dict[str, int | None]) -> SilverView:
-        """Read the view from the lake at `versions` (silver table -> version)."""
+    def load(
+        cls, lake: Lake, versions: dict[str, int | None], slot: Slot | None = None
+    ) -> SilverView:
+        """Read the view from the lake at `versions` (silver table -> version). A shard's
+        (`slot`): the steps, step rewards and trajectories of its buckets, every fact, and
+        the clocks of every shard's steps."""
 
         def read(table: str, columns: list[str] | None = None) -> pl.DataFrame:
             if versions.get(table) is None or not lake.exists(table):
@@ -316,19 +326,26 @@ class SilverView:
                 return empty_frame(schema).select(columns or schema.names)
             return lake.read(table, versions[table], columns=columns)
 
-        steps = _steps_frame(read(SILVER_STEPS, VIEW_STEP_COLUMNS))
+        every = _steps_frame(read(SILVER_STEPS, VIEW_STEP_COLUMNS))
         facts = read(SILVER_FEEDBACK, VIEW_FACT_COLUMNS)
+        rewards = read(SILVER_STEP_REWARDS, VIEW_REWARD_COLUMNS)
+        trajectories = read(SILVER_TRAJECTORIES, VIEW_TRAJECTORY_COLUMNS)
+        steps = every
+        if slot is not None:
+            steps = every.filter(pl.Series(owned(slot, stored_step_shard_keys(every))))
+            mine = steps["trajectory_uid"].unique().implode()
+            rewards = rewards.filter(pl.col("trajectory_uid").is_in(mine))
+            trajectories = trajectories.filter(pl.col("trajectory_uid").is_in(mine))
         view = cls(
             versions=dict(versions),
             steps=Keyed(["step_key"], steps, append_only=True),
             facts=Keyed(["feedback_id"], facts, append_only=True),
-            rewards=Keyed(["step_key"], read(SILVER_STEP_REWARDS, VIEW_REWARD_COLUMNS)),
-            trajectories=Keyed(
-                ["trajectory_uid"], read(SILVER_TRAJECTORIES, VIEW_TRAJECTORY_COLUMNS)
-            ),
+            rewards=Keyed(["step_key"], rewards),
+            trajectories=Keyed(["trajectory_uid"], trajectories),
             partials=Keyed(["event_id"], _partials_frame(steps)),
+            slot=slot,
         )
-        view._advance_clock(steps, facts)
+        view._advance_clock(every, facts)
         view.steps_total = steps.height
         view._start_log()
         return view
@@ -409,6 +426,14 @@ class SilverView:
             return False
         self.versions = {**self.versions, **{t: versions[t] for t in moved}}
         return True
+
+    def saw(self, records: pl.DataFrame) -> None:
+        """Advance the clocks by step records another shard takes (`received_at`,
+        `policy_version`): a shard's silver clock counts every shard's steps, as one
+        follower's does."""
+        if records.height:
+            steps = records.select(created_at="received_at", policy_version="policy_version")
+            self._advance_clock(steps, self.facts.frame.head(0))
 
     def _advance_clock(self, steps: pl.DataFrame, facts: pl.DataFrame) -> None:
         newest = [steps["created_at"].max(), facts["received_at"].max()]

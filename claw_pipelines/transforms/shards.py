@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from claw_pipelines.contracts.shards import BUCKETS
+from claw_pipelines.contracts.shards import BUCKETS, Slot
 
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
@@ -33,6 +33,18 @@ def record_shard_keys(records: pl.DataFrame) -> pl.Series:
 def step_shard_keys(steps: pl.DataFrame) -> pl.Series:
     """The shard key of silver steps (`unscoped`, `tenant`, `trajectory_uid`, `prompt_uid`)."""
     return steps.select(_key(pl.col("unscoped").fill_null(False))).to_series()
+
+
+def stored_step_shard_keys(steps: pl.DataFrame) -> pl.Series:
+    """The shard key of steps as silver stores them (`origin_step_key`, `tenant`,
+    `trajectory_uid`, `prompt_uid`): an unscoped call keeps the key its gateway gave it as
+    `origin_step_key`, so it goes by its tenant."""
+    return steps.select(_key(pl.col("origin_step_key").is_not_null())).to_series()
+
+
+def owned(slot: Slot, keys: pl.Series) -> np.ndarray:
+    """Which of the shard `keys` are `slot`'s (their buckets)."""
+    return slot.owns(buckets_of(keys))
 
 
 def _key(unscoped: pl.Expr) -> pl.Expr:

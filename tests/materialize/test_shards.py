@@ -1,0 +1,148 @@
+"""Silver built by shards (docs/DESIGN.md §19): each shard writes the steps of its buckets,
+the facts it owns and the derived rows of its trajectories, under its own writer and
+marker; together they equal one writer's build of the same bronze."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import uuid
+
+import polars as pl
+import pytest
+
+from claw_pipelines.contracts.errors import Fenced
+from claw_pipelines.contracts.shards import Slot
+from claw_pipelines.contracts.tables import (
+    SILVER_FEEDBACK,
+    SILVER_STEP_REWARDS,
+    SILVER_STEPS,
+    SILVER_TABLES,
+    SILVER_TRAJECTORIES,
+)
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.leases import ShardLeases
+from claw_pipelines.materialize.silver import build_silver, silver_state
+from claw_pipelines.transforms.shards import buckets_of, stored_step_shard_keys
+from tests.materialize.test_incremental import OPTIONS, same, script
+from tests.support import lakes
+from tests.support.lakes import feedback, land
+
+SHARDS = [Slot(0, 2), Slot(1, 2)]
+
+
+def one_writer(lake: Lake, path) -> Lake:
+    """A lake with the same bronze, its silver built by one writer from nothing."""
+    shutil.copytree(f"{lake.uri}/bronze", path / "bronze")
+    one = Lake(str(path))
+    build_silver(one, OPTIONS)
+    return one
+
+
+def silver_of(lake: Lake) -> dict[str, pl.DataFrame]:
+    """Every silver table's rows, in key order (the view's own bookkeeping aside)."""
+    keys = {
+        SILVER_STEPS: ["step_key"],
+        SILVER_FEEDBACK: ["feedback_id"],
+        SILVER_STEP_REWARDS: ["step_key"],
+        SILVER_TRAJECTORIES: ["trajectory_uid"],
+    }
+    return {table: lake.read(table).sort(key) for table, key in keys.items()}
+
+
+@pytest.fixture(params=[1, 2, 3])
+def seeded_ids(request, monkeypatch):
+    """Event ids drawn from a seeded generator: which shard owns which fact (its id's bucket)
+    differs from seed to seed, the same in every run of one."""
+    draw = random.Random(request.param)
+    monkeypatch.setattr(lakes.uuid, "uuid4", lambda: uuid.UUID(int=draw.getrandbits(128)))
+    return request.param
+
+
+def test_two_shards_build_the_silver_one_writer_builds(tmp_path, seeded_ids):
+    """Rounds land; the shards run in turns, one lagging a round behind now and then, one
+    restarted with nothing kept: every step is written once, by its shard, and the shards'
+    silver equals one writer's build from nothing, facts and late rewards included."""
+    lake = Lake(str(tmp_path / "lake"))
+    views = {slot: None for slot in SHARDS}
+    rounds = 6
+    for round_ in range(rounds):
+        land(lake, script(round_))
+        if round_ == rounds - 1:  # late facts for trajectories of the first round
+            land(lake, [feedback({"trajectory_uid": "g0-r2"}, "reward", 0.25)])
+            land(lake, [feedback({"step_key": "g0-r0:0"}, "label", "late")])
+        order = SHARDS if round_ % 2 else SHARDS[::-1]
+        for slot in order:
+            if slot.index == 1 and round_ == 2:
+                continue  # shard 1 falls a round behind, then catches up
+            if slot.index == 0 and round_ == 3:
+                views[slot] = None  # shard 0 restarts: its view read from the lake
+            run = build_silver(lake, OPTIONS, view=views[slot], slot=slot)
+            views[slot] = run.view
+            assert run.view is not None and run.view.slot == slot
+            mine = buckets_of(stored_step_shard_keys(run.new_steps)) % slot.count
+            assert set(mine.tolist()) <= {slot.index}  # its own buckets' steps only
+    for slot in SHARDS:  # both at bronze's newest version
+        assert silver_state(lake, slot=slot).bronze_version == lake.version("bronze/events")
+
+    one = one_writer(lake, tmp_path / "one")
+    mine, theirs = silver_of(lake), silver_of(one)
+    assert mine[SILVER_STEPS]["step_key"].is_unique().all()
+    assert mine[SILVER_FEEDBACK]["feedback_id"].is_unique().all()
+    for table in mine:
+        same(mine[table], theirs[table], mine[table].columns[:1])
+    # both shards wrote: the work was split
+    writers = {table: [lake.transaction_version(table, s.silver_app_id) for s in SHARDS]}
+    for table in (SILVER_STEPS, SILVER_TRAJECTORIES):
+        writers[table] = [lake.transaction_version(table, s.silver_app_id) for s in SHARDS]
+        assert all(v is not None for v in writers[table]), writers
+
+
+def test_a_shard_killed_after_its_appends_derives_its_share_again(
+    tmp_path, monkeypatch, seeded_ids
+):
+    """A shard's run that dies between its step appends and its marker leaves rows past its
+    marker: its next run recognises them and derives its whole share again (not the other
+    shard's), and silver still equals one writer's."""
+    from claw_pipelines.materialize import silver
+
+    lake = Lake(str(tmp_path / "lake"))
+    for round_ in range(2):
+        land(lake, script(round_))
+        for slot in SHARDS:
+            build_silver(lake, OPTIONS, slot=slot)
+    land(lake, script(2))
+
+    def killed(*args, **kwargs):
+        raise SystemExit("killed before the marker")
+
+    derive = silver._write_derived
+    monkeypatch.setattr(silver, "_write_derived", killed)
+    with pytest.raises(SystemExit):
+        build_silver(lake, OPTIONS, slot=SHARDS[0])
+    monkeypatch.setattr(silver, "_write_derived", derive)
+    for slot in SHARDS:
+        build_silver(lake, OPTIONS, slot=slot)
+    one = one_writer(lake, tmp_path / "one")
+    mine, theirs = silver_of(lake), silver_of(one)
+    for table in mine:
+        same(mine[table], theirs[table], mine[table].columns[:1])
+
+
+def test_a_shard_writer_fenced_by_a_newer_owner_commits_nothing(tmp_path):
+    """A follower whose lease was taken over (a newer token fenced the shard's tables) has
+    its next run refused with Fenced, and nothing of it lands."""
+    lake = Lake(str(tmp_path / "lake"))
+    land(lake, script(0))
+    leases = ShardLeases(lake, "old-owner", ttl_s=30)
+    old = leases.acquire(SHARDS[0])
+    assert old is not None
+    build_silver(lake, OPTIONS, slot=SHARDS[0], fences={SHARDS[0].writer_app_id: old.token})
+    land(lake, script(1))
+    newer = old.token + 1
+    for table in SILVER_TABLES:
+        lake.fence(table, SHARDS[0].writer_app_id, newer)
+    before = {t: lake.version(t) for t in SILVER_TABLES}
+    with pytest.raises(Fenced):
+        build_silver(lake, OPTIONS, slot=SHARDS[0], fences={SHARDS[0].writer_app_id: old.token})
+    assert {t: lake.version(t) for t in SILVER_TABLES} == before
