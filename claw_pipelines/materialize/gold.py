@@ -27,6 +27,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_LINEAGE,
@@ -144,11 +145,13 @@ def code_version() -> str:
     return f"{version}+g{commit}" if commit else version
 
 
-def source_versions(lake: Lake, at: int | None = None) -> dict[str, int | None]:
+def source_versions(
+    lake: Lake, at: int | None = None, slot: Slot | None = None
+) -> dict[str, int | None]:
     """The silver table versions a gold build reads (as the last completed silver run left
-    them, or the last at or before marker version `at`), the bronze version behind them, and
-    the published policy versions' table."""
-    state = silver_state(lake, at)
+    them, or the last at or before marker version `at`; a shard's: its own last run), the
+    bronze version behind them, and the published policy versions' table."""
+    state = silver_state(lake, at, slot)
     tables = (SILVER_STEPS, SILVER_STEP_REWARDS, SILVER_TRAJECTORIES, SILVER_FEEDBACK)
     versions = {t: state.versions[t] for t in tables}
     published = lake.version(GOLD_POLICY_VERSIONS)
@@ -436,9 +439,11 @@ def stored_layout(steps: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def partition_writer(policy_version: int) -> str:
-    """The application id of the commits that write one policy-version partition."""
-    return f"claw.gold.v{int(policy_version)}"
+def partition_writer(policy_version: int, slot: Slot | None = None) -> str:
+    """The application id of the commits that write one policy-version partition (a
+    shard's: its share of the partition, docs/DESIGN.md §19)."""
+    share = "" if slot is None else f".{slot.index}of{slot.count}"
+    return f"claw.gold.v{int(policy_version)}{share}"
 
 
 def lineage_row(
@@ -559,12 +564,17 @@ def record_lineage(
     return full
 
 
-def recover_lineage(lake: Lake, dataset: str) -> bool:
-    """Write the lineage rows of the dataset's newest write if a writer killed between its
-    trees commit and its lineage append left them out (the trees commit carries them)."""
+def recover_lineage(lake: Lake, dataset: str, slot: Slot | None = None) -> bool:
+    """Write the lineage rows of the dataset's newest write (a shard's: its own newest) if a
+    writer killed between its trees commit and its lineage append left them out (the trees
+    commit carries them)."""
     trees = gold_tree_table(dataset)
-    found = lake.last_commit_with(trees, "lineage") if lake.exists(trees) else None
-    if found is None:
+    found = None
+    if lake.exists(trees) and slot is None:
+        found = lake.last_commit_with(trees, "lineage", without="shard")
+    elif lake.exists(trees):
+        found = lake.last_commit_with(trees, "shard", equal=str(slot))
+    if found is None or "lineage" not in found[1]:
         return False
     trees_version, meta = found
     if lake.exists(GOLD_LINEAGE):

@@ -14,6 +14,7 @@ full build's (`landed_at` aside).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 
+from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     GOLD_DATASET_SCHEMA,
@@ -303,22 +305,40 @@ class AtHand:
         return self._candidates[1]
 
 
+@dataclass(frozen=True)
+class GoldShare:
+    """Whose gold an increment writes: all of it (no slot), or one shard's: the groups of
+    its silver view, under its writers and its lease's fences (docs/DESIGN.md §19)."""
+
+    slot: Slot | None = None
+    fences: dict[str, int] = field(default_factory=dict)
+
+    def writer(self, policy_version: int) -> str:
+        """The application id of its commits to one partition."""
+        return partition_writer(policy_version, self.slot)
+
+
 def update_dataset(
     lake: Lake,
     spec: CurationSpec,
     at_hand: AtHand | None = None,
     recover: bool = True,
+    slot: Slot | None = None,
+    fences: Mapping[str, int] | None = None,
 ) -> GoldIncrement:
     """Bring every partition of `spec`'s dataset up to date with silver's last completed run,
     rewriting only the units that changed. Guarded: an increment overtaken by another
     writer of a partition it touches starts again from the new state. `at_hand` (a
     follower's) saves reading silver again; `recover` first writes lineage
-    a killed writer left out (a follower does it once, on its first increment)."""
+    a killed writer left out (a follower does it once, on its first increment). `slot`:
+    one shard's increment (its silver view at hand: the groups it holds), `fences` its
+    lease's."""
     if recover:
-        recover_lineage(lake, spec.name)
+        recover_lineage(lake, spec.name, slot)
     at_hand = at_hand or AtHand()
+    share = GoldShare(slot, dict(fences or {}))
     increment, lost = until_landed(
-        lambda: _increment_once(lake, spec, at_hand), f"gold {spec.name}"
+        lambda: _increment_once(lake, spec, at_hand, share=share), f"gold {spec.name}"
     )
     increment.write_conflicts = lost
     if increment.brings is not None:
@@ -340,6 +360,23 @@ class Scope:
             return None
         group = pl.coalesce("prompt_uid", "trajectory_uid")
         return pl.col("policy_version").is_in(self.partitions) & group.is_in(self.groups.implode())
+
+
+def _whole_share(
+    lake: Lake, spec: CurationSpec, pins: dict[str, int], part: Part | pl.DataFrame
+) -> Scope:
+    """A shard's "everything": the groups its silver view holds (`part`'s candidates), in
+    every partition where silver or the dataset has them (never the other shards')."""
+    frame = part.frame if isinstance(part, Part) else part
+    groups = frame[GROUP].unique()
+    table = gold_dataset_table(spec.name)
+    group = pl.coalesce("prompt_uid", "trajectory_uid")
+    stored = lake.read(
+        table, pins[table], columns=["policy_version"], where=group.is_in(groups.implode())
+    )
+    versions = {*frame["policy_version"].drop_nulls().to_list()}
+    versions |= {*stored["policy_version"].drop_nulls().to_list()}
+    return Scope(groups, sorted(int(v) for v in versions))
 
 
 def _scope(
@@ -410,15 +447,26 @@ def _steps_where(
 
 
 def _increment_once(
-    lake: Lake, spec: CurationSpec, at_hand: AtHand, everything: bool = False
+    lake: Lake,
+    spec: CurationSpec,
+    at_hand: AtHand,
+    everything: bool = False,
+    share: GoldShare | None = None,
 ) -> GoldIncrement:
+    share = share or GoldShare()
     pins = pin_gold(lake, spec)
-    versions = source_versions(lake, at_hand.pinned)
+    versions = source_versions(lake, at_hand.pinned, share.slot)
     increment = GoldIncrement(spec.name, versions)
     if versions[SILVER_STEPS] is None:
         return increment
     table = gold_dataset_table(spec.name)
     scope, frame, brings = _scope(lake, spec, versions, at_hand, everything)  # kept once it lands
+    if share.slot is not None:
+        view = at_hand.view_at(versions)
+        if view is None or view.slot != share.slot:
+            raise ValueError(f"gold {spec.name}: shard {share.slot}'s increment needs its view")
+        if scope.groups is None:
+            scope = _whole_share(lake, spec, pins, frame)
     increment.brings = brings
     increment.groups_curated = None if scope.groups is None else scope.groups.len()
     if scope.partitions == []:  # nothing changed
@@ -460,8 +508,9 @@ def _increment_once(
     # a predicate listing more trees than delta-rs takes (it crashes between 20,000 and
     # 30,000) replaces the touched partitions whole: every unit of theirs is written again
     whole = doomed["trees"].list.len().sum() > lake_module.MAX_PREDICATE_KEYS
+    whole = whole and share.slot is None  # a shard names its own trees, however many
     if whole and scope.groups is not None:  # some groups at hand only: curate everything
-        return _increment_once(lake, spec, at_hand, everything=True)
+        return _increment_once(lake, spec, at_hand, everything=True, share=share)
     units = changed.select(UNIT)
     if whole:
         units = now.filter(pl.col("policy_version").is_in(units["policy_version"].unique()))
@@ -503,8 +552,8 @@ def _increment_once(
         increment.partitions[version] = part
 
     touched = set(increment.partitions) | set(rejections.versions if rejections else ())
-    writers = tuple(partition_writer(v) for v in sorted(touched))
-    guard = Guard(writers, versions[SILVER_TRAJECTORIES] or 0, pins)
+    writers = tuple(share.writer(v) for v in sorted(touched))
+    guard = Guard(writers, versions[SILVER_TRAJECTORIES] or 0, pins, share.fences)
     if rejections is not None:
         increment.rejected = rejections.versions
         where_rejected = rejections.where
@@ -525,6 +574,8 @@ def _increment_once(
     where = " OR ".join(clauses)
     meta = {"increment": increment.summary() | {"partitions": sorted(increment.partitions)}}
     meta |= {"spec_hash": spec.spec_hash, "source_versions": increment.source_versions}
+    if share.slot is not None:
+        meta["shard"] = str(share.slot)
     # only new units: their trees are disjoint from every stored one, so a plain (guarded)
     # append does what the predicate overwrite would, without scanning the stored files
     only_added = not increment.rewritten and not increment.removed and not whole

@@ -19,12 +19,18 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEPS,
     SILVER_TABLES,
     SILVER_TRAJECTORIES,
+    gold_dataset_table,
+    gold_rejection_table,
+    gold_tree_table,
 )
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.leases import ShardLeases
+from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize.gold import build_partition, partition_writer, policy_versions
+from claw_pipelines.materialize.increments import AtHand, update_dataset
 from claw_pipelines.materialize.silver import build_silver, silver_state
 from claw_pipelines.transforms.shards import buckets_of, stored_step_shard_keys
-from tests.materialize.test_incremental import OPTIONS, same, script
+from tests.materialize.test_incremental import OPTIONS, SPECS, latest_totals, same, script
 from tests.support import lakes
 from tests.support.lakes import feedback, land
 
@@ -146,3 +152,51 @@ def test_a_shard_writer_fenced_by_a_newer_owner_commits_nothing(tmp_path):
     with pytest.raises(Fenced):
         build_silver(lake, OPTIONS, slot=SHARDS[0], fences={SHARDS[0].writer_app_id: old.token})
     assert {t: lake.version(t) for t in SILVER_TABLES} == before
+
+
+GOLD_SPECS = SPECS[:4]  # live, fresh (staleness), late (deadline clock), all (by trajectory)
+
+
+def test_two_shards_build_the_gold_one_writer_builds(tmp_path, seeded_ids):
+    """Each shard curates the groups of its silver view in increments, writing its share of
+    every partition under its own writers: the datasets, trees and rejections equal one
+    writer's build of every partition from nothing, and the lineage the last writes record
+    counts what that build counts."""
+    lake = Lake(str(tmp_path / "lake"))
+    for spec in GOLD_SPECS:
+        save_spec(lake, spec)
+    at_hand = {slot: AtHand() for slot in SHARDS}
+    rounds = 5
+    for round_ in range(rounds):
+        land(lake, script(round_))
+        if round_ == rounds - 1:
+            land(lake, [feedback({"trajectory_uid": "g0-r2"}, "reward", 0.25)])
+        for slot in SHARDS if round_ % 2 else SHARDS[::-1]:
+            hand = at_hand[slot]
+            hand.silver = build_silver(lake, OPTIONS, view=hand.silver, slot=slot).view
+            for spec in GOLD_SPECS:
+                done = update_dataset(lake, spec, hand, recover=round_ == 0, slot=slot)
+                assert done.groups_curated is not None  # its share, never all of silver
+    with pytest.raises(ValueError, match="needs its view"):
+        update_dataset(lake, GOLD_SPECS[0], AtHand(), slot=SHARDS[0])
+
+    one = one_writer(lake, tmp_path / "one")
+    for spec in GOLD_SPECS:
+        save_spec(one, spec)
+        for version in policy_versions(one):
+            build_partition(one, spec, version)
+    for spec in GOLD_SPECS:
+        drop = ["landed_at"]
+        for table, order in (
+            (gold_dataset_table(spec.name), ["step_key"]),
+            (gold_rejection_table(spec.name), ["step_key"]),
+        ):
+            same(lake.read(table).drop(drop), one.read(table).drop(drop), order)
+        trees = ["policy_version", "tree_id", "segment"]
+        same(lake.read(gold_tree_table(spec.name)), one.read(gold_tree_table(spec.name)), trees)
+        same(latest_totals(lake, spec.name), latest_totals(one, spec.name), ["policy_version"])
+        writers = {
+            slot: lake.transaction_version(gold_dataset_table(spec.name), partition_writer(1, slot))
+            for slot in SHARDS
+        }
+        assert all(v is not None for v in writers.values()), writers  # both wrote a share
