@@ -143,6 +143,20 @@ class ClawSettings(BaseSettings):
         description="steps of open and recent trajectories a follower keeps "
         "in memory (the rest is read back from its history); 0: all of silver",
     )
+    shard: str | None = Field(
+        None,
+        description="`claw materialize --follow`'s shard, i/N (as --shard); or give "
+        "CLAW_SHARD_INDEX and CLAW_SHARD_COUNT (a Kubernetes StatefulSet: the index from the "
+        "pod's ordinal)",
+    )
+    shard_index: int | None = Field(None, ge=0, description="see `shard`")
+    shard_count: int | None = Field(None, ge=1, description="see `shard`")
+    shard_lease_ttl_s: float = Field(
+        30.0,
+        gt=0,
+        description="a shard follower's lease lapses this long after its last renewal "
+        "(renewed every third of it); then another follower may take the shard over",
+    )
     trajectory_reward_to: Literal["last", "every"] = Field(
         "last", description="steps a trajectory-level reward addresses"
     )
@@ -222,6 +236,19 @@ class ClawSettings(BaseSettings):
         else:
             base = Path(self.lake_uri.removeprefix("file://")) / "_wal"
         return base / self.gateway_id
+
+    @property
+    def resolved_shard(self) -> str | None:
+        """The follower's shard as "i/N": `shard`, else `shard_index` of `shard_count`."""
+        if self.shard:
+            return self.shard
+        if self.shard_index is None and self.shard_count is None:
+            return None
+        if self.shard_index is None or self.shard_count is None:
+            raise ValueError("CLAW_SHARD_INDEX and CLAW_SHARD_COUNT go together")
+        if self.shard_count == 1 and self.shard_index == 0:
+            return None  # one follower: the whole lake, unsharded
+        return f"{self.shard_index}/{self.shard_count}"
 
     @property
     def resolved_follower_state(self) -> Path:

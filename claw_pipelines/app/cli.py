@@ -86,6 +86,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
         dashboard_port=args.dashboard_port,
         dagster_port=args.dagster_port,
         demo_traffic=args.demo_traffic,
+        materializers=args.materializers,
     )
 
 
@@ -123,6 +124,7 @@ def _cmd_materialize(args: argparse.Namespace) -> None:
                 stop=stop,
                 say=_say_now,
                 datasets=args.dataset,
+                shard=args.shard or _settings(args).resolved_shard,
             )
         except KeyboardInterrupt:
             stop.set()
@@ -442,6 +444,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--poll-s", type=float, default=0.2, help="with --follow: how often bronze is looked at"
     )
     mat.add_argument(
+        "--shard",
+        metavar="I/N",
+        help="with --follow: shard I of N's share only (its prompt groups), under a lease in "
+        "the lake: N followers split the work; a second follower of one shard waits",
+    )
+    mat.add_argument(
         "--create",
         action="store_true",
         help="create the lake if it is missing (else a missing local lake is an error; "
@@ -621,6 +629,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dagster-port", type=int, default=3000, help="0: any free port")
     up.add_argument(
         "--demo-traffic", action="store_true", help="keep simulated agents sending steps"
+    )
+    up.add_argument(
+        "--materializers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="followers splitting the work: N > 1 runs `materialize --follow --shard i/N` each",
     )
 
     demo = verb("demo", _cmd_demo, "one end-to-end run on simulated agents, then a summary")

@@ -189,31 +189,51 @@ def follow(
     stop: threading.Event | None = None,
     say: Callable[[str], None] = print,
     datasets: Sequence[str] | None = None,
+    shard: str | None = None,
 ) -> None:
     """`claw materialize --follow`: keep silver and every spec's gold (or `datasets`') up to
-    date (see `claw_pipelines.materialize.live`) until `stop` is set. Each increment is reported to
-    the Dagster instance of `DAGSTER_HOME` (when set) as runless materializations of the same
-    assets, with the versions in their metadata, so the UI's asset history shows it."""
+    date (see `claw_pipelines.materialize.live`) until `stop` is set. With `shard` ("i/N"):
+    shard i of N's share only, under its lease (waiting while another follower holds it);
+    a follower whose lease was taken over stops (SystemExit naming the shard). Each
+    increment is reported to the Dagster instance of `DAGSTER_HOME` (when set) as runless
+    materializations of the same assets, with the versions in their metadata, so the UI's
+    asset history shows it."""
+    from claw_pipelines.contracts.errors import Fenced
+    from claw_pipelines.contracts.shards import Slot
     from claw_pipelines.lake.delta import Lake
+    from claw_pipelines.lake.leases import LeaseLost
     from claw_pipelines.materialize.live import LiveMaterializer
 
     stop = stop or threading.Event()
+    slot = None if shard is None else Slot.parse(shard)
     lake = Lake.from_settings(settings)
     lake.verify_store()  # a writer: wrong credentials or an unsafe store stop it here, in a line
-    live = LiveMaterializer.from_settings(lake, settings, datasets or None)
+    live = LiveMaterializer.from_settings(lake, settings, datasets or None, slot)
     report = _dagster_reporter() if os.environ.get("DAGSTER_HOME") else None
-    say(f"claw materialize --follow: {lake.uri} (every {poll_s:g} s; Ctrl-C stops)")
-    failures = 0
+    of = "" if slot is None else f" shard {slot}"
+    say(f"claw materialize --follow{of}: {lake.uri} (every {poll_s:g} s; Ctrl-C stops)")
+    failures, waited = 0, False
     try:
         while not stop.is_set():
             try:
                 done = live.step()
+            except (LeaseLost, Fenced) as exc:  # another follower owns the shard now
+                raise SystemExit(f"claw materialize --follow{of}: stopped: {exc}") from None
             except Exception as exc:  # keep following: the next round starts from the lake
                 failures += 1
                 say(f"round failed ({type(exc).__name__}: {exc}); retrying")
                 stop.wait(min(5.0, 0.5 * failures))
                 continue
             failures = 0
+            if done.waiting:
+                if not waited:
+                    say(f"shard {slot}: held by another follower; waiting for its lease")
+                waited = True
+                stop.wait(max(poll_s, 1.0))
+                continue
+            if waited:
+                say(f"shard {slot}: lease taken (token {live.lease and live.lease.token})")
+                waited = False
             for name, error in done.spec_errors.items():
                 if name not in live.reported_errors:
                     say(f"not building {error}")

@@ -24,6 +24,7 @@ from claw_pipelines.app.instance import dagster_home
 from claw_pipelines.app.processes import ServiceProcess, free_port
 from claw_pipelines.contracts.access import KeyRing, is_loopback
 from claw_pipelines.contracts.errors import ClawError
+from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.materialize.live import materializer_running
@@ -55,8 +56,9 @@ def _dagster_script(name: str) -> str:
 class Stack:
     """The children of `claw up`, started in order and stopped in reverse."""
 
-    def __init__(self, settings: ClawSettings, host: str) -> None:
+    def __init__(self, settings: ClawSettings, host: str, materializers: int = 1) -> None:
         self.settings, self.host = settings, host
+        self.materializers = materializers  # followers: more than one split the work (§19)
         lake = settings.lake_uri if not settings.lake_is_remote else ".claw"
         self.logs = Path(lake) / "_logs"
         self.children: list[ServiceProcess] = []
@@ -126,17 +128,27 @@ class Stack:
             "dagster daemon",
             "(sensors: bronze -> silver -> gold; maintenance every 10 minutes)",
         )
-        self.start(
-            ServiceProcess(
-                "materialize",
-                self.logs / "materializer.log",
-                env=dagster_env,
-                command=[sys.executable, "-m", "claw_pipelines.app.cli", "materialize", "--follow"],
-                ready=lambda: materializer_running(Lake.from_settings(self.settings)),
-            ),
-            "materializer",
-            "(silver and gold seconds after each step; runs show in Dagster)",
-        )
+        follow = [sys.executable, "-m", "claw_pipelines.app.cli", "materialize", "--follow"]
+        count = self.materializers
+        slots = [None] if count == 1 else [Slot(i, count) for i in range(count)]
+        for slot in slots:
+            shard = [] if slot is None else ["--shard", str(slot)]
+            suffix = "" if slot is None else f"-{slot.index}"
+            self.start(
+                ServiceProcess(
+                    "materialize",
+                    self.logs / f"materializer{suffix}.log",
+                    env=dagster_env,
+                    command=[*follow, *shard],
+                    ready=lambda slot=slot: materializer_running(
+                        Lake.from_settings(self.settings), slot=slot
+                    ),
+                ),
+                "materializer" + ("" if slot is None else f" {slot}"),
+                "(silver and gold seconds after each step; runs show in Dagster)"
+                if slot is None
+                else f"(shard {slot}: its prompt groups, under a lease)",
+            )
         self.start(
             ServiceProcess(
                 "dashboard",
@@ -261,15 +273,19 @@ def run_up(
     dashboard_port: int = 8501,
     dagster_port: int = 3000,
     demo_traffic: bool = False,
+    materializers: int = 1,
 ) -> None:
     """Start the stack and supervise it until Ctrl-C, SIGTERM or a child's death. The gateway
-    binds `host`; a non-loopback one needs API keys (refused before anything starts)."""
+    binds `host`; a non-loopback one needs API keys (refused before anything starts).
+    `materializers` > 1: that many followers, shard i of N each."""
     if not is_loopback(host) and not KeyRing.from_settings(settings).enabled:
         raise ClawError(
             f"refusing to bind the gateway to {host}: no API keys configured (set "
             "CLAW_API_KEYS_FILE, made with `claw keys create`, or CLAW_API_KEYS; or bind 127.0.0.1)"
         )
-    stack = Stack(settings, host)
+    if materializers < 1:
+        raise ClawError(f"--materializers {materializers}: at least one")
+    stack = Stack(settings, host, materializers)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     # Ctrl-C stops the stack even when started with SIGINT ignored (as a shell without job

@@ -459,6 +459,8 @@ def _increment_once(
     increment = GoldIncrement(spec.name, versions)
     if versions[SILVER_STEPS] is None:
         return increment
+    if share.slot is not None and versions["bronze/events"] is None:
+        return increment  # the shard's silver has no run yet: nothing of its share to curate
     table = gold_dataset_table(spec.name)
     scope, frame, brings = _scope(lake, spec, versions, at_hand, everything)  # kept once it lands
     if share.slot is not None:

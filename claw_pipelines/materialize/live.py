@@ -24,9 +24,11 @@ up to RETRY_MAX_S while it keeps failing (the heartbeat lists it under `failing`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -37,6 +39,7 @@ from pathlib import Path
 
 import polars as pl
 
+from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
@@ -47,22 +50,42 @@ from claw_pipelines.contracts.tables import (
     SILVER_STEP_REWARDS,
     SILVER_TABLES,
     SILVER_TRAJECTORIES,
+    TABLES,
+    TableSpec,
+    gold_dataset_spec,
     gold_dataset_table,
+    gold_rejection_spec,
     gold_rejection_table,
+    gold_tree_spec,
     gold_tree_table,
 )
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.leases import LEASE_TTL_S, Lease, ShardLeases, follower_id
 from claw_pipelines.lake.specs import SpecError, read_specs, spec_path
 from claw_pipelines.materialize.gold import SILVER_REFERENCE, TOKEN_COLUMNS
 from claw_pipelines.materialize.history import History
 from claw_pipelines.materialize.increments import AtHand, Brought, GoldIncrement, update_dataset
-from claw_pipelines.materialize.silver import SilverOptions, SilverRun, build_silver, silver_state
+from claw_pipelines.materialize.silver import (
+    SilverOptions,
+    SilverRun,
+    build_silver,
+    share_view,
+    silver_state,
+)
 from claw_pipelines.materialize.silver_view import SilverView
 from claw_pipelines.settings import ClawSettings
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT = "_live/materializer.json"
+GOLD_SPECS_OF_DATASET = (gold_dataset_spec, gold_tree_spec, gold_rejection_spec)
+
+
+def heartbeat_of(slot: Slot | None) -> str:
+    """Where a follower leaves its heartbeat: a shard's beside the others'."""
+    return HEARTBEAT if slot is None else f"_live/materializer.{slot.index}of{slot.count}.json"
+
+
 HEARTBEAT_S = 5.0  # the heartbeat is rewritten at least this often
 STALE_AFTER_S = 30.0  # a heartbeat older than this: no materializer is running
 SPECS_EVERY_S = 2.0  # spec files are listed again at most this often
@@ -97,6 +120,7 @@ class Round:
     compacted: dict[str, int] = field(default_factory=dict)  # per table: files replaced
     compact_seconds: float = 0.0  # of which the compaction
     aside: list[str] = field(default_factory=list)  # datasets still being brought up beside
+    waiting: bool = False  # a shard's follower whose lease another holds: nothing done
     failed: dict[str, Failing] = field(default_factory=dict)  # datasets whose increment failed
     beside: list[str] = field(default_factory=list)  # of `gold`, those the worker brought up
 
@@ -146,8 +170,18 @@ class LiveMaterializer:
         datasets: Sequence[str] | None = None,
         history: Path | None = None,
         hot_steps: int = 0,
+        slot: Slot | None = None,
+        lease_ttl_s: float = LEASE_TTL_S,
     ) -> None:
         self.lake, self.options = lake, options or SilverOptions()
+        # one shard's (docs/DESIGN.md §19): under its lease, its view whole (no history yet)
+        self.slot = slot
+        self.leases = ShardLeases(lake, follower_id(), lease_ttl_s) if slot else None
+        self.lease: Lease | None = None
+        self._renewed_at = 0.0
+        self._fenced: set[str] = set()  # tables this lease's token is recorded in
+        if slot is not None:
+            history, hot_steps = None, 0
         # bounded (`history` and `hot_steps` given): the view holds the open window only
         self.history_path, self.hot_steps = history, hot_steps
         self._history: History | None = None
@@ -166,30 +200,75 @@ class LiveMaterializer:
         self._compacting: list[str] = []  # tables still to compact, one per round
         self.reported_errors: set[str] = set()  # spec errors already shown
         self.failing: dict[str, Failing] = {}  # datasets whose increments fail, retried later
-        self.at_hand.brought = brought_before(lake)  # a restart resumes where it was
+        self.at_hand.brought = brought_before(lake, slot)  # a restart resumes where it was
         self._aside: _Aside | None = None  # work running beside the rounds
         self._worker: tuple[ThreadPoolExecutor, Lake] | None = None  # its thread, its handles
 
     @classmethod
     def from_settings(
-        cls, lake: Lake, settings: ClawSettings, datasets: Sequence[str] | None = None
+        cls,
+        lake: Lake,
+        settings: ClawSettings,
+        datasets: Sequence[str] | None = None,
+        slot: Slot | None = None,
     ) -> LiveMaterializer:
-        """The follower `claw materialize --follow` runs: the silver options, its history
-        (`CLAW_FOLLOWER_STATE`) and window (`CLAW_FOLLOWER_HOT_STEPS`) of `settings`."""
+        """The follower `claw materialize --follow [--shard i/N]` runs: the silver options,
+        its history (`CLAW_FOLLOWER_STATE`), window (`CLAW_FOLLOWER_HOT_STEPS`) and lease
+        (`CLAW_SHARD_LEASE_TTL_S`) of `settings`."""
         return cls(
             lake,
             SilverOptions.from_settings(settings),
             datasets,
             history=settings.resolved_follower_state,
             hot_steps=settings.follower_hot_steps,
+            slot=slot,
+            lease_ttl_s=settings.shard_lease_ttl_s,
         )
 
+    def hold(self) -> bool:
+        """A shard's follower: take its lease when free (fencing its silver tables), or renew
+        it when a third of its TTL has passed; False while another follower holds it.
+        LeaseLost when it was taken over (the follower must stop)."""
+        if self.leases is None or self.slot is None:
+            return True
+        now = time.monotonic()
+        if self.lease is None:
+            self.lease = self.leases.acquire(self.slot)
+            if self.lease is None:
+                return False
+            self._renewed_at, self._fenced = now, set()
+            self._fence([TABLES[t] for t in SILVER_TABLES])
+        elif now - self._renewed_at >= self.leases.ttl.total_seconds() / 3:
+            self.lease = self.leases.renew(self.lease)
+            self._renewed_at = now
+        return True
+
+    def _fence(self, tables: Sequence[TableSpec]) -> None:
+        """Record the lease's token in `tables` not fenced yet under it."""
+        assert self.lease is not None
+        for table in tables:
+            if table.name not in self._fenced:
+                self.lake.fence(table, self.lease.slot.writer_app_id, self.lease.token)
+                self._fenced.add(table.name)
+
+    @property
+    def fences(self) -> dict[str, int]:
+        """The fences a shard's commits carry (none unsharded)."""
+        if self.lease is None:
+            return {}
+        return {self.lease.slot.writer_app_id: self.lease.token}
+
     def step(self) -> Round:
-        """One round: silver if bronze moved, then the datasets whose inputs moved."""
+        """One round: silver if bronze moved, then the datasets whose inputs moved (a shard's
+        follower: nothing while another holds its lease)."""
         started = time.perf_counter()
         done = Round()
+        if not self.hold():
+            done.waiting = True
+            self.beat(done)
+            return done
         bronze = self.lake.version(BRONZE_EVENTS)
-        state = silver_state(self.lake)
+        state = silver_state(self.lake, slot=self.slot)
         bounded = self.history_path is not None and self.hot_steps > 0
         view = self.at_hand.silver
         if view is None and (bounded or state.bronze_version is not None):
@@ -199,10 +278,17 @@ class LiveMaterializer:
         if bronze is not None and (state.bronze_version is None or bronze > state.bronze_version):
             read = -1 if state.bronze_version is None else state.bronze_version
             upto = min(bronze, read + CATCH_UP_VERSIONS)
-            done.silver = build_silver(self.lake, self.options, upto, view=self.at_hand.silver)
+            done.silver = build_silver(
+                self.lake,
+                self.options,
+                upto,
+                view=self.at_hand.silver,
+                slot=self.slot,
+                fences=self.fences,
+            )
             done.silver_seconds = time.perf_counter() - started
             self.at_hand.silver = done.silver.view
-            state = silver_state(self.lake)
+            state = silver_state(self.lake, slot=self.slot)
             self._remember(done.silver)
         self._collect_aside(done)
         specs, done.spec_errors = self._current_specs()
@@ -245,6 +331,8 @@ class LiveMaterializer:
     def _open_view(self, versions: dict[str, int | None]) -> SilverView:
         """The silver view a (re)started follower begins with: read from the lake, or when
         bounded its history opened (rebuilt from the lake when missing or behind)."""
+        if self.slot is not None:
+            return share_view(self.lake, versions, self.slot)
         if self.history_path is None or not self.hot_steps:
             return SilverView.load(self.lake, versions)
         if self._history is None:
@@ -260,8 +348,15 @@ class LiveMaterializer:
         that dataset."""
         began = time.perf_counter()
         try:
+            if self.lease is not None:
+                self._fence([table(spec.name) for table in GOLD_SPECS_OF_DATASET])
             increment = update_dataset(
-                lake, spec, at_hand, recover=spec.name not in self._recovered
+                lake,
+                spec,
+                at_hand,
+                recover=spec.name not in self._recovered,
+                slot=self.slot,
+                fences=self.fences,
             )
         except Exception as exc:  # this dataset's alone: reported, tried again with backoff
             return exc
@@ -359,10 +454,14 @@ class LiveMaterializer:
         done.beside = [name for name in increments if name not in done.failed]
 
     def close(self) -> None:
-        """Wait for the work beside the rounds to finish and stop its thread."""
+        """Wait for the work beside the rounds to finish and stop its thread; a shard's
+        follower gives its lease up (another may take the shard at once)."""
         if self._worker is not None:
             self._worker[0].shutdown(wait=True)
             self._worker = None
+        if self.leases is not None and self.lease is not None:
+            self.leases.release(self.lease)
+            self.lease = None
         if self._history is not None:  # its lock: a restarted follower opens it again
             self._history.close()
             self._history = None
@@ -417,6 +516,15 @@ class LiveMaterializer:
             return
         self._beat_at = now
         beat = {"pid": os.getpid(), "updated_at": datetime.now(UTC).isoformat()}
+        if self.slot is not None and self.leases is not None:
+            held = self.lease
+            beat["shard"] = {
+                "slot": str(self.slot),
+                "owner": self.leases.owner,
+                "token": None if held is None else held.token,
+                "expires_at": None if held is None else held.expires_at.isoformat(),
+                "waiting": held is None,
+            }
         beat |= {"rounds": self.rounds, "last_round_s": done.seconds if done else None}
         brought = dict(self.at_hand.brought)  # the worker may add to it meanwhile
         beat["brought"] = {name: b.to_json() for name, b in brought.items()}
@@ -429,7 +537,7 @@ class LiveMaterializer:
                 "history": None if view.history is None else str(view.history.path),
                 "read_back": view.read_back,
             }
-        self.lake.write_text(HEARTBEAT, json.dumps(beat))
+        self.lake.write_text(heartbeat_of(self.slot), json.dumps(beat))
 
 
 def open_history(path: Path) -> History:
@@ -446,11 +554,12 @@ def open_history(path: Path) -> History:
         return History(own)
 
 
-def brought_before(lake: Lake) -> dict[str, Brought]:
-    """What the last follower's heartbeat says it brought each dataset up to (nothing when
-    it says nothing readable): a restarted follower's increments start from there."""
+def brought_before(lake: Lake, slot: Slot | None = None) -> dict[str, Brought]:
+    """What the last follower's heartbeat (a shard's: its own) says it brought each dataset
+    up to (nothing when it says nothing readable): a restarted follower's increments start
+    from there."""
     try:
-        text = lake.read_text(HEARTBEAT)
+        text = lake.read_text(heartbeat_of(slot))
         saved = json.loads(text).get("brought", {}) if text else {}
         return {name: Brought.from_json(data) for name, data in saved.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -473,10 +582,27 @@ def live_consumed(lake: Lake, within_s: float | None = None) -> dict[str, str]:
     return {d: t.isoformat() for d, t in last.iter_rows() if t is not None}
 
 
-def materializer_running(lake: Lake, within_s: float = STALE_AFTER_S) -> bool:
-    """Whether a live materializer's heartbeat is fresher than `within_s` seconds."""
+def materializer_running(
+    lake: Lake, within_s: float = STALE_AFTER_S, slot: Slot | None = None
+) -> bool:
+    """Whether a live materializer's heartbeat is fresher than `within_s` seconds: the
+    follower of `slot` when given, else any follower (unsharded, or a shard's)."""
+    if slot is not None:
+        names = [heartbeat_of(slot)]
+    else:
+        names = [HEARTBEAT]
+        with contextlib.suppress(OSError):
+            names += [n for n in lake.list_files("_live", ".json") if _SHARD_BEAT.search(n)]
+    return any(_fresh(lake, name, within_s) for name in names)
+
+
+_SHARD_BEAT = re.compile(r"materializer\.\d+of\d+\.json$")
+
+
+def _fresh(lake: Lake, name: str, within_s: float) -> bool:
+    """Whether heartbeat `name` was written within `within_s` seconds."""
     try:
-        text = lake.read_text(HEARTBEAT)
+        text = lake.read_text(name)
         updated = datetime.fromisoformat(json.loads(text)["updated_at"]) if text else None
     except (OSError, ValueError, KeyError, TypeError):
         return False

@@ -690,15 +690,21 @@ def _reloaded(
     if slot is not None:
         if view is not None and view.history is not None:
             raise NotImplementedError("a shard's follower keeps no history yet (§19)")
-        loaded = SilverView.load(lake, pins, slot)
-        pending = _unwritten_facts(lake, slot)  # its own: read again from its marker on
-        pending = pending.filter(~pl.Series(owned(slot, pending["feedback_id"])))
-        known = loaded.known_fact_ids(pending["feedback_id"])
-        loaded.add(pending.head(0), pending.filter(~pl.col("feedback_id").is_in(known.implode())))
-        return loaded
+        return share_view(lake, pins, slot)
     if view is None or view.history is None:
         return SilverView.load(lake, pins)
     return SilverView.open(lake, pins, view.history, view.hot_steps)
+
+
+def share_view(lake: Lake, pins: dict[str, int | None], slot: Slot) -> SilverView:
+    """A shard's view at `pins`, read from the lake: its share of silver, every fact, and
+    the facts bronze holds that other shards may not have written yet."""
+    loaded = SilverView.load(lake, pins, slot)
+    pending = _unwritten_facts(lake, slot)  # its own: read again from its marker on
+    pending = pending.filter(~pl.Series(owned(slot, pending["feedback_id"])))
+    known = loaded.known_fact_ids(pending["feedback_id"])
+    loaded.add(pending.head(0), pending.filter(~pl.col("feedback_id").is_in(known.implode())))
+    return loaded
 
 
 def _unwritten_facts(lake: Lake, slot: Slot) -> pl.DataFrame:

@@ -4,8 +4,14 @@ marker; together they equal one writer's build of the same bronze."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import uuid
 
 import polars as pl
@@ -14,6 +20,7 @@ import pytest
 from claw_pipelines.contracts.errors import Fenced
 from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.tables import (
+    SHARD_LEASES,
     SILVER_FEEDBACK,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
@@ -28,20 +35,22 @@ from claw_pipelines.lake.leases import ShardLeases
 from claw_pipelines.lake.specs import save_spec
 from claw_pipelines.materialize.gold import build_partition, partition_writer, policy_versions
 from claw_pipelines.materialize.increments import AtHand, update_dataset
-from claw_pipelines.materialize.silver import build_silver, silver_state
+from claw_pipelines.materialize.live import heartbeat_of
+from claw_pipelines.materialize.silver import SilverOptions, build_silver, silver_state
 from claw_pipelines.transforms.shards import buckets_of, stored_step_shard_keys
-from tests.materialize.test_incremental import OPTIONS, SPECS, latest_totals, same, script
 from tests.support import lakes
 from tests.support.lakes import feedback, land
+from tests.support.rounds import OPTIONS, SPECS, latest_totals, same, script
+from tests.support.servers import REPO, wait_until
 
 SHARDS = [Slot(0, 2), Slot(1, 2)]
 
 
-def one_writer(lake: Lake, path) -> Lake:
+def one_writer(lake: Lake, path, options: SilverOptions = OPTIONS) -> Lake:
     """A lake with the same bronze, its silver built by one writer from nothing."""
     shutil.copytree(f"{lake.uri}/bronze", path / "bronze")
     one = Lake(str(path))
-    build_silver(one, OPTIONS)
+    build_silver(one, options)
     return one
 
 
@@ -200,3 +209,81 @@ def test_two_shards_build_the_gold_one_writer_builds(tmp_path, seeded_ids):
             for slot in SHARDS
         }
         assert all(v is not None for v in writers.values()), writers  # both wrote a share
+
+
+def test_shard_followers_split_the_work_and_one_waiting_takes_over_a_killed_one(tmp_path):
+    """`claw materialize --follow --shard i/2` processes: a second follower of shard 0
+    waits for its lease; shard 0's first follower is killed (SIGKILL) mid-run and the
+    waiting one takes the shard over once the lease lapses (token 2). The followers' silver
+    and gold equal one writer's build of the same bronze."""
+    lake = Lake(str(tmp_path / "lake"))
+    for spec in GOLD_SPECS[:2]:
+        save_spec(lake, spec)
+    env = {**os.environ, "CLAW_LAKE_URI": lake.uri, "CLAW_SHARD_LEASE_TTL_S": "2"}
+    env.pop("DAGSTER_HOME", None)
+    command = [sys.executable, "-m", "claw_pipelines.app.cli", "materialize", "--follow"]
+    logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "c")}
+
+    def start(name: str, shard: str) -> subprocess.Popen:
+        out = logs[name].open("w")
+        args = [*command, "--poll-s", "0.05", "--shard", shard]
+        return subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    first, other = start("a", "0/2"), start("b", "1/2")
+    procs = [first, other]
+    try:
+        wait_until(lambda: lake.exists(SHARD_LEASES) and _holders(lake) == 2, 60, what="leases")
+        procs.append(start("c", "0/2"))  # shard 0 is held: it waits
+        wait_until(lambda: "waiting for its lease" in logs["c"].read_text(), 30, what="waiting")
+        for round_ in range(4):
+            land(lake, script(round_))
+            if round_ == 1:
+                time.sleep(0.5)
+                first.send_signal(signal.SIGKILL)  # wherever it is
+                first.wait(10)
+            time.sleep(0.3)
+        wait_until(lambda: "lease taken" in logs["c"].read_text(), 60, what="the takeover")
+        wait_until(lambda: _caught_up(lake, GOLD_SPECS[:2]), 90, what="both shards caught up")
+    finally:
+        for proc in procs[1:]:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(30)
+    for name, log in logs.items():  # no dataset failed in any follower
+        assert "not building" not in log.read_text(), (name, log.read_text())
+    assert "lease taken (token 2)" in logs["c"].read_text()
+    leases = ShardLeases(lake, "reader").holders()
+    zero = leases.filter(pl.col("shard_index") == 0).row(0, named=True)
+    assert zero["token"] == 2 and zero["released_at"] is not None  # taken over, then let go
+
+    one = one_writer(lake, tmp_path / "one", SilverOptions())
+    mine, theirs = silver_of(lake), silver_of(one)
+    for table in mine:
+        same(mine[table], theirs[table], mine[table].columns[:1])
+    for spec in GOLD_SPECS[:2]:
+        save_spec(one, spec)
+        for version in policy_versions(one):
+            build_partition(one, spec, version)
+        table = gold_dataset_table(spec.name)
+        same(lake.read(table).drop("landed_at"), one.read(table).drop("landed_at"), ["step_key"])
+
+
+def _holders(lake: Lake) -> int:
+    """How many shard leases are held now."""
+    return ShardLeases(lake, "reader").holders().filter(~pl.col("expired")).height
+
+
+def _caught_up(lake: Lake, specs) -> bool:
+    """Whether every shard's silver is at bronze's newest version and its heartbeat says it
+    brought every dataset up to its marker."""
+    newest = lake.version("bronze/events")
+    for slot in SHARDS:
+        state = silver_state(lake, slot=slot)
+        beat = json.loads(lake.read_text(heartbeat_of(slot)) or "{}")
+        marker = state.versions.get(SILVER_TRAJECTORIES)
+        brought = beat.get("brought", {})
+        if state.bronze_version != newest:
+            return False
+        if any(brought.get(spec.name, {}).get("marker") != marker for spec in specs):
+            return False
+    return True

@@ -97,9 +97,17 @@ def mounts(statefulset: dict) -> dict[str, str]:
     return {m["name"]: m["mountPath"] for m in container(statefulset).get("volumeMounts") or ()}
 
 
+# what the downward API gives a StatefulSet's pod `ordinal` (Kubernetes 1.28+ labels it with
+# its ordinal)
+POD_FIELDS = {
+    "metadata.name": lambda name, ordinal: f"{name}-{ordinal}",
+    "metadata.labels['apps.kubernetes.io/pod-index']": lambda name, ordinal: str(ordinal),
+}
+
+
 def pod_environment(statefulset: dict, ordinal: int) -> dict[str, str]:
     """The environment replica `ordinal` gets: its Secrets' keys (placeholders), then `env`
-    (the pod's own name where the downward API gives it)."""
+    (the pod's own name, or its ordinal, where the downward API gives it)."""
     spec = container(statefulset)
     environment = {}
     for source in spec.get("envFrom") or ():
@@ -107,8 +115,10 @@ def pod_environment(statefulset: dict, ordinal: int) -> dict[str, str]:
         assert set(source) == {"secretRef"}, source
     for variable in spec.get("env") or ():
         if "valueFrom" in variable:
-            assert variable["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-            value = f"{statefulset['metadata']['name']}-{ordinal}"
+            path = variable["valueFrom"]["fieldRef"]["fieldPath"]
+            assert set(variable["valueFrom"]) == {"fieldRef"}, variable
+            assert path in POD_FIELDS, path
+            value = POD_FIELDS[path](statefulset["metadata"]["name"], ordinal)
         else:
             value = variable["value"]
         environment[variable["name"]] = value
@@ -207,6 +217,15 @@ def test_settings_exist_and_the_volumes_are_where_they_point(name, monkeypatch):
         paths = {v for v in settings.model_dump().values() if isinstance(v, Path)}
         for claim in claims:
             assert Path(mounted[claim]) in paths, f"no setting points at {claim}'s volume"
+    if name == "claw-materializer":  # one follows the whole lake; N split it, pod i shard i
+        assert [s.resolved_shard for s in replicas] == [None]
+        scaled = copy.deepcopy(statefulset)
+        scaled["spec"]["replicas"] = 3
+        for variable in container(scaled)["env"]:
+            if variable["name"] == "CLAW_SHARD_COUNT":
+                variable["value"] = "3"
+        shards = [settings_of(pod_environment(scaled, i), monkeypatch) for i in range(3)]
+        assert [s.resolved_shard for s in shards] == ["0/3", "1/3", "2/3"]
     if name == "claw-gateway":
         ids = [s.gateway_id for s in replicas]
         assert len(set(ids)) == len(ids) == 3, ids
