@@ -48,6 +48,7 @@ from claw_pipelines.materialize.failing import FailingBuild
 from claw_pipelines.materialize.gold import classified, source_versions
 from claw_pipelines.materialize.live import materializer_running
 from claw_pipelines.ops.ledger import LEDGER_SCHEMA, waste_ledger
+from claw_pipelines.ops.shards import shard_statuses
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.tokenization import ChatTokenizer
 from claw_pipelines.transforms.curation import (
@@ -957,6 +958,15 @@ def failing_builds(at: Where, mine: set[str] | None = None) -> list[FailingBuild
     if at.caller.sees_every_tenant:
         return found
     return [b for b in found if b.what.split("|", 1)[0] in (mine or set())]
+
+
+def shard_status(at: Where) -> pl.DataFrame | None:
+    """Each materializer shard (owner, lease age, lag behind bronze, last error, problem),
+    for a caller who sees every tenant; None when the lake has no shards or for others."""
+    if not at.caller.sees_every_tenant:
+        return None
+    rows = [status.to_row() for status in shard_statuses(at.lake())]
+    return pl.DataFrame(rows) if rows else None
 
 
 def materializer_status(at: Where) -> bool:

@@ -194,9 +194,45 @@ def _cmd_check(args: argparse.Namespace) -> None:
     problems = check_lake(lake)
     for problem in problems:
         print(problem)
+    if problems and all(p.kind == "shards" for p in problems):
+        raise CliError(
+            f"{len(problems)} shard problem(s) in {lake.uri}: start their followers "
+            "(`claw materialize --follow --shard i/N`); `claw shards` shows them"
+        )
     if problems:
         raise CliError(f"{len(problems)} problem(s) in {lake.uri}; `claw repair` fixes them")
     print(f"{lake.uri}: no problem found (keys unique, watermark consistent, trees match)")
+
+
+def _cmd_shards(args: argparse.Namespace) -> None:
+    from claw_pipelines.lake.leases import ShardPlan
+    from claw_pipelines.ops.shards import shard_statuses
+
+    _caller(args).require_every_tenant("claw shards")
+    lake = _open_lake(args)
+    if args.count is not None:
+        plan = ShardPlan.set(lake, args.count)
+        was = "" if plan.previous is None else f" (was {plan.previous})"
+        print(
+            f"{lake.uri}: split {plan.count} way(s) from now on{was}; followers of another "
+            "count stop, the new ones take over once their leases are gone"
+        )
+    plan = ShardPlan.read(lake)
+    print(f"plan: {'not set' if plan is None else f'{plan.count} way(s) since {plan.set_at}'}")
+    statuses = shard_statuses(lake)
+    if not statuses:
+        print("no shard has been followed yet (one follower: `claw materialize --follow`)")
+        return
+    for status in statuses:
+        row = status.to_row()
+        age = "" if row["lease age (s)"] is None else f", lease {row['lease age (s)']} s old"
+        behind = row["behind (versions)"]
+        print(
+            f"shard {row['shard']}: {row['state']} by {row['owner'] or '-'} (token "
+            f"{row['token']}{age}); silver at bronze v{row['silver at bronze']}, "
+            f"{behind} version(s) behind"
+            + (f"; PROBLEM: {status.problem}" if status.problem else "")
+        )
 
 
 def _cmd_repair(args: argparse.Namespace) -> None:
@@ -538,6 +574,18 @@ def build_parser() -> argparse.ArgumentParser:
     judge.add_argument("--no-silver", action="store_true", help="do not run silver afterwards")
 
     verb("check", _cmd_check, "check a lake: keys held twice, watermarks, trees vs steps")
+    shards = verb(
+        "shards",
+        _cmd_shards,
+        "the materializer shards: owner, lease age, lag behind bronze, last error; --count sets "
+        "how many ways the lake is split",
+    )
+    shards.add_argument(
+        "--count",
+        type=int,
+        help="split the lake N ways from now on (followers of another count stop; 1: one "
+        "follower, unsharded)",
+    )
     verb(
         "repair",
         _cmd_repair,

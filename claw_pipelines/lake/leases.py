@@ -17,6 +17,8 @@ conflicts (the same application id committed since it read) and, read again, is 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import socket
 import uuid
@@ -53,6 +55,55 @@ class Lease:
 
 class LeaseLost(Exception):
     """The lease is another follower's now (it expired and was taken over)."""
+
+
+class Resharded(LeaseLost):
+    """The lake is split another number of ways now: this follower's shard is retired."""
+
+
+PLAN = "ops/shard_plan.json"  # how many ways the lake is split (`claw shards --count N`)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How many followers split the lake now (`count`; 1: one follower, unsharded), the
+    count before the last change, and when it was set."""
+
+    count: int
+    previous: int | None
+    set_at: str
+
+    @classmethod
+    def read(cls, lake: Lake) -> ShardPlan | None:
+        """The lake's plan (None: never set, any count may follow)."""
+        text = lake.read_text(PLAN)
+        if not text:
+            return None
+        data = json.loads(text)
+        return cls(int(data["count"]), data.get("previous"), str(data.get("set_at", "")))
+
+    @classmethod
+    def set(cls, lake: Lake, count: int) -> ShardPlan:
+        """Split the lake `count` ways from now on: followers of another count stop, those
+        of this one take over once the old ones' leases are gone."""
+        if count < 1:
+            raise ValueError(f"shard count {count}: at least 1")
+        before = cls.read(lake)
+        previous = None if before is None else before.count
+        if before is not None and before.count == count:
+            previous = before.previous
+        plan = cls(count, previous, datetime.now(UTC).isoformat(timespec="seconds"))
+        lake.write_text(PLAN, json.dumps(dataclasses.asdict(plan)))
+        return plan
+
+    def slot_of(self, slot: Slot | None) -> str | None:
+        """Why a follower of `slot` (None: unsharded) may not follow under this plan, or
+        None when it may."""
+        given = 1 if slot is None else slot.count
+        if given == self.count:
+            return None
+        wanted = "one follower, unsharded" if self.count == 1 else f"--shard i/{self.count}"
+        return f"the lake is split {self.count} way(s) now ({wanted})"
 
 
 def follower_id() -> str:
@@ -135,6 +186,21 @@ class ShardLeases:
                 return
             except WriteConflict:
                 continue
+
+    def held_by_others(self, count: int) -> pl.DataFrame:
+        """The leases of shards of another count than `count` still held (a resharding
+        waits for them to be released or to lapse)."""
+        rows = self.holders()
+        return rows.filter((pl.col("shard_count") != count) & ~pl.col("expired"))
+
+    def retired(self, count: int) -> dict[str, int]:
+        """The writers of shards of other counts than `count`, each at one past its last
+        token: fencing them stops a follower of an earlier split that wakes up late."""
+        rows = self.holders().filter(pl.col("shard_count") != count)
+        return {
+            Slot(int(i), int(n)).writer_app_id: int(token) + 1
+            for n, i, token in rows.select("shard_count", "shard_index", "token").iter_rows()
+        }
 
     def fence(self, lease: Lease, tables: Iterable[str]) -> None:
         """Record the lease's token in `tables` (the shard writes them): an earlier owner's

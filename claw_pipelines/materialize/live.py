@@ -60,7 +60,14 @@ from claw_pipelines.contracts.tables import (
     gold_tree_table,
 )
 from claw_pipelines.lake.delta import Lake
-from claw_pipelines.lake.leases import LEASE_TTL_S, Lease, ShardLeases, follower_id
+from claw_pipelines.lake.leases import (
+    LEASE_TTL_S,
+    Lease,
+    Resharded,
+    ShardLeases,
+    ShardPlan,
+    follower_id,
+)
 from claw_pipelines.lake.specs import SpecError, read_specs, spec_path
 from claw_pipelines.materialize.gold import SILVER_REFERENCE, TOKEN_COLUMNS
 from claw_pipelines.materialize.history import History
@@ -69,6 +76,7 @@ from claw_pipelines.materialize.silver import (
     SilverOptions,
     SilverRun,
     build_silver,
+    earliest_marker,
     share_view,
     silver_state,
 )
@@ -94,6 +102,7 @@ PULLING_S = 600.0  # a dataset pulled from live within this long has a trainer w
 BACKGROUND_S = 15.0  # while trainers wait on some datasets, the others follow this often
 RECENT_S = 300.0  # how much data time of new steps' tokens a follower keeps at hand
 RECENT_STEPS = 50_000  # and at most how many steps' (the rest is read from silver)
+PLAN_EVERY_S = 2.0  # the lake's shard plan is read again at most this often
 CATCH_UP_VERSIONS = 64  # bronze versions (gateway flushes) one round takes at most
 RETRY_FIRST_S = 1.0  # a dataset whose increment failed is tried again after this long,
 RETRY_MAX_S = 60.0  # doubling with each failure in a row up to this
@@ -176,10 +185,13 @@ class LiveMaterializer:
         self.lake, self.options = lake, options or SilverOptions()
         # one shard's (docs/DESIGN.md §19): under its lease, its view whole (no history yet)
         self.slot = slot
-        self.leases = ShardLeases(lake, follower_id(), lease_ttl_s) if slot else None
+        self.leases = ShardLeases(lake, follower_id(), lease_ttl_s)
         self.lease: Lease | None = None
         self._renewed_at = 0.0
-        self._fenced: set[str] = set()  # tables this lease's token is recorded in
+        self._fenced: set[str] = set()  # tables the tokens below are recorded in
+        self._tokens: dict[str, int] = {}  # its writer's token, and retired shards' (+1)
+        self._plan: tuple[float, ShardPlan | None] = (-1e9, None)
+        self._start_after: int | None = None  # a new shard: silver starts after this
         if slot is not None:
             history, hot_steps = None, 0
         # bounded (`history` and `hot_steps` given): the view holds the open window only
@@ -229,26 +241,51 @@ class LiveMaterializer:
         """A shard's follower: take its lease when free (fencing its silver tables), or renew
         it when a third of its TTL has passed; False while another follower holds it.
         LeaseLost when it was taken over (the follower must stop)."""
-        if self.leases is None or self.slot is None:
-            return True
         now = time.monotonic()
+        plan = self._current_plan(now)
+        if plan is not None and (why := plan.slot_of(self.slot)) is not None:
+            who = "this follower" if self.slot is None else f"shard {self.slot}"
+            raise Resharded(f"{who}: {why}")
+        if self.slot is None:  # one follower: after a split, once the shards' leases are gone
+            if plan is None or plan.previous in (None, 1) or self._fenced:
+                return True
+            if self.leases.held_by_others(1).height:
+                return False
+            self._tokens = self.leases.retired(1)
+            self._fence([TABLES[t] for t in SILVER_TABLES])
+            return True
         if self.lease is None:
+            if plan is not None and self.leases.held_by_others(self.slot.count).height:
+                return False  # a resharding: the earlier split's followers still hold leases
             self.lease = self.leases.acquire(self.slot)
             if self.lease is None:
                 return False
             self._renewed_at, self._fenced = now, set()
+            self._tokens = {self.slot.writer_app_id: self.lease.token}
+            self._tokens |= self.leases.retired(self.slot.count)
             self._fence([TABLES[t] for t in SILVER_TABLES])
+            previous = None if plan is None else plan.previous
+            self._start_after = None if previous is None else earliest_marker(self.lake, previous)
+            if previous is not None:  # the split changed: its share is curated whole once
+                self.at_hand.brought = {}
         elif now - self._renewed_at >= self.leases.ttl.total_seconds() / 3:
             self.lease = self.leases.renew(self.lease)
             self._renewed_at = now
         return True
 
+    def _current_plan(self, now: float) -> ShardPlan | None:
+        """The lake's shard plan (read again at most every PLAN_EVERY_S)."""
+        if now - self._plan[0] >= PLAN_EVERY_S:
+            self._plan = (now, ShardPlan.read(self.lake))
+        return self._plan[1]
+
     def _fence(self, tables: Sequence[TableSpec]) -> None:
-        """Record the lease's token in `tables` not fenced yet under it."""
-        assert self.lease is not None
+        """Record the lease's token (and one past each retired shard's) in `tables` not
+        fenced yet under it."""
         for table in tables:
             if table.name not in self._fenced:
-                self.lake.fence(table, self.lease.slot.writer_app_id, self.lease.token)
+                for app_id, token in self._tokens.items():
+                    self.lake.fence(table, app_id, token)
                 self._fenced.add(table.name)
 
     @property
@@ -275,8 +312,11 @@ class LiveMaterializer:
             self.at_hand.silver = self._open_view(state.versions)  # a (re)start
         elif bounded and view is not None and not view.stands_at(state.versions, self.lake):
             self.at_hand.silver = self._open_view(state.versions)  # another writer moved silver
-        if bronze is not None and (state.bronze_version is None or bronze > state.bronze_version):
-            read = -1 if state.bronze_version is None else state.bronze_version
+        start = state.bronze_version
+        if start is None and self.slot is not None:  # a new shard: after the earlier split's
+            start = self._start_after
+        if bronze is not None and (start is None or bronze > start):
+            read = -1 if start is None else start
             upto = min(bronze, read + CATCH_UP_VERSIONS)
             done.silver = build_silver(
                 self.lake,
@@ -285,6 +325,7 @@ class LiveMaterializer:
                 view=self.at_hand.silver,
                 slot=self.slot,
                 fences=self.fences,
+                start_after=self._start_after,
             )
             done.silver_seconds = time.perf_counter() - started
             self.at_hand.silver = done.silver.view
@@ -332,7 +373,7 @@ class LiveMaterializer:
         """The silver view a (re)started follower begins with: read from the lake, or when
         bounded its history opened (rebuilt from the lake when missing or behind)."""
         if self.slot is not None:
-            return share_view(self.lake, versions, self.slot)
+            return share_view(self.lake, versions, self.slot, self._start_after)
         if self.history_path is None or not self.hot_steps:
             return SilverView.load(self.lake, versions)
         if self._history is None:
@@ -348,7 +389,7 @@ class LiveMaterializer:
         that dataset."""
         began = time.perf_counter()
         try:
-            if self.lease is not None:
+            if self._tokens:
                 self._fence([table(spec.name) for table in GOLD_SPECS_OF_DATASET])
             increment = update_dataset(
                 lake,
@@ -459,7 +500,7 @@ class LiveMaterializer:
         if self._worker is not None:
             self._worker[0].shutdown(wait=True)
             self._worker = None
-        if self.leases is not None and self.lease is not None:
+        if self.lease is not None:
             self.leases.release(self.lease)
             self.lease = None
         if self._history is not None:  # its lock: a restarted follower opens it again
@@ -516,7 +557,7 @@ class LiveMaterializer:
             return
         self._beat_at = now
         beat = {"pid": os.getpid(), "updated_at": datetime.now(UTC).isoformat()}
-        if self.slot is not None and self.leases is not None:
+        if self.slot is not None:
             held = self.lease
             beat["shard"] = {
                 "slot": str(self.slot),

@@ -505,6 +505,7 @@ def build_silver(
     view: SilverView | None = None,
     slot: Slot | None = None,
     fences: Mapping[str, int] | None = None,
+    start_after: int | None = None,
 ) -> SilverRun:
     """Bring silver up to `bronze_version` (default: bronze's current version).
 
@@ -517,11 +518,12 @@ def build_silver(
     `slot`: the run of one shard (docs/DESIGN.md §19): the steps of its buckets, the facts
     they derive and the bronze facts of its buckets (by `feedback_id`), the derived rows of
     its trajectories, under its own writer and marker; `fences`: its lease's
-    (`Lease.guard`)."""
+    (`Lease.guard`); `start_after`: where a shard with no marker yet starts reading bronze
+    (the earliest marker of the split before, `earliest_marker`; None: all of bronze)."""
     options = options or SilverOptions()
     ensure_silver(lake)
     kept = [view]
-    share = Share(slot, dict(fences or {}))
+    share = Share(slot, dict(fences or {}), start_after)
 
     def attempt() -> SilverRun:
         run = _build_once(lake, options, bronze_version, full, kept[0], share)
@@ -538,6 +540,7 @@ class Share:
 
     slot: Slot | None = None
     fences: dict[str, int] = field(default_factory=dict)
+    start_after: int | None = None  # a shard with no marker yet: bronze read after this
 
     @property
     def writer(self) -> str:
@@ -576,6 +579,8 @@ def _build_once(
     state = silver_state(lake, at=pins[WATERMARK_TABLE], slot=slot)
     until = lake.version(BRONZE_EVENTS) if bronze_version is None else bronze_version
     after = None if full else state.bronze_version
+    if after is None and not full and slot is not None:
+        after = share.start_after
     run = SilverRun(bronze_version=until, previous_bronze_version=state.bronze_version)
     run.view = view
     if until is None or (after is not None and until <= after):
@@ -583,7 +588,7 @@ def _build_once(
         run.versions = dict(state.versions)
         return run
     if not share.holds(view, pins, lake):
-        view = run.view = _reloaded(lake, pins, view, slot)
+        view = run.view = _reloaded(lake, pins, view, share)
     guard = Guard((share.writer,), until, pins, share.fences)
     read = _read_bronze(lake, after, until, slot)
     steps, fact_records, run.read_mode = read.steps, read.facts, read.mode
@@ -682,36 +687,50 @@ def _build_once(
 
 
 def _reloaded(
-    lake: Lake, pins: dict[str, int | None], view: SilverView | None, slot: Slot | None = None
+    lake: Lake, pins: dict[str, int | None], view: SilverView | None, share: Share | None = None
 ) -> SilverView:
     """The view at `pins` after another writer moved silver: read from the lake again, or for
     a bounded view its history brought there (rebuilt from the lake). A shard's view also
     files the facts bronze holds that their shards have not written yet."""
-    if slot is not None:
+    if share is not None and share.slot is not None:
         if view is not None and view.history is not None:
             raise NotImplementedError("a shard's follower keeps no history yet (§19)")
-        return share_view(lake, pins, slot)
+        return share_view(lake, pins, share.slot, share.start_after)
     if view is None or view.history is None:
         return SilverView.load(lake, pins)
     return SilverView.open(lake, pins, view.history, view.hot_steps)
 
 
-def share_view(lake: Lake, pins: dict[str, int | None], slot: Slot) -> SilverView:
+def share_view(
+    lake: Lake, pins: dict[str, int | None], slot: Slot, start_after: int | None = None
+) -> SilverView:
     """A shard's view at `pins`, read from the lake: its share of silver, every fact, and
-    the facts bronze holds that other shards may not have written yet."""
+    the facts bronze holds that other shards may not have written yet (after the earliest
+    marker of its split; `start_after` where there is none)."""
     loaded = SilverView.load(lake, pins, slot)
-    pending = _unwritten_facts(lake, slot)  # its own: read again from its marker on
+    pending = _unwritten_facts(lake, slot, start_after)  # its own: read again from its marker
     pending = pending.filter(~pl.Series(owned(slot, pending["feedback_id"])))
     known = loaded.known_fact_ids(pending["feedback_id"])
     loaded.add(pending.head(0), pending.filter(~pl.col("feedback_id").is_in(known.implode())))
     return loaded
 
 
-def _unwritten_facts(lake: Lake, slot: Slot) -> pl.DataFrame:
+def earliest_marker(lake: Lake, count: int) -> int | None:
+    """The bronze version every follower of a split `count` ways (1: one follower,
+    unsharded) had read: the smallest of their markers (None: one has none)."""
+    if count == 1:
+        return silver_state(lake).bronze_version
+    marks = [silver_state(lake, slot=Slot(i, count)).bronze_version for i in range(count)]
+    return None if None in marks else min(m for m in marks if m is not None)
+
+
+def _unwritten_facts(lake: Lake, slot: Slot, start_after: int | None = None) -> pl.DataFrame:
     """The facts of bronze's records after the oldest marker of the shards of `slot`'s count
-    (every one of them, when one has none): those another shard may not have written yet."""
-    marks = [silver_state(lake, slot=Slot(i, slot.count)).bronze_version for i in range(slot.count)]
-    after = None if None in marks else min(m for m in marks if m is not None)
+    (`start_after` when one has none; None: all of bronze): those another shard may not
+    have written yet."""
+    after = earliest_marker(lake, slot.count)
+    if after is None:
+        after = start_after
     until = lake.version(BRONZE_EVENTS)
     if until is None or (after is not None and until <= after):
         return bronze_facts(empty_frame(TABLES[BRONZE_EVENTS].schema).select(FACT_COLUMNS))

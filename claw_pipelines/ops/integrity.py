@@ -22,6 +22,7 @@ from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     GOLD_LINEAGE,
+    SHARD_LEASES,
     SILVER_FEEDBACK,
     SILVER_STEP_CONFLICTS,
     SILVER_STEP_REWARDS,
@@ -42,6 +43,7 @@ from claw_pipelines.materialize.silver import (
     dedupe_silver,
     silver_state,
 )
+from claw_pipelines.ops.shards import shard_problems
 from claw_pipelines.transforms.hashing import content_hashes
 from claw_pipelines.transforms.quality import (
     Finding,
@@ -50,7 +52,7 @@ from claw_pipelines.transforms.quality import (
     step_keys_are_unique,
 )
 
-Kind = Literal["duplicates", "watermark", "trees", "bad_rows"]
+Kind = Literal["duplicates", "watermark", "trees", "bad_rows", "shards"]
 SILVER_KEYS = {
     SILVER_STEPS: "step_key",
     SILVER_FEEDBACK: "feedback_id",
@@ -97,8 +99,10 @@ def _from(finding: Finding, table: str, kind: Kind, what: str, **extra) -> list[
 
 
 def check_lake(lake: Lake) -> list[Problem]:
-    """Every inconsistency in the lake's silver and gold tables (an empty list: none)."""
-    return [*_silver_problems(lake), *_gold_problems(lake)]
+    """Every inconsistency in the lake's silver and gold tables, and every shard of its split
+    that is not well (an empty list: none)."""
+    shards = [Problem(SHARD_LEASES, "shards", line) for line in shard_problems(lake)]
+    return [*_silver_problems(lake), *_gold_problems(lake), *shards]
 
 
 def _silver_problems(lake: Lake) -> list[Problem]:

@@ -126,6 +126,13 @@ def live_lag() -> None:
         else "no live materializer is running: gold moves with Dagster runs "
         "(start one with `claw materialize --follow`, or `claw up`)"
     )
+    shards = data.shard_status(at)
+    if shards is not None:
+        st.subheader("Materializer shards")
+        flagged = shards.filter(pl.col("problem").is_not_null())
+        for problem in flagged["problem"].to_list():
+            st.warning(problem)
+        st.dataframe(shards, hide_index=True, width="stretch")
     rows = []
     lake = at.lake()
     for name in data.datasets(at):

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from claw_pipelines.contracts.shards import Slot
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.leases import ShardPlan
+from claw_pipelines.materialize.live import LiveMaterializer
 from tests.support.ingest import post, step
+from tests.support.lakes import group_of, land
 from tests.support.servers import DASHBOARD_APP as APP
 from tests.support.servers import TEST_KEY, GatewayProcess
 
@@ -71,3 +76,20 @@ def test_a_lake_whose_gateway_has_landed_nothing_yet_renders(gateways, monkeypat
     assert {m.label: m.value for m in app.metric}["acknowledged records"] == "0"
     app.switch_page("app_pages/overview.py")
     assert not app.run().exception
+
+
+def test_the_materializer_shards_show_with_their_problems(tmp_path, monkeypatch):
+    """A lake split two ways: the Collection page lists each shard (owner, token, lag) and
+    warns of the one nobody holds."""
+    lake = Lake(str(tmp_path / "lake"))
+    land(lake, group_of("g", [1, 2], [1.0, 0.0]))
+    ShardPlan.set(lake, 2)
+    follower = LiveMaterializer(lake, slot=Slot(0, 2))
+    follower.step()  # shard 1/2: never followed
+    app = collection(monkeypatch, lake.uri, "http://127.0.0.1:9", None)
+    shards = next(d.value for d in app.dataframe if "shard" in d.value.columns)
+    assert shards["shard"].to_list() == ["0/2", "1/2"]
+    assert shards["state"].to_list() == ["held", "free"]
+    assert shards["token"].to_list()[0] == 1
+    assert any("shard 1/2: no follower holds it" in w.value for w in app.warning)
+    follower.close()

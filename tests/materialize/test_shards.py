@@ -31,11 +31,12 @@ from claw_pipelines.contracts.tables import (
     gold_tree_table,
 )
 from claw_pipelines.lake.delta import Lake
-from claw_pipelines.lake.leases import ShardLeases
+from claw_pipelines.lake.leases import Resharded, ShardLeases, ShardPlan
 from claw_pipelines.lake.specs import save_spec
+from claw_pipelines.materialize import live
 from claw_pipelines.materialize.gold import build_partition, partition_writer, policy_versions
 from claw_pipelines.materialize.increments import AtHand, update_dataset
-from claw_pipelines.materialize.live import heartbeat_of
+from claw_pipelines.materialize.live import LiveMaterializer, heartbeat_of
 from claw_pipelines.materialize.silver import SilverOptions, build_silver, silver_state
 from claw_pipelines.transforms.shards import buckets_of, stored_step_shard_keys
 from tests.support import lakes
@@ -287,3 +288,115 @@ def _caught_up(lake: Lake, specs) -> bool:
         if any(brought.get(spec.name, {}).get("marker") != marker for spec in specs):
             return False
     return True
+
+
+def test_resharding_two_three_two_under_traffic_hands_every_group_over(tmp_path, monkeypatch):
+    """The lake goes from 2 shards to 3 and back to 2 while rounds land: the followers of
+    the old split stop (their shard is retired), the new ones wait for the old leases to
+    go, then start after the old split's earliest marker; a follower of the old split that
+    wakes up late is fenced. Nothing is lost or built twice: silver and gold equal one
+    writer's build."""
+    monkeypatch.setattr(live, "PLAN_EVERY_S", 0.0)
+    lake = Lake(str(tmp_path / "lake"))
+    for spec in GOLD_SPECS[:2]:
+        save_spec(lake, spec)
+
+    def followers(count: int) -> list[LiveMaterializer]:
+        ShardPlan.set(lake, count)
+        return [LiveMaterializer(lake, OPTIONS, slot=Slot(i, count)) for i in range(count)]
+
+    running = followers(2)
+    late_lease = None
+    for round_ in range(6):
+        land(lake, script(round_))
+        if round_ in (2, 4):  # 2 -> 3, then 3 -> 2
+            nxt = followers(3 if round_ == 2 else 2)
+            assert nxt[0].step().waiting  # the old split's leases are still held
+            for old in running:
+                with pytest.raises(Resharded):
+                    old.step()
+                if round_ == 2 and old.slot == Slot(0, 2):
+                    late_lease = old.lease  # a follower that will wake up late
+                old.close()  # lets its lease go
+            running = nxt
+        for follower in running:
+            done = follower.step()
+            assert not done.waiting and not follower.failing, follower.failing
+            if round_ in (2, 4):  # a new split's first run: after the old one's earliest marker
+                assert done.silver is not None and done.silver.read_mode == "changes"
+    for follower in running:  # caught up
+        while follower.step().changed:
+            pass
+        follower.close()
+    leases = ShardLeases(lake, "reader").holders()
+    assert sorted(leases.select("shard_count", "shard_index").rows()) == [
+        (2, 0),
+        (2, 1),
+        (3, 0),
+        (3, 1),
+        (3, 2),
+    ]
+    assert late_lease is not None  # its writer was fenced by the 3-way split's followers
+    land(lake, script(6))
+    with pytest.raises(Fenced):
+        build_silver(
+            lake,
+            OPTIONS,
+            slot=late_lease.slot,
+            fences={late_lease.slot.writer_app_id: late_lease.token},
+        )
+
+    one = one_writer(lake, tmp_path / "one")
+    for follower in followers(2):  # the last round, taken in by the 2-way split again
+        while follower.step().changed:
+            pass
+        follower.close()
+    mine, theirs = silver_of(lake), silver_of(one)
+    for table in mine:
+        same(mine[table], theirs[table], mine[table].columns[:1])
+    for spec in GOLD_SPECS[:2]:
+        save_spec(one, spec)
+        for version in policy_versions(one):
+            build_partition(one, spec, version)
+        for table in (gold_dataset_table(spec.name), gold_rejection_table(spec.name)):
+            order = ["step_key"]
+            same(lake.read(table).drop("landed_at"), one.read(table).drop("landed_at"), order)
+        trees = ["policy_version", "tree_id", "segment"]
+        same(lake.read(gold_tree_table(spec.name)), one.read(gold_tree_table(spec.name)), trees)
+
+
+def test_claw_shards_and_check_show_each_shard_and_flag_a_lapsed_lease(tmp_path):
+    """`claw shards --count 2` sets the split; after two followers ran, `claw shards` names
+    each shard's owner, token, lease age and lag, and `claw check` is clean; once shard 1's
+    lease lapses unreleased (its follower died) and bronze moves on, both flag it."""
+    lake = Lake(str(tmp_path / "lake"))
+    env = {**os.environ, "CLAW_LAKE_URI": lake.uri}
+    claw = [sys.executable, "-m", "claw_pipelines.app.cli"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*claw, *args], cwd=REPO, env=env, capture_output=True, text=True)
+
+    land(lake, script(0))
+    assert "split 2 way(s) from now on" in run("shards", "--count", "2").stdout
+    ttl = 4.0
+    followers = [LiveMaterializer(lake, OPTIONS, slot=slot, lease_ttl_s=ttl) for slot in SHARDS]
+    for follower in followers:
+        follower.step()
+    taken = time.monotonic()
+    shown = run("shards").stdout
+    for slot in SHARDS:
+        line = next(line for line in shown.splitlines() if line.startswith(f"shard {slot}:"))
+        assert "held by" in line and "token 1" in line and "0 version(s) behind" in line
+        assert "PROBLEM" not in line
+    checked = run("check")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    followers[0].close()  # released: shard 0 is free, cleanly
+    time.sleep(max(0.0, taken + ttl + 0.1 - time.monotonic()))  # shard 1's follower "died":
+    # its lease lapses unreleased
+    land(lake, script(1))
+    shown = run("shards").stdout
+    assert "shard 1/2: lapsed" in shown and "lease of" in shown and "lapsed" in shown
+    assert "shard 0/2: released" in shown and "no follower holds it" in shown
+    checked = run("check")
+    assert checked.returncode != 0
+    assert "shard problem(s)" in checked.stderr and "shard 1/2: lease of" in checked.stdout
