@@ -60,6 +60,7 @@ from benchmarks.harness import (  # noqa: E402
 )
 from claw_pipelines.app.instance import DAGSTER_YAML  # noqa: E402
 from claw_pipelines.app.processes import ServiceProcess, free_port  # noqa: E402
+from claw_pipelines.contracts.shards import Slot  # noqa: E402
 from claw_pipelines.contracts.specs import CurationSpec  # noqa: E402
 from claw_pipelines.contracts.tables import (  # noqa: E402
     BRONZE_EVENTS,
@@ -67,6 +68,7 @@ from claw_pipelines.contracts.tables import (  # noqa: E402
     gold_dataset_table,
 )
 from claw_pipelines.lake.delta import COMMIT_METADATA_KEY, Lake  # noqa: E402
+from claw_pipelines.lake.leases import ShardPlan  # noqa: E402
 from claw_pipelines.lake.specs import save_spec  # noqa: E402
 from claw_pipelines.materialize.live import materializer_running  # noqa: E402
 
@@ -228,16 +230,20 @@ def gateway_service(lake: str, workdir: Path, flush_ms: int) -> ServiceProcess:
     )
 
 
-def materializer_service(lake: str, workdir: Path, poll_s: float) -> ServiceProcess:
-    """`claw materialize --follow`, ready once its heartbeat is in the lake (no Dagster)."""
+def materializer_service(
+    lake: str, workdir: Path, poll_s: float, slot: Slot | None = None
+) -> ServiceProcess:
+    """`claw materialize --follow` (`--shard` when `slot`), ready once its heartbeat is in
+    the lake (no Dagster)."""
     command = [sys.executable, "-m", "claw_pipelines.app.cli", "materialize", "--follow"]
+    shard = [] if slot is None else ["--shard", str(slot)]
     return ServiceProcess(
         "materialize",
-        workdir / "materializer.log",
-        command=[*command, "--lake", lake, "--poll-s", str(poll_s)],
+        workdir / ("materializer.log" if slot is None else f"materializer-{slot.index}.log"),
+        command=[*command, "--lake", lake, "--poll-s", str(poll_s), *shard],
         env={"CLAW_LAKE_URI": lake, "DAGSTER_HOME": "", "PYTHONUNBUFFERED": "1"},
         cwd=REPO,
-        ready=lambda: materializer_running(Lake(lake)),
+        ready=lambda: materializer_running(Lake(lake), slot=slot),
     )
 
 
@@ -398,10 +404,12 @@ def measure(
     args: argparse.Namespace,
     lake_uri: str | None = None,
     spec: CurationSpec = SPEC,
+    shards: int = 1,
 ) -> dict:
     """One path: services, trainer, warm-up, paced load, drain; figures. On a fresh lake,
     or on `lake_uri` (a pre-filled one, written to; groups and consumer named for this run)
-    with `spec` (named SPEC.name)."""
+    with `spec` (named SPEC.name). `shards` > 1: that many live followers split the work
+    (`--shard i/N`; their cores summed)."""
     tag = f"r{uuid.uuid4().hex[:6]}" if lake_uri else ""  # ids start with a letter or digit
     consumer, warm = (f"{name}-{tag}" if tag else name for name in (CONSUMER, WARM_GROUP))
     with tempfile.TemporaryDirectory(prefix=f"claw-bench-fresh-{path}-") as tmp:
@@ -410,15 +418,21 @@ def measure(
         lake = Lake(uri)
         save_spec(lake, spec)
         gateway = gateway_service(uri, workdir, args.flush_ms)
-        builder = (
-            materializer_service(uri, workdir, args.poll_s)
+        if path == "live" and shards > 1:
+            ShardPlan.set(lake, shards)
+            slots: list[Slot | None] = [Slot(i, shards) for i in range(shards)]
+        else:
+            slots = [None]
+        builders = (
+            [materializer_service(uri, workdir, args.poll_s, slot) for slot in slots]
             if path == "live"
-            else daemon_service(uri, workdir)
+            else [daemon_service(uri, workdir)]
         )
-        services, trainer_proc, got = [gateway, builder], None, Deliveries()
+        services, trainer_proc, got = [gateway, *builders], None, Deliveries()
         try:
             gateway.start(timeout=60)
-            builder.start(timeout=120)
+            for builder in builders:
+                builder.start(timeout=120)
             groups = None if args.trainer_max_tokens else args.trainer_groups
             trainer_proc, stop, out = start_trainer(
                 uri, groups, args.trainer_max_tokens, args.trainer_poll_s, consumer
@@ -434,14 +448,18 @@ def measure(
                 prefix=prefix,
                 policy_version=POLICY_VERSION,
             )
-            pids = {"builder": builder.proc.pid, "gateway": gateway.proc.pid}
-            pids["trainer"] = trainer_proc.pid
-            cpu0, t0 = {k: tree_cpu_s(p) for k, p in pids.items()}, time.monotonic()
+            pids = {"gateway": [gateway.proc.pid], "trainer": [trainer_proc.pid]}
+            pids["builder"] = [b.proc.pid for b in builders]
+
+            def used() -> dict[str, float]:
+                return {k: sum(tree_cpu_s(p) for p in ps) for k, ps in pids.items()}
+
+            cpu0, t0 = used(), time.monotonic()
             thread, acks = start_load(gateway.url, plan)
             while thread.is_alive():
                 got.collect(out, 0.2)
-            cpu1, t1 = {k: tree_cpu_s(p) for k, p in pids.items()}, time.monotonic()
-            builder_rss = peak_rss_gib(builder.proc.pid)
+            cpu1, t1 = used(), time.monotonic()
+            builder_rss = max((peak_rss_gib(b.proc.pid) or 0.0) for b in builders) or None
             cores = {k: round((cpu1[k] - cpu0[k]) / (t1 - t0), 3) for k in pids}
             expected = acks.complete_groups()
             log(f"{path}: load done ({len(expected)} complete groups acknowledged); draining")
@@ -462,7 +480,7 @@ def measure(
                 trainer_proc.join(10)
             codes = {s.verb: stop_service(s) for s in reversed(services)}
         problems = {s.verb: log_problems(s.log_path) for s in services}
-        rounds = materializer_rounds(builder.log_path) if path == "live" else None
+        rounds = [materializer_rounds(b.log_path) for b in builders] if path == "live" else None
     latencies = [got.at[g] - acks.last_ack[g] for g in measured]
     figures = seconds_summary(latencies)
     delivered_keys = got.at.keys() - {warm}
@@ -510,7 +528,8 @@ def measure(
         "log_problems": problems,
     }
     if rounds is not None:
-        result["materializer_rounds"] = rounds
+        result["materializer_rounds"] = rounds[0] if len(rounds) == 1 else rounds
+        result["shards"] = shards
     return result
 
 
@@ -531,6 +550,12 @@ def verdict(live: dict, rate: float) -> bool:
 
 
 def main() -> None:
+    args = arguments().parse_args()
+    run(args)
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The benchmark's options (benchmarks/shards.py takes their defaults)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=60.0, help="live path: load window")
     parser.add_argument("--dagster-seconds", type=float, default=45.0, help="0 skips it")
@@ -550,8 +575,11 @@ def main() -> None:
         "trainer's batch); 0: next_batch(groups=--trainer-groups) instead",
     )
     parser.add_argument("--trainer-poll-s", type=float, default=0.05)
-    args = parser.parse_args()
+    return parser
 
+
+def run(args: argparse.Namespace) -> None:
+    """Both paths, then the JSON line."""
     started = time.monotonic()
     live = measure("live", args.seconds, args.drain, args)
     dagster = None
