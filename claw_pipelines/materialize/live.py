@@ -243,6 +243,9 @@ class LiveMaterializer:
         LeaseLost when it was taken over (the follower must stop)."""
         now = time.monotonic()
         plan = self._current_plan(now)
+        if plan is None and self.slot is not None:  # the first shard follower records the split
+            plan = ShardPlan.set(self.lake, self.slot.count)
+            self._plan = (now, plan)
         if plan is not None and (why := plan.slot_of(self.slot)) is not None:
             who = "this follower" if self.slot is None else f"shard {self.slot}"
             raise Resharded(f"{who}: {why}")

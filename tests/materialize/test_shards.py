@@ -55,6 +55,23 @@ def one_writer(lake: Lake, path, options: SilverOptions = OPTIONS) -> Lake:
     return one
 
 
+def assert_built_as_one_writer(lake: Lake, one: Lake, specs=None) -> None:
+    """`lake`'s silver, and each spec's dataset, rejections and trees, equal `one`'s (its
+    silver built by one writer; its gold built here from nothing, partition by partition)."""
+    mine, theirs = silver_of(lake), silver_of(one)
+    for table in mine:
+        same(mine[table], theirs[table], mine[table].columns[:1])
+    for spec in specs or GOLD_SPECS[:2]:
+        save_spec(one, spec)
+        for version in policy_versions(one):
+            build_partition(one, spec, version)
+        for table in (gold_dataset_table(spec.name), gold_rejection_table(spec.name)):
+            rows = [x.read(table).drop("landed_at") for x in (lake, one)]
+            same(*rows, ["step_key"])
+        trees = gold_tree_table(spec.name)
+        same(lake.read(trees), one.read(trees), ["policy_version", "tree_id", "segment"])
+
+
 def silver_of(lake: Lake) -> dict[str, pl.DataFrame]:
     """Every silver table's rows, in key order (the view's own bookkeeping aside)."""
     keys = {
@@ -191,19 +208,8 @@ def test_two_shards_build_the_gold_one_writer_builds(tmp_path, seeded_ids):
         update_dataset(lake, GOLD_SPECS[0], AtHand(), slot=SHARDS[0])
 
     one = one_writer(lake, tmp_path / "one")
+    assert_built_as_one_writer(lake, one, GOLD_SPECS)
     for spec in GOLD_SPECS:
-        save_spec(one, spec)
-        for version in policy_versions(one):
-            build_partition(one, spec, version)
-    for spec in GOLD_SPECS:
-        drop = ["landed_at"]
-        for table, order in (
-            (gold_dataset_table(spec.name), ["step_key"]),
-            (gold_rejection_table(spec.name), ["step_key"]),
-        ):
-            same(lake.read(table).drop(drop), one.read(table).drop(drop), order)
-        trees = ["policy_version", "tree_id", "segment"]
-        same(lake.read(gold_tree_table(spec.name)), one.read(gold_tree_table(spec.name)), trees)
         same(latest_totals(lake, spec.name), latest_totals(one, spec.name), ["policy_version"])
         writers = {
             slot: lake.transaction_version(gold_dataset_table(spec.name), partition_writer(1, slot))
@@ -257,16 +263,7 @@ def test_shard_followers_split_the_work_and_one_waiting_takes_over_a_killed_one(
     zero = leases.filter(pl.col("shard_index") == 0).row(0, named=True)
     assert zero["token"] == 2 and zero["released_at"] is not None  # taken over, then let go
 
-    one = one_writer(lake, tmp_path / "one", SilverOptions())
-    mine, theirs = silver_of(lake), silver_of(one)
-    for table in mine:
-        same(mine[table], theirs[table], mine[table].columns[:1])
-    for spec in GOLD_SPECS[:2]:
-        save_spec(one, spec)
-        for version in policy_versions(one):
-            build_partition(one, spec, version)
-        table = gold_dataset_table(spec.name)
-        same(lake.read(table).drop("landed_at"), one.read(table).drop("landed_at"), ["step_key"])
+    assert_built_as_one_writer(lake, one_writer(lake, tmp_path / "one", SilverOptions()))
 
 
 def _holders(lake: Lake) -> int:
@@ -351,18 +348,7 @@ def test_resharding_two_three_two_under_traffic_hands_every_group_over(tmp_path,
         while follower.step().changed:
             pass
         follower.close()
-    mine, theirs = silver_of(lake), silver_of(one)
-    for table in mine:
-        same(mine[table], theirs[table], mine[table].columns[:1])
-    for spec in GOLD_SPECS[:2]:
-        save_spec(one, spec)
-        for version in policy_versions(one):
-            build_partition(one, spec, version)
-        for table in (gold_dataset_table(spec.name), gold_rejection_table(spec.name)):
-            order = ["step_key"]
-            same(lake.read(table).drop("landed_at"), one.read(table).drop("landed_at"), order)
-        trees = ["policy_version", "tree_id", "segment"]
-        same(lake.read(gold_tree_table(spec.name)), one.read(gold_tree_table(spec.name)), trees)
+    assert_built_as_one_writer(lake, one)
 
 
 def test_claw_shards_and_check_show_each_shard_and_flag_a_lapsed_lease(tmp_path):

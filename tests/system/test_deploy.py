@@ -31,6 +31,7 @@ from dagster_webserver.cli import dagster_webserver
 
 from claw_pipelines.app.cli import build_parser
 from claw_pipelines.app.instance import DAGSTER_YAML
+from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.lake.identities import COMPONENTS, SEAWEEDFS
 from claw_pipelines.settings import ClawSettings
 from tests.support.compose_local import claw_image, load_compose
@@ -167,6 +168,29 @@ def test_compose_commands_and_settings_are_ones_the_code_accepts(monkeypatch, tm
             wal_volumes += [v for v in wal if v.endswith(":/var/lib/claw/wal")]
     assert len(gateway_ids) == len(set(gateway_ids)) == 3, gateway_ids
     assert len(set(wal_volumes)) == 3, "each replica needs a WAL of its own"
+
+
+def test_the_shards_override_runs_one_materializer_per_shard():
+    """deploy/compose.shards.yaml: over compose.yaml, N materializer services (the base one
+    among them), each `materialize --follow --shard i/N` as our CLI accepts it, together
+    covering every shard once; the added ones extend the base materializer."""
+    base = load_compose(DEPLOY / "compose.yaml")["services"]
+    override = yaml.safe_load((DEPLOY / "compose.shards.yaml").read_text())["services"]
+    parser = build_parser()
+    image = claw_image()
+    slots = []
+    for name, service in override.items():
+        if name != "materializer":
+            assert service["extends"] == {"file": "compose.yaml", "service": "materializer"}
+            assert name not in base
+        command = service["command"]
+        _check_command(name, [*image.entrypoint, *command], parser)
+        assert command[:3] == ["materialize", "--follow", "--shard"], command
+        slots.append(Slot.parse(command[3]))
+    assert "materializer" in override and "materializer" in base
+    count = slots[0].count
+    assert sorted(s.index for s in slots) == list(range(count)) and count > 1
+    assert all(s.count == count for s in slots)
 
 
 def _mount_targets(service: dict) -> dict[str, str]:
