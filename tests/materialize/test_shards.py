@@ -184,6 +184,7 @@ def test_a_shard_writer_fenced_by_a_newer_owner_commits_nothing(tmp_path):
 GOLD_SPECS = SPECS[:4]  # live, fresh (staleness), late (deadline clock), all (by trajectory)
 
 
+@pytest.mark.parametrize("seeded_ids", [1], indirect=True)  # (silver's tests take 3 seeds)
 def test_two_shards_build_the_gold_one_writer_builds(tmp_path, seeded_ids):
     """Each shard curates the groups of its silver view in increments, writing its share of
     every partition under its own writers: the datasets, trees and rejections equal one
