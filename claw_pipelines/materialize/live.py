@@ -82,6 +82,7 @@ from claw_pipelines.materialize.silver import (
 )
 from claw_pipelines.materialize.silver_view import SilverView
 from claw_pipelines.settings import ClawSettings
+from claw_pipelines.transforms.shards import buckets_of
 
 log = logging.getLogger(__name__)
 
@@ -437,6 +438,9 @@ class LiveMaterializer:
             per_dataset = (gold_dataset_table, gold_tree_table, gold_rejection_table)
             tables = [BRONZE_EVENTS, *SILVER_TABLES, GOLD_LINEAGE, GOLD_CONSUMPTION]
             tables += [table(name) for name in datasets for table in per_dataset]
+            if self.slot is not None:  # the shards share the tables: each compacts some
+                owned = self.slot.owns(buckets_of(pl.Series(tables, dtype=pl.String)))
+                tables = [t for t, mine in zip(tables, owned.tolist(), strict=True) if mine]
             self._compacting = tables
             self._compacted_at = time.monotonic()
 

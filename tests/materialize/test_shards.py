@@ -387,3 +387,18 @@ def test_claw_shards_and_check_show_each_shard_and_flag_a_lapsed_lease(tmp_path)
     checked = run("check")
     assert checked.returncode != 0
     assert "shard problem(s)" in checked.stderr and "shard 1/2: lease of" in checked.stdout
+
+
+def test_the_shards_compact_the_tables_they_share_between_them(tmp_path, monkeypatch):
+    """Every table the rounds append to is compacted by one shard's follower, none by two
+    (one follower alone compacts them all)."""
+    monkeypatch.setattr(live, "COMPACT_EVERY_S", 0.0)
+    lake = Lake(str(tmp_path / "lake"))
+    queued = {}
+    for slot in [None, *SHARDS]:
+        follower = LiveMaterializer(lake, OPTIONS, slot=slot)
+        follower._queue_compaction(["live", "fresh"])
+        queued[slot] = set(follower._compacting)
+    ours, theirs = queued[SHARDS[0]], queued[SHARDS[1]]
+    assert ours and theirs and not ours & theirs
+    assert ours | theirs == queued[None]
