@@ -214,6 +214,16 @@ class History:
             rows_of[table] = _polars(rows)
         return rows_of
 
+    def holds(self, uids: pl.Series) -> pl.Series:
+        """Which of the trajectories `uids` the store has rows of."""
+        unique = uids.drop_nulls().unique()
+        held = [
+            uid
+            for uid in unique.to_list()
+            if next(self._prefixed(b"u" + uid.encode() + _SEP), None)
+        ]
+        return pl.Series("trajectory_uid", held, pl.String)
+
     def known(self, prefix: bytes, values: pl.Series) -> pl.Series:
         """Which of `values` the index `prefix` holds (`e` event ids, `f` feedback ids)."""
         unique = values.drop_nulls().unique()

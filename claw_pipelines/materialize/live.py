@@ -193,8 +193,8 @@ class LiveMaterializer:
         self._tokens: dict[str, int] = {}  # its writer's token, and retired shards' (+1)
         self._plan: tuple[float, ShardPlan | None] = (-1e9, None)
         self._start_after: int | None = None  # a new shard: silver starts after this
-        if slot is not None:
-            history, hot_steps = None, 0
+        if slot is not None and history is not None:  # a history of its own share
+            history = history / f"shard-{slot.index}of{slot.count}"
         # bounded (`history` and `hot_steps` given): the view holds the open window only
         self.history_path, self.hot_steps = history, hot_steps
         self._history: History | None = None
@@ -314,7 +314,12 @@ class LiveMaterializer:
         view = self.at_hand.silver
         if view is None and (bounded or state.bronze_version is not None):
             self.at_hand.silver = self._open_view(state.versions)  # a (re)start
-        elif bounded and view is not None and not view.stands_at(state.versions, self.lake):
+        elif (
+            bounded
+            and self.slot is None  # a shard's: kept while its own writer moved it alone
+            and view is not None
+            and not view.stands_at(state.versions, self.lake)
+        ):
             self.at_hand.silver = self._open_view(state.versions)  # another writer moved silver
         start = state.bronze_version
         if start is None and self.slot is not None:  # a new shard: after the earlier split's
@@ -376,12 +381,18 @@ class LiveMaterializer:
     def _open_view(self, versions: dict[str, int | None]) -> SilverView:
         """The silver view a (re)started follower begins with: read from the lake, or when
         bounded its history opened (rebuilt from the lake when missing or behind)."""
-        if self.slot is not None:
-            return share_view(self.lake, versions, self.slot, self._start_after)
-        if self.history_path is None or not self.hot_steps:
-            return SilverView.load(self.lake, versions)
-        if self._history is None:
+        bounded = self.history_path is not None and self.hot_steps > 0
+        if bounded and self._history is None:
+            assert self.history_path is not None
             self._history = open_history(self.history_path)
+        if self.slot is not None:
+            history = self._history if bounded else None
+            return share_view(
+                self.lake, versions, self.slot, self._start_after, history, self.hot_steps
+            )
+        if not bounded:
+            return SilverView.load(self.lake, versions)
+        assert self._history is not None
         return SilverView.open(self.lake, versions, self._history, self.hot_steps)
 
     def _increment(

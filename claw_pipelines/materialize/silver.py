@@ -39,6 +39,7 @@ from claw_pipelines.contracts.tables import (
 )
 from claw_pipelines.lake import delta as lake_module
 from claw_pipelines.lake.delta import Guard, Lake, empty_frame, sql_strings, until_landed
+from claw_pipelines.materialize.history import History
 from claw_pipelines.materialize.silver_view import SilverView
 from claw_pipelines.settings import ClawSettings
 from claw_pipelines.transforms.contexts import (
@@ -694,7 +695,9 @@ def _reloaded(
     files the facts bronze holds that their shards have not written yet."""
     if share is not None and share.slot is not None:
         if view is not None and view.history is not None:
-            raise NotImplementedError("a shard's follower keeps no history yet (§19)")
+            return share_view(
+                lake, pins, share.slot, share.start_after, view.history, view.hot_steps
+            )
         return share_view(lake, pins, share.slot, share.start_after)
     if view is None or view.history is None:
         return SilverView.load(lake, pins)
@@ -702,12 +705,21 @@ def _reloaded(
 
 
 def share_view(
-    lake: Lake, pins: dict[str, int | None], slot: Slot, start_after: int | None = None
+    lake: Lake,
+    pins: dict[str, int | None],
+    slot: Slot,
+    start_after: int | None = None,
+    history: History | None = None,
+    hot_steps: int = 0,
 ) -> SilverView:
-    """A shard's view at `pins`, read from the lake: its share of silver, every fact, and
-    the facts bronze holds that other shards may not have written yet (after the earliest
-    marker of its split; `start_after` where there is none)."""
-    loaded = SilverView.load(lake, pins, slot)
+    """A shard's view at `pins`: its share of silver, every fact, and the facts bronze holds
+    that other shards may not have written yet (after the earliest marker of its split;
+    `start_after` where there is none). Read from the lake, or bounded over its `history`
+    (a follower's, brought to `pins`)."""
+    if history is not None and hot_steps:
+        loaded = SilverView.open(lake, pins, history, hot_steps, slot)
+    else:
+        loaded = SilverView.load(lake, pins, slot)
     pending = _unwritten_facts(lake, slot, start_after)  # its own: read again from its marker
     pending = pending.filter(~pl.Series(owned(slot, pending["feedback_id"])))
     known = loaded.known_fact_ids(pending["feedback_id"])

@@ -352,15 +352,21 @@ class SilverView:
 
     @classmethod
     def open(
-        cls, lake: Lake, versions: dict[str, int | None], history: History, hot_steps: int
+        cls,
+        lake: Lake,
+        versions: dict[str, int | None],
+        history: History,
+        hot_steps: int,
+        slot: Slot | None = None,
     ) -> SilverView:
-        """A bounded view at `versions` over `history` (a follower's): as the history left
-        it when it stands there (nothing read from the lake), else the history is rebuilt
-        from the lake first."""
-        if not history.stands_for(lake.uri) or not catch_up_history(lake, versions, history):
-            rebuild_history(lake, versions, history)
+        """A bounded view at `versions` over `history` (a follower's; a shard's: its share):
+        as the history left it when it stands there (nothing read from the lake), else the
+        history is rebuilt from the lake first."""
+        if not history.stands_for(lake.uri) or not catch_up_history(lake, versions, history, slot):
+            rebuild_history(lake, versions, history, slot)
         meta = history.meta
         view = cls.empty(versions)
+        view.slot = slot
         view.history, view.hot_steps = history, hot_steps
         view.clock_us, view.newest_policy = int(meta["clock_us"]), int(meta["newest_policy"])
         last_seen = meta.get("last_seen")
@@ -798,13 +804,17 @@ _SHAPES = {
 }
 
 
-def catch_up_history(lake: Lake, versions: dict[str, int | None], history: History) -> bool:
+def catch_up_history(
+    lake: Lake, versions: dict[str, int | None], history: History, slot: Slot | None = None
+) -> bool:
     """Bring `history` to `versions` by filing what silver's commits since the versions it
     stands at wrote (their change feed: a follower killed between a silver commit and its
-    history write, another writer); False when a feed does not reach back (rebuild it)."""
+    history write, another writer; a shard's: the rows of its share); False when a feed does
+    not reach back (rebuild it)."""
     kept = history.meta.get("versions", {})
     frames: dict[str, pl.DataFrame] = {}
     clock = SilverView.empty(versions)
+    mine = pl.Series("trajectory_uid", [], pl.String)  # a shard's trajectories in the feed
     for table, (name, columns) in _SHAPES.items():
         after, until = kept.get(table), versions.get(table)
         if after == until or lake.only_maintenance(table, after, until):
@@ -829,10 +839,16 @@ def catch_up_history(lake: Lake, versions: dict[str, int | None], history: Histo
             gone = gone.filter(~pl.col("step_key").is_in(rows["step_key"].implode()))
             frames["removed"] = gone.select("step_key", "trajectory_uid")
             rows = _steps_frame(rows)
-            clock._advance_clock(rows, clock.facts.frame.head(0))
+            clock._advance_clock(rows, clock.facts.frame.head(0))  # every shard's steps
+            if slot is not None:
+                rows = rows.filter(pl.Series(owned(slot, stored_step_shard_keys(rows))))
+                mine = rows["trajectory_uid"].unique()
+                frames["removed"] = _of_share(frames["removed"], mine, history)
         elif name == "facts":
             clock._advance_clock(clock.steps.frame.head(0), rows)
             rows = rows.with_columns(addresses=fact_addresses(rows))
+        elif slot is not None:  # rewards, trajectories: of the share's trajectories only
+            rows = _of_share(rows, mine, history)
         frames[name] = rows
     added = (
         frames.get("steps", pl.DataFrame()).height - frames.get("removed", pl.DataFrame()).height
@@ -856,6 +872,14 @@ def catch_up_history(lake: Lake, versions: dict[str, int | None], history: Histo
     return True
 
 
+def _of_share(rows: pl.DataFrame, mine: pl.Series, history: History) -> pl.DataFrame:
+    """`rows` of a shard's trajectories: those among `mine` (its steps in this feed) or
+    filed in its `history` already."""
+    uids = rows["trajectory_uid"].unique()
+    held = pl.concat([mine, history.holds(uids.filter(~uids.is_in(mine.implode())))])
+    return rows.filter(pl.col("trajectory_uid").is_in(held.implode()))
+
+
 def release_memory() -> None:
     """Hand memory freed by a large read back to the system: Arrow's pool and glibc keep
     freed pages for reuse, which a follower's resident memory would count for good."""
@@ -864,14 +888,18 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def rebuild_history(lake: Lake, versions: dict[str, int | None], history: History) -> None:
+def rebuild_history(
+    lake: Lake, versions: dict[str, int | None], history: History, slot: Slot | None = None
+) -> None:
     """File silver as of `versions` in `history` afresh, read a batch at a time (the view's
-    columns only): a follower's history that was lost or fell behind the lake."""
+    columns only): a follower's history that was lost or fell behind the lake (a shard's:
+    its share, every fact, the clocks of every shard's steps)."""
     # a rebuild of a history this lake's follower kept (a fresh folder is a first build)
     rebuilds = int(history.meta.get("rebuilds", 0)) + 1 if history.stands_for(lake.uri) else 0
     history.clear(lake.uri)
     clock = SilverView.empty(versions)
     steps_total = 0
+    mine = pl.Series("trajectory_uid", [], pl.String)  # a shard's trajectories
     for table, (name, columns) in _SHAPES.items():
         version = versions.get(table)
         if version is None or not lake.exists(table):
@@ -880,11 +908,16 @@ def rebuild_history(lake: Lake, versions: dict[str, int | None], history: Histor
             rows = _shaped(batch, table).select(columns)
             if name == "steps":
                 rows = _steps_frame(rows)
-                steps_total += rows.height
                 clock._advance_clock(rows, clock.facts.frame.head(0))
+                if slot is not None:
+                    rows = rows.filter(pl.Series(owned(slot, stored_step_shard_keys(rows))))
+                    mine = pl.concat([mine, rows["trajectory_uid"]]).unique()
+                steps_total += rows.height
             elif name == "facts":
                 clock._advance_clock(clock.steps.frame.head(0), rows)
                 rows = rows.with_columns(addresses=fact_addresses(rows))
+            elif slot is not None:
+                rows = rows.filter(pl.col("trajectory_uid").is_in(mine.implode()))
             history.write({name: rows})
     clock.steps_total = steps_total
     history.write({}, {**clock._state(), "rebuilds": rebuilds})

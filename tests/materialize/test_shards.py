@@ -402,3 +402,47 @@ def test_the_shards_compact_the_tables_they_share_between_them(tmp_path, monkeyp
     ours, theirs = queued[SHARDS[0]], queued[SHARDS[1]]
     assert ours and theirs and not ours & theirs
     assert ours | theirs == queued[None]
+
+
+def test_shard_followers_keep_a_bounded_history_of_their_share(tmp_path):
+    """Shard followers with a window of 8 steps and a history each on disk: most of their
+    share leaves memory every round and is read back when a late fact or a replay needs it;
+    one restarts midway (its history caught up from silver's feed, other shards' rows left
+    out); silver and gold equal one writer's build."""
+    lake = Lake(str(tmp_path / "lake"))
+    for spec in GOLD_SPECS[:2]:
+        save_spec(lake, spec)
+    state = tmp_path / "state"
+
+    def follower(slot: Slot) -> LiveMaterializer:
+        return LiveMaterializer(lake, OPTIONS, history=state, hot_steps=8, slot=slot)
+
+    running = {slot: follower(slot) for slot in SHARDS}
+    landed, evicted = [], set()
+    for round_ in range(6):
+        landed.append(script(round_))
+        land(lake, landed[-1])
+        if round_ == 5:  # a replay of the first round, and late facts for it
+            land(lake, landed[0])
+            land(lake, [feedback({"trajectory_uid": "g0-r2"}, "reward", 0.25)])
+        if round_ == 3:  # shard 0 restarts: its history is opened and caught up
+            running[SHARDS[0]].close()
+            running[SHARDS[0]] = follower(SHARDS[0])
+        for slot, live_ in running.items():
+            done = live_.step()
+            assert not live_.failing, live_.failing
+            view = live_.at_hand.silver
+            assert view is not None and view.history is not None and view.slot == slot
+            if view.steps_total > view.steps.frame.height:  # some of its share left memory
+                evicted.add(slot)
+    read_back = 0
+    for live_ in running.values():
+        while live_.step().changed:
+            pass
+        assert live_.at_hand.silver.history.meta.get("rebuilds", 0) == 0
+        read_back += live_.at_hand.silver.read_back
+        live_.close()
+    assert read_back > 0  # the replay and the late fact found their trajectories on disk
+    assert evicted == set(SHARDS)
+    assert (state / "shard-0of2").is_dir() and (state / "shard-1of2").is_dir()
+    assert_built_as_one_writer(lake, one_writer(lake, tmp_path / "one"))
