@@ -6,6 +6,7 @@ partitions and live batches alike).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,7 +25,7 @@ from claw_pipelines.contracts.tables import (
 from claw_pipelines.lake.catalog import gold_datasets, lake_exists
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.prompts import prompt_columns, with_prompts
-from claw_pipelines.transforms.packing import Layout, Packed, pack
+from claw_pipelines.transforms.packing import Layout, Packed, StoredTreesMismatch, pack
 
 BATCH_STEP_COLUMNS = [
     "step_key",
@@ -46,6 +47,8 @@ TOKEN_COLUMNS = ("prompt_ids", "response_ids")
 BEHAVIOUR_COLUMNS = ("rollout_log_probs",)
 # what `stored_trees` reads of a partition's segments
 SEGMENT_COLUMNS = ["segment", "tree_id", "parent", "start_depth", "end_depth", "tokens", "step_key"]
+
+log = logging.getLogger(__name__)
 
 
 def listed(values: Sequence[object], none: str) -> str:
@@ -258,14 +261,21 @@ class GoldSource:
         ranked = trees.select("tree_id").with_row_index("rank")
         rank = frame.select("tree_id").join(ranked, on="tree_id", how="left", maintain_order="left")
         ranks = rank["rank"].to_numpy().astype(np.int64)
-        packed = pack(
-            frame,
-            ranks,
-            layout,
-            segments,
-            token_versions=self.token_versions,
-            stale_floor=stale_floor,
-        )
+        try:
+            packed = pack(
+                frame,
+                ranks,
+                layout,
+                segments,
+                token_versions=self.token_versions,
+                stale_floor=stale_floor,
+            )
+        except StoredTreesMismatch:  # (writers of other shards in between): from the tokens
+            log.warning(
+                "%s v%s: stored trees do not fit the batch; built from tokens", self.name, at
+            )
+            bare = frame.drop([c for c in behaviour if c in frame.columns])
+            return self.pack(bare, trees, layout, None, at, policy_version, every_step, stale_floor)
         return packed, frame
 
     def pack_partition(

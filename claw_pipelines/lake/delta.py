@@ -431,9 +431,7 @@ class Lake:
             table = None
         if table is None:
             try:
-                self._ensured.add(spec.name)
-                self._wrote(spec.name)
-                return DeltaTable.create(
+                created = DeltaTable.create(
                     self.table_uri(spec.name),
                     schema=spec.schema,
                     mode="ignore",
@@ -443,6 +441,10 @@ class Lake:
                     configuration={CHANGE_FEED_PROPERTY: "true"} if spec.change_feed else None,
                     storage_options=self._options(),
                 )
+                # only once it exists: another thread of this lake then opens it as it is
+                self._ensured.add(spec.name)
+                self._wrote(spec.name)
+                return created
             except CommitFailedError:  # another process created it first
                 table = self.open(spec.name)
         if spec.change_feed and table.metadata().configuration.get(CHANGE_FEED_PROPERTY) != "true":

@@ -67,7 +67,7 @@ from claw_pipelines.transforms.quality import (
     steps_have_no_conflicts,
     token_ids_are_exact,
 )
-from claw_pipelines.transforms.shards import owned, record_shard_keys
+from claw_pipelines.transforms.shards import owned, record_shard_keys, stored_step_shard_keys
 from claw_pipelines.transforms.steps import (
     BRONZE_COLUMNS_OF_STEPS,
     FACT_COLUMNS,
@@ -652,8 +652,7 @@ def _build_once(
     if touched is not None and touched.len() > lake_module.MAX_PREDICATE_KEYS:
         touched = None  # most of silver: rewritten whole rather than listed in a predicate
     if touched is None and slot is not None:  # a shard's whole share: its trajectories
-        touched = pl.concat([view.trajectories.current()["trajectory_uid"], new["trajectory_uid"]])
-        touched = pl.concat([touched, view.steps.frame["trajectory_uid"]]).unique()
+        touched = _share_trajectories(lake, view, slot, versions[SILVER_STEPS], new)
     if touched is None and view.complete:
         index, derived_from, stored = view.steps.current(), view.facts.current(), None
         steps_stay = False
@@ -755,6 +754,23 @@ def _unwritten_facts(lake: Lake, slot: Slot, start_after: int | None = None) -> 
     )
     assert isinstance(records, pl.DataFrame)
     return bronze_facts(records.filter(pl.col("kind").is_in(FACT_KINDS)))
+
+
+def _share_trajectories(
+    lake: Lake, view: SilverView, slot: Slot, steps_version: int | None, new: pl.DataFrame
+) -> pl.Series:
+    """Every trajectory of a shard's share: the view's when it holds all of it, else (a
+    bounded view: most of the share is on disk) those of the share's steps in silver."""
+    parts = [new["trajectory_uid"]]
+    if view.complete:
+        parts += [view.trajectories.current()["trajectory_uid"], view.steps.frame["trajectory_uid"]]
+    else:
+        columns = ["trajectory_uid", "prompt_uid", "tenant", "origin_step_key"]
+        steps = _stored(lake, SILVER_STEPS, columns, steps_version)
+        parts.append(
+            steps.filter(pl.Series(owned(slot, stored_step_shard_keys(steps))))["trajectory_uid"]
+        )
+    return pl.concat([p.cast(pl.String) for p in parts]).unique()
 
 
 def _left_over(

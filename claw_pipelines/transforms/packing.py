@@ -277,6 +277,10 @@ def forest_from_segments(
     )
 
 
+class StoredTreesMismatch(ValueError):
+    """Stored prefix trees that do not lay out exactly the steps given."""
+
+
 def pack(
     frame: pl.DataFrame,
     tree_rank: np.ndarray,
@@ -306,7 +310,7 @@ def pack(
         step_row = dict(zip(frame["step_key"].to_list(), range(frame.height), strict=True))
         stored = forest_from_segments(segments, step_row, np.asarray(tree_rank, dtype=np.int64))
         if stored is None:
-            raise ValueError("the stored trees do not match the dataset's steps")
+            raise StoredTreesMismatch("the stored trees do not match the dataset's steps")
     if stored is not None:
         input_ids, parent, position, token_of, starts, lo, hi = _forest_layout(stored, order, trees)
     elif layout == "tree":

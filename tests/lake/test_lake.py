@@ -301,3 +301,27 @@ def test_guarded_writes_of_other_writers_shares_are_rebased_and_their_own_confli
         (1, "share.a"),
         (2, "share.b"),
     ]
+
+
+def test_threads_of_one_lake_ensuring_a_new_table_at_once_all_find_it(tmp_path):
+    """Trainer ranks in threads of one process share a Lake: while one creates a table the
+    others ask for, none is told it does not exist."""
+    errors: list[BaseException] = []
+    for attempt in range(5):
+        lake = Lake(str(tmp_path / f"lake{attempt}"))
+        start = threading.Barrier(4)
+
+        def ensure(lake: Lake = lake, start: threading.Barrier = start) -> None:
+            start.wait()
+            try:
+                lake.ensure(BRONZE_EVENTS_SPEC)
+                assert lake.version(BRONZE_EVENTS) is not None
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=ensure) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors, errors

@@ -446,3 +446,43 @@ def test_shard_followers_keep_a_bounded_history_of_their_share(tmp_path):
     assert evicted == set(SHARDS)
     assert (state / "shard-0of2").is_dir() and (state / "shard-1of2").is_dir()
     assert_built_as_one_writer(lake, one_writer(lake, tmp_path / "one"))
+
+
+def test_a_bounded_shard_follower_killed_before_its_marker_derives_its_share_again(
+    tmp_path, monkeypatch
+):
+    """A shard's follower with a small window dies between its step appends and its marker;
+    the next one (same history folder) finds the rows past its marker and derives every
+    trajectory of its share, those on disk and not in its window included."""
+    from claw_pipelines.materialize import silver
+
+    lake = Lake(str(tmp_path / "lake"))
+    state = tmp_path / "state"
+
+    def follower(slot: Slot) -> LiveMaterializer:
+        return LiveMaterializer(lake, OPTIONS, history=state, hot_steps=2, slot=slot)
+
+    running = {slot: follower(slot) for slot in SHARDS}
+    for round_ in range(3):
+        land(lake, script(round_))
+        for live_ in running.values():
+            live_.step()
+    land(lake, script(3))
+
+    def killed(*args, **kwargs):
+        raise SystemExit("killed before the marker")
+
+    derive = silver._write_derived
+    monkeypatch.setattr(silver, "_write_derived", killed)
+    with pytest.raises(SystemExit):
+        running[SHARDS[0]].step()
+    monkeypatch.setattr(silver, "_write_derived", derive)
+    running[SHARDS[0]].close()
+    running[SHARDS[0]] = follower(SHARDS[0])
+    for live_ in running.values():
+        while live_.step().changed:
+            pass
+        live_.close()
+    mine, theirs = silver_of(lake), silver_of(one_writer(lake, tmp_path / "one"))
+    for table in mine:
+        same(mine[table], theirs[table], mine[table].columns[:1])
