@@ -429,7 +429,7 @@ def test_shard_followers_keep_a_bounded_history_of_their_share(tmp_path):
             running[SHARDS[0]].close()
             running[SHARDS[0]] = follower(SHARDS[0])
         for slot, live_ in running.items():
-            done = live_.step()
+            live_.step()
             assert not live_.failing, live_.failing
             view = live_.at_hand.silver
             assert view is not None and view.history is not None and view.slot == slot
