@@ -22,7 +22,7 @@ from claw_pipelines.simulation.chaos import CHAOS_SPEC, Chaos, run_chaos
 @pytest.mark.soak  # in `make soak` (CI runs it): ~20 s of kills and a resharding
 @pytest.mark.xfail(
     strict=False,
-    reason="open (DESIGN §19): about one run in four, after the kills a shard's gold "
+    reason="open (docs/DESIGN.md §19): about one run in four, after the kills a shard's gold "
     "increment keeps failing with a polars ShapeError (fill_null lengths differ by one "
     "group's steps) and that shard's groups are never delivered",
 )
