@@ -15,7 +15,7 @@ full build's (`landed_at` aside).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -60,6 +60,7 @@ from claw_pipelines.materialize.gold import (
     tree_rows,
     with_tokens,
 )
+from claw_pipelines.materialize.silver import share_trajectories
 from claw_pipelines.materialize.silver_view import SilverView
 from claw_pipelines.transforms.contexts import PREFIX_TYPES
 from claw_pipelines.transforms.curation import GROUP
@@ -362,6 +363,13 @@ class Scope:
         return pl.col("policy_version").is_in(self.partitions) & group.is_in(self.groups.implode())
 
 
+def _of_trajectories(part: Part | pl.DataFrame, uids: pl.Series) -> Part | pl.DataFrame:
+    """`part` (candidates) of the trajectories `uids` only."""
+    frame = part.frame if isinstance(part, Part) else part
+    kept = frame.filter(pl.col("trajectory_uid").is_in(uids.implode()))
+    return replace(part, frame=kept) if isinstance(part, Part) else kept
+
+
 def _whole_share(
     lake: Lake, spec: CurationSpec, pins: dict[str, int], part: Part | pl.DataFrame
 ) -> Scope:
@@ -467,7 +475,10 @@ def _increment_once(
         view = at_hand.view_at(versions)
         if view is None or view.slot != share.slot:
             raise ValueError(f"gold {spec.name}: shard {share.slot}'s increment needs its view")
-        if scope.groups is None:
+        if scope.groups is None:  # (a bounded view's candidates are all of silver's)
+            if not view.complete:
+                mine = share_trajectories(lake, share.slot, versions[SILVER_STEPS])
+                frame = _of_trajectories(frame, mine)
             scope = _whole_share(lake, spec, pins, frame)
     increment.brings = brings
     increment.groups_curated = None if scope.groups is None else scope.groups.len()

@@ -765,12 +765,16 @@ def _share_trajectories(
     if view.complete:
         parts += [view.trajectories.current()["trajectory_uid"], view.steps.frame["trajectory_uid"]]
     else:
-        columns = ["trajectory_uid", "prompt_uid", "tenant", "origin_step_key"]
-        steps = _stored(lake, SILVER_STEPS, columns, steps_version)
-        parts.append(
-            steps.filter(pl.Series(owned(slot, stored_step_shard_keys(steps))))["trajectory_uid"]
-        )
+        parts.append(share_trajectories(lake, slot, steps_version))
     return pl.concat([p.cast(pl.String) for p in parts]).unique()
+
+
+def share_trajectories(lake: Lake, slot: Slot, steps_version: int | None) -> pl.Series:
+    """The trajectories of a shard's share in silver (its steps' keys read from the lake)."""
+    columns = ["trajectory_uid", "prompt_uid", "tenant", "origin_step_key"]
+    steps = _stored(lake, SILVER_STEPS, columns, steps_version)
+    mine = steps.filter(pl.Series(owned(slot, stored_step_shard_keys(steps))))
+    return mine["trajectory_uid"].unique()
 
 
 def _left_over(

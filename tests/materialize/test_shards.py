@@ -4,6 +4,7 @@ marker; together they equal one writer's build of the same bronze."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -72,6 +73,22 @@ def assert_built_as_one_writer(lake: Lake, one: Lake, specs=None) -> None:
         same(lake.read(trees), one.read(trees), ["policy_version", "tree_id", "segment"])
 
 
+@contextlib.contextmanager
+def killed_before_the_marker(monkeypatch):
+    """The silver run inside dies (SystemExit) after its appends, before its derived rows
+    and marker, as a SIGKILL there would leave it."""
+    from claw_pipelines.materialize import silver
+
+    def killed(*args, **kwargs):
+        raise SystemExit("killed before the marker")
+
+    derive = silver._write_derived
+    monkeypatch.setattr(silver, "_write_derived", killed)
+    with pytest.raises(SystemExit):
+        yield
+    monkeypatch.setattr(silver, "_write_derived", derive)
+
+
 def silver_of(lake: Lake) -> dict[str, pl.DataFrame]:
     """Every silver table's rows, in key order (the view's own bookkeeping aside)."""
     keys = {
@@ -137,8 +154,6 @@ def test_a_shard_killed_after_its_appends_derives_its_share_again(
     """A shard's run that dies between its step appends and its marker leaves rows past its
     marker: its next run recognises them and derives its whole share again (not the other
     shard's), and silver still equals one writer's."""
-    from claw_pipelines.materialize import silver
-
     lake = Lake(str(tmp_path / "lake"))
     for round_ in range(2):
         land(lake, script(round_))
@@ -146,14 +161,8 @@ def test_a_shard_killed_after_its_appends_derives_its_share_again(
             build_silver(lake, OPTIONS, slot=slot)
     land(lake, script(2))
 
-    def killed(*args, **kwargs):
-        raise SystemExit("killed before the marker")
-
-    derive = silver._write_derived
-    monkeypatch.setattr(silver, "_write_derived", killed)
-    with pytest.raises(SystemExit):
+    with killed_before_the_marker(monkeypatch):
         build_silver(lake, OPTIONS, slot=SHARDS[0])
-    monkeypatch.setattr(silver, "_write_derived", derive)
     for slot in SHARDS:
         build_silver(lake, OPTIONS, slot=slot)
     one = one_writer(lake, tmp_path / "one")
@@ -418,7 +427,7 @@ def test_shard_followers_keep_a_bounded_history_of_their_share(tmp_path):
         return LiveMaterializer(lake, OPTIONS, history=state, hot_steps=8, slot=slot)
 
     running = {slot: follower(slot) for slot in SHARDS}
-    landed, evicted = [], set()
+    landed, evicted, curated = [], set(), {}
     for round_ in range(6):
         landed.append(script(round_))
         land(lake, landed[-1])
@@ -429,7 +438,9 @@ def test_shard_followers_keep_a_bounded_history_of_their_share(tmp_path):
             running[SHARDS[0]].close()
             running[SHARDS[0]] = follower(SHARDS[0])
         for slot, live_ in running.items():
-            live_.step()
+            done = live_.step()
+            if round_ == 0:  # a first increment curates the shard's share, not all of silver
+                curated[slot] = {g.dataset: g.groups_curated for g in done.gold}
             assert not live_.failing, live_.failing
             view = live_.at_hand.silver
             assert view is not None and view.history is not None and view.slot == slot
@@ -444,6 +455,11 @@ def test_shard_followers_keep_a_bounded_history_of_their_share(tmp_path):
         live_.close()
     assert read_back > 0  # the replay and the late fact found their trajectories on disk
     assert evicted == set(SHARDS)
+    groups = lake.read(SILVER_STEPS, version=None, columns=["prompt_uid", "trajectory_uid"])
+    first = groups.filter(pl.col("trajectory_uid").is_in(_round_zero_trajectories()))
+    total = first.select(pl.coalesce("prompt_uid", "trajectory_uid")).n_unique()
+    for name in ("live", "fresh"):  # the shards' first increments split round 0's groups
+        assert sum(curated[slot][name] for slot in SHARDS) == total, (curated, total)
     assert (state / "shard-0of2").is_dir() and (state / "shard-1of2").is_dir()
     assert_built_as_one_writer(lake, one_writer(lake, tmp_path / "one"))
 
@@ -454,8 +470,6 @@ def test_a_bounded_shard_follower_killed_before_its_marker_derives_its_share_aga
     """A shard's follower with a small window dies between its step appends and its marker;
     the next one (same history folder) finds the rows past its marker and derives every
     trajectory of its share, those on disk and not in its window included."""
-    from claw_pipelines.materialize import silver
-
     lake = Lake(str(tmp_path / "lake"))
     state = tmp_path / "state"
 
@@ -469,14 +483,8 @@ def test_a_bounded_shard_follower_killed_before_its_marker_derives_its_share_aga
             live_.step()
     land(lake, script(3))
 
-    def killed(*args, **kwargs):
-        raise SystemExit("killed before the marker")
-
-    derive = silver._write_derived
-    monkeypatch.setattr(silver, "_write_derived", killed)
-    with pytest.raises(SystemExit):
+    with killed_before_the_marker(monkeypatch):
         running[SHARDS[0]].step()
-    monkeypatch.setattr(silver, "_write_derived", derive)
     running[SHARDS[0]].close()
     running[SHARDS[0]] = follower(SHARDS[0])
     for live_ in running.values():
@@ -486,3 +494,8 @@ def test_a_bounded_shard_follower_killed_before_its_marker_derives_its_share_aga
     mine, theirs = silver_of(lake), silver_of(one_writer(lake, tmp_path / "one"))
     for table in mine:
         same(mine[table], theirs[table], mine[table].columns[:1])
+
+
+def _round_zero_trajectories() -> list[str]:
+    """The trajectories of the script's first round."""
+    return sorted({row["trajectory_uid"] for row in script(0) if row.get("trajectory_uid")})
