@@ -139,7 +139,7 @@ def test_the_cli_reads_for_the_callers_tenant(keyed, monkeypatch, tmp_path, caps
     assert "everyone" not in printed
     code, _, err = _claw(capsys, "ledger", "--dataset", "globex-train")
     assert code == 1 and "belongs to tenant 'globex'" in err
-    for verb in ("check", "repair"):
+    for verb in ("check", "repair", "shards"):
         code, _, err = _claw(capsys, verb)
         assert code == 1
         assert err == (
