@@ -22,9 +22,9 @@ from claw_pipelines.simulation.chaos import CHAOS_SPEC, Chaos, run_chaos
 @pytest.mark.soak  # in `make soak` (CI runs it): ~20 s of kills and a resharding
 @pytest.mark.xfail(
     strict=False,
-    reason="open (docs/DESIGN.md §19): about one run in four, after the kills a shard's gold "
-    "increment keeps failing with a polars ShapeError (fill_null lengths differ by one "
-    "group's steps) and that shard's groups are never delivered",
+    reason="docs/DESIGN.md §19: failed one run in four (a gold ShapeError after kills) before "
+    "a bounded shard's first increment was kept to its share; 10/10 since, kept until it holds "
+    "in CI",
 )
 def test_shards_killed_and_resharded_under_load_deliver_each_group_once(tmp_path):
     lake = Lake(str(tmp_path / "lake"))
