@@ -78,6 +78,7 @@ class TableSpec:
     change_feed: bool = False  # Delta change data feed on: readers can ask what a version added
     sort_by: tuple[str, ...] = ()  # rows of each write sorted so row-group stats prune lookups
     row_group_rows: int | None = None  # small row groups: a point lookup reads little
+    compact_lists: bool = False  # list values dictionary-encoded: smaller, slower to write
 
 
 # Step fields lifted out of the JSON payload into typed columns so silver reads them fast.
@@ -544,4 +545,5 @@ def gold_tree_spec(name: str) -> TableSpec:
         GOLD_TREE_SCHEMA,
         partition_by=("policy_version",),
         description=f"Prefix trees of gold dataset {name}.",
+        compact_lists=True,  # what trainers read: ~30 % smaller with a dictionary of ids
     )

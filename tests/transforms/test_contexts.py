@@ -16,6 +16,7 @@ from claw_pipelines.transforms.contexts import (
     encode_prompts,
     full_layout,
     prompt_content_ids,
+    token_matches,
     with_prompt_ids,
 )
 from claw_pipelines.transforms.hashing import content_hashes
@@ -32,10 +33,11 @@ def frame(rows: list[dict]) -> pl.DataFrame:
     )
 
 
-def trajectory(uid: str, rng: np.random.Generator) -> list[dict]:
+def trajectory(uid: str, rng: np.random.Generator, scale: int = 1) -> list[dict]:
     """Turns of one agent: nested turns, a call with two choices and a retry, a turn after
     the second choice, an aborted generation, a reply sent back as text (retokenized), a
-    compaction (history rewritten), a truncation, then nested turns again."""
+    compaction (history rewritten), a truncation, then nested turns again. Each piece holds
+    `scale` times a few tokens."""
     rows: list[dict] = []
 
     def add(prompt: list[int], response: list[int], finish: str = "stop") -> None:
@@ -51,7 +53,7 @@ def trajectory(uid: str, rng: np.random.Generator) -> list[dict]:
         )
 
     def ids(n: int) -> list[int]:
-        return rng.integers(0, 500, n).tolist()
+        return rng.integers(0, 500, n * scale).tolist()
 
     system = ids(6)
     history = [*system, *ids(4)]
@@ -81,10 +83,12 @@ def trajectory(uid: str, rng: np.random.Generator) -> list[dict]:
     return rows
 
 
-@pytest.fixture
-def steps() -> pl.DataFrame:
+@pytest.fixture(params=[1, 700], ids=["short", "long"])
+def steps(request) -> pl.DataFrame:
+    """Three agents' turns: of a few tokens a piece, or of thousands (ranges compared and
+    copied whole)."""
     rng = np.random.default_rng(5)
-    return frame([row for uid in ("a", "b", "c") for row in trajectory(uid, rng)])
+    return frame([row for uid in ("a", "b", "c") for row in trajectory(uid, rng, request.param)])
 
 
 def encoded_in_runs(steps: pl.DataFrame, cut: int) -> pl.DataFrame:
@@ -211,3 +215,40 @@ def test_prompt_content_ids_hash_only_new_tokens_and_equal_whole_hashes():
     whole = content_hashes(steps["prompt_ids"].to_arrow()).to_pylist()
     assert prompt_content_ids(steps).to_pylist() == whole
     assert with_content_ids(steps)["prompt_id"].to_list() == whole
+
+
+def test_token_matches_agree_with_comparing_slices_token_for_token():
+    """Long ranges (one memcmp each) and short ones (compared in chunks) give the answer of
+    slicing both sequences and comparing them, including prompts too short to hold one."""
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 6_000, 60)
+    lengths[::7] = 0
+    prompts = [rng.integers(0, 50, n).astype(np.int32) for n in lengths]
+    responses = [rng.integers(0, 50, n).astype(np.int32) for n in rng.integers(0, 3_000, 60)]
+    rows = rng.integers(0, 60, 400)
+    c_rows = rng.integers(0, 60, 400)
+    for i in range(0, 400, 2):  # half the pairs continue their candidate (prompt + reply, cut)
+        whole = np.concatenate([prompts[c_rows[i]], responses[c_rows[i]]])
+        more = rng.integers(0, 50, 40).astype(np.int32)  # a whole turn and new tokens, or cut
+        cut = whole[: rng.integers(len(whole) // 2, len(whole) + 1)]
+        prompts.append(np.concatenate([whole, more]) if i % 4 else cut)
+        responses.append(responses[0])
+        rows[i] = len(prompts) - 1
+    cp = np.array([len(prompts[c]) for c in c_rows])
+    cr = np.array([len(responses[c]) for c in c_rows])
+    cp[::11] += 5  # a stated length past what the candidate holds
+
+    def parts(seqs):
+        offsets = np.r_[0, np.cumsum([len(s) for s in seqs])].astype(np.int64)
+        return offsets, np.concatenate(seqs)
+
+    head, tail = token_matches(parts(prompts), parts(responses), rows, c_rows, cp, cr)
+    for k, (r, c) in enumerate(zip(rows.tolist(), c_rows.tolist(), strict=True)):
+        own, theirs = prompts[r], np.concatenate([prompts[c], responses[c]])
+        fits = cp[k] <= len(own) and cp[k] <= len(prompts[c])
+        expect_head = fits and np.array_equal(own[: cp[k]], prompts[c][: cp[k]])
+        n = cp[k] + cr[k]
+        expect_tail = expect_head and n <= len(own) and np.array_equal(own[:n], theirs[:n])
+        assert head[k] == expect_head, k
+        assert tail[k] == expect_tail, k
+    assert head.sum() > 100 and tail.sum() > 50 and (~head).sum() > 50
