@@ -547,3 +547,18 @@ def gold_tree_spec(name: str) -> TableSpec:
         description=f"Prefix trees of gold dataset {name}.",
         compact_lists=True,  # what trainers read: ~30 % smaller with a dictionary of ids
     )
+
+
+def table_spec(name: str) -> TableSpec | None:
+    """The spec of lake table `name` (a gold dataset's, trees' and rejections' too), or None
+    when no table of that name is declared."""
+    if name in TABLES:
+        return TABLES[name]
+    for prefix, spec in (
+        (GOLD_DATASETS_PREFIX, gold_dataset_spec),
+        (GOLD_TREES_PREFIX, gold_tree_spec),
+        (GOLD_REJECTIONS_PREFIX, gold_rejection_spec),
+    ):
+        if name.startswith(prefix + "/"):
+            return spec(name[len(prefix) + 1 :])
+    return None

@@ -36,6 +36,7 @@ from claw_pipelines.contracts.tables import (
     TABLES,
     TOKEN_LIST,
     TableSpec,
+    table_spec,
 )
 from claw_pipelines.lake.object_store import (
     list_folders,
@@ -716,6 +717,7 @@ class Lake:
                 mode="overwrite",
                 predicate=where,
                 partition_by=table.metadata().partition_columns or None,
+                writer_properties=_writer(spec),
                 commit_properties=commit,
             )
 
@@ -768,6 +770,7 @@ class Lake:
                 predicate=on,
                 source_alias="given",
                 target_alias="stored",
+                writer_properties=_writer(spec),
                 commit_properties=commit,
             ).when_matched_update_all().when_not_matched_insert_all().execute()
 
@@ -802,8 +805,10 @@ class Lake:
         self.verify_store()
         table = self.open(name)
         try:
+            spec = table_spec(name)  # files rewritten as the table's writes write them
             compacted = table.optimize.compact(
                 target_size=target_bytes,
+                writer_properties=None if spec is None else _writer(spec),
                 commit_properties=_commit({"maintenance": "compact"}, retries=20),
             )
         except CommitFailedError:  # a writer replaced those files first: compact next time

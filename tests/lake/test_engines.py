@@ -149,3 +149,30 @@ def test_pyarrow_filters_on_bronze_columns_find_their_rows(lake):
     stats = pa.table(table.get_add_actions(flatten=True)).to_pylist()
     assert all(len(s["min.payload"]) <= 64 and len(s["max.payload"]) <= 65 for s in stats)
     assert all(s["null_count.kind"] == 0 for s in stats)
+
+
+def test_list_columns_are_written_without_dictionaries_or_statistics_unless_compact(lake):
+    """Token ids, log-probs and masks: no dictionary pages or statistics in silver and a
+    dataset (delta-rs cannot name a list's leaf, so lists take the default); flat columns keep
+    their dictionaries and statistics; gold's trees keep a dictionary of ids."""
+    import pyarrow.parquet as pq
+
+    def chunks(table: str) -> dict[str, list]:
+        found: dict[str, list] = {}
+        for path in DeltaTable(lake.table_uri(table)).file_uris():
+            group = pq.ParquetFile(path).metadata.row_group(0)
+            for i in range(group.num_columns):
+                found.setdefault(group.column(i).path_in_schema, []).append(group.column(i))
+        return found
+
+    for table in (SILVER_STEPS, DATASET):
+        columns = chunks(table)
+        for leaf in ("prompt_suffix_ids.list.element", "response_ids.list.element"):
+            assert columns[leaf], leaf
+            for chunk in columns[leaf]:
+                assert "RLE_DICTIONARY" not in chunk.encodings, (table, leaf)
+                assert chunk.statistics is None or not chunk.statistics.has_min_max
+        for chunk in columns["step_key"]:
+            assert chunk.statistics.has_min_max and "RLE_DICTIONARY" in chunk.encodings
+    trees = chunks("gold/trees/engines")["tokens.list.element"]
+    assert trees and all("RLE_DICTIONARY" in chunk.encodings for chunk in trees)
