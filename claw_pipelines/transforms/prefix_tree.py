@@ -118,9 +118,9 @@ def build_forest_from_parts(
     row (e.g. prompt ids then response ids): no merged copy of the columns is made."""
     split = [list_parts(p) for p in parts]
     arrays = [
-        (o[:-1].tolist(), o[1:].tolist(), np.ascontiguousarray(v, dtype=np.int32))
+        (o[:-1].tolist(), o[1:].tolist(), memoryview(np.ascontiguousarray(v, dtype=np.int32)))
         for o, v, _ in split
-    ]
+    ]  # a memoryview's slice is a view: a row's key is copied once, by the join
     lengths = sum(np.diff(o) for o, _, _ in split)
     tree_list = tree.tolist()
     order: list[int] = []
@@ -130,7 +130,7 @@ def build_forest_from_parts(
     for batch in _tree_batches(tree, lengths):
         rows = batch.tolist()
         # a row's ids as bytes: byte order of fixed-width ids is a lexicographic order
-        keys = {i: b"".join(v[s[i] : e[i]].tobytes() for s, e, v in arrays) for i in rows}
+        keys = {i: b"".join([v[s[i] : e[i]] for s, e, v in arrays]) for i in rows}
         rows.sort(key=lambda i: (tree_list[i], keys[i]))
         stack: list[int] = []  # segments of this tree with increasing lcp: parent candidates
         previous = -1
