@@ -30,9 +30,11 @@ whole history; `--agentic-groups` groups, a bronze commit each): in a child proc
 one core, a LiveMaterializer takes the bronze into silver and the agentic dataset (steps/s; as
 `claw materialize --follow --dataset agentic` does), running as the bronze lands (its first
 round done on the lake before the bronze commits land; `started_cold` beside it: a follower
-started on the landed bronze, its start-up timed too), then the baseline, 3 times (the median):
-read that bronze and write its distinct tokens once to a Delta table (each step's new prompt
-tokens, its reply and its log-probs). Beside it (`every_spec`, no target: each dataset more
+started on the landed bronze, its start-up timed too; the take-in is timed `--take-in-runs`
+times, a new follower each on a copy of the lake with its specs and no bronze: the median,
+every run beside it), then the baseline, 3 times (the median): read that bronze and write
+its distinct tokens once to a Delta table (each step's new prompt tokens, its reply and its
+log-probs). Beside it (`every_spec`, no target: each dataset more
 writes the distinct tokens twice more), a copy of that bronze taken into silver and every
 spec's dataset (the built-in `default` too). The speed targets are on CPU seconds of that
 process (pinned to one core, they are the seconds an idle core would take; the machine may be
@@ -592,8 +594,9 @@ def agentic_child(
     out.put(result)
 
 
-def agentic(workdir: Path, groups: int, runs: int) -> dict:
-    """The agentic shape's storage and take-in speed, and the baseline, each timed."""
+def agentic(workdir: Path, groups: int, runs: int, take_in_runs: int) -> dict:
+    """The agentic shape's storage and take-in speed (the median of `take_in_runs` followers),
+    and the baseline, each timed."""
     from claw_pipelines.contracts.tables import BRONZE_EVENTS
     from claw_pipelines.lake.delta import Lake
     from claw_pipelines.lake.specs import save_spec
@@ -632,6 +635,20 @@ def agentic(workdir: Path, groups: int, runs: int) -> dict:
     started_cold = child(cold, False, None, only)
     log(f"agentic, the follower started on the landed bronze: {started_cold}")
     result = child(uri, True, str(workdir / "floor" / "tokens"), only)
+    takes = [result]  # the take-in again, each time a new follower on a copy with no bronze
+    for run in range(1, take_in_runs):
+        again = str(workdir / f"agentic-again-{run}")
+        shutil.rmtree(again, ignore_errors=True)
+        shutil.rmtree(f"{again}-state", ignore_errors=True)
+        shutil.copytree(Path(staged) / "specs", Path(again) / "specs")
+        takes.append(child(again, True, None, only))
+        shutil.rmtree(again, ignore_errors=True)
+    result["take_in_runs_cpu_s"] = [t["take_in_cpu_s"] for t in takes]
+    result["take_in_runs_s"] = [t["take_in_s"] for t in takes]
+    result["take_in_cpu_s"] = round(statistics.median(result["take_in_runs_cpu_s"]), 3)
+    result["take_in_s"] = round(statistics.median(result["take_in_runs_s"]), 3)
+    result["take_in_steps_per_s"] = round(steps / result["take_in_s"], 1)
+    result["take_in_steps_per_cpu_s"] = round(steps / result["take_in_cpu_s"], 1)
     for other in (every_spec, started_cold):
         other["take_in_over_baseline"] = round(
             other["take_in_cpu_s"] / result["baseline"]["cpu_s"], 2
@@ -676,6 +693,9 @@ def main() -> None:
     )
     parser.add_argument("--agentic-groups", type=int, default=6)
     parser.add_argument("--baseline-runs", type=int, default=3, help="the baseline's (median)")
+    parser.add_argument(
+        "--take-in-runs", type=int, default=3, help="followers taking the bronze in (median)"
+    )
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-storage", action="store_true")
     parser.add_argument(
@@ -692,7 +712,7 @@ def main() -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         if not args.skip_storage:
             started = time.perf_counter()
-            found = agentic(workdir, args.agentic_groups, args.baseline_runs)
+            found = agentic(workdir, args.agentic_groups, args.baseline_runs, args.take_in_runs)
             found["phase_s"] = round(time.perf_counter() - started, 1)
             per_token = found["storage"]["bytes_per_distinct_token"]
             met |= {
