@@ -9,6 +9,7 @@ from pathlib import Path
 import dagster as dg
 
 from claw_pipelines.defs.gold import DATASETS, POLICY_VERSIONS, all_partition_keys
+from claw_pipelines.defs.rebuild import gold_rebuild_job
 from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.defs.runs import failure_line
 
@@ -19,6 +20,7 @@ __all__ = [
     "all_partition_keys",
     "defs",
     "failure_line",
+    "gold_rebuild_job",
 ]
 
 defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent)

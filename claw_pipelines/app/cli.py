@@ -130,10 +130,14 @@ def _cmd_materialize(args: argparse.Namespace) -> None:
             stop.set()
         return
 
+    if args.parallel is not None and args.parallel < 1:
+        raise CliError(f"--parallel: give 1 or more processes, not {args.parallel}")
     if not args.create:
         _open_lake(args, hint="; --create makes one")
     try:
-        report = materialize(_settings(args), args.select, args.dataset, args.policy_version)
+        report = materialize(
+            _settings(args), args.select, args.dataset, args.policy_version, args.parallel
+        )
     except LookupError as exc:
         raise CliError(str(exc)) from None
     for asset, meta in report.assets.items():
@@ -469,6 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
     mat.add_argument("--dataset", action="append", help="only these gold datasets; repeatable")
     mat.add_argument(
         "--policy-version", type=int, action="append", help="only these policy versions"
+    )
+    mat.add_argument(
+        "--parallel",
+        type=int,
+        metavar="N",
+        help="build each dataset's partitions as one Dagster run of N processes at once "
+        "(gold_rebuild_job: a full rebuild or backfill split into N shares)",
     )
     mat.add_argument(
         "--follow",

@@ -8,6 +8,7 @@ the live materializer (`claw_pipelines.materialize.live`) and reports its increm
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -41,12 +42,14 @@ class MaterializeReport:
         suffix = f"[{partition}]" if partition else ""
         for event in result.get_asset_materialization_events():
             materialization = event.materialization
-            self.assets[materialization.asset_key.to_user_string() + suffix] = {
+            own = f"[{materialization.partition}]" if materialization.partition else suffix
+            self.assets[materialization.asset_key.to_user_string() + own] = {
                 k: getattr(v, "value", v) for k, v in materialization.metadata.items()
             }
         blocked = []
         for evaluation in result.get_asset_check_evaluations():
-            name = f"{evaluation.asset_key.to_user_string()}{suffix}:{evaluation.check_name}"
+            own = f"[{evaluation.partition}]" if evaluation.partition else suffix
+            name = f"{evaluation.asset_key.to_user_string()}{own}:{evaluation.check_name}"
             self.checks[name] = evaluation.passed
             if not evaluation.passed and evaluation.description:
                 self.notes[name] = evaluation.description
@@ -94,12 +97,15 @@ def materialize(
     select: Sequence[str] | None = None,
     datasets: Sequence[str] | None = None,
     policy_versions: Sequence[int] | None = None,
+    parallel: int | None = None,
 ) -> MaterializeReport:
     """Materialize the selected assets (all by default; `silver/*`, `key:...`, `group:...`);
-    gold partitions can be narrowed to some datasets and policy versions.
+    gold partitions can be narrowed to some datasets and policy versions, a run each. With
+    `parallel`, each dataset's partitions are one run of `gold_rebuild_job` instead: that
+    many processes building shares of them at once (Dagster's multiprocess executor).
 
     Uses the Dagster instance of `DAGSTER_HOME` when set (runs show in the UI), else an
-    ephemeral one.
+    ephemeral one (a temporary one when processes share it).
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Dagster's own beta/deprecation notices
@@ -161,6 +167,11 @@ def materialize(
             missing = _missing_policy_versions(keys, policy_versions)
             if missing:
                 report.fail(missing)
+            if parallel is not None:
+                names = sorted({k.keys_by_dimension["dataset"] for k in keys})
+                for name in [n for n in names if not datasets or n in datasets]:
+                    rebuild(settings, name, policy_versions, parallel, report)
+                return report
             for key in keys:
                 dims = key.keys_by_dimension
                 if datasets and dims["dataset"] not in datasets:
@@ -170,6 +181,47 @@ def materialize(
                 instance.add_dynamic_partitions(DATASETS.name, [dims["dataset"]])
                 instance.add_dynamic_partitions(POLICY_VERSIONS.name, [dims["policy_version"]])
                 report.add(run(partitioned, key), str(key))
+    return report
+
+
+def rebuild(
+    settings: ClawSettings,
+    dataset: str,
+    policy_versions: Sequence[int] | None = None,
+    shares: int = 2,
+    report: MaterializeReport | None = None,
+) -> MaterializeReport:
+    """One run of `gold_rebuild_job`: `dataset`'s partitions (or `policy_versions`') in
+    `shares` shares, built by as many processes at once; what it did, added to `report`."""
+    import tempfile
+
+    import dagster as dg
+
+    from claw_pipelines.definitions import gold_rebuild_job
+
+    config = {
+        "ops": {
+            "plan_rebuild": {
+                "config": {
+                    "dataset": dataset,
+                    "policy_versions": list(policy_versions or []),
+                    "shares": shares,
+                }
+            }
+        },
+        "resources": {"claw": {"config": {"lake_uri": settings.lake_uri}}},
+        "execution": {"config": {"max_concurrent": shares}},
+        **QUIET,
+    }
+    report = report if report is not None else MaterializeReport()
+    job = dg.reconstructable(gold_rebuild_job)  # its shares run in processes of their own
+    with contextlib.ExitStack() as stack:
+        if os.environ.get("DAGSTER_HOME"):
+            instance = dg.DagsterInstance.get()
+        else:  # processes share a run's events through an instance on disk
+            home = stack.enter_context(tempfile.TemporaryDirectory(prefix="claw-dagster-"))
+            instance = stack.enter_context(dg.DagsterInstance.local_temp(home))
+        report.add(stack.enter_context(dg.execute_job(job, instance, run_config=config)))
     return report
 
 

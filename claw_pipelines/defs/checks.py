@@ -16,21 +16,39 @@ def check_spec(
 def check_result(spec: dg.AssetCheckSpec, finding: Finding) -> dg.AssetCheckResult:
     """The Dagster result of a finding (a failed blocking check is an error, else a warning;
     a failed one says how many rows, which, and how to recover)."""
+    return dg.AssetCheckResult(
+        check_name=spec.name, asset_key=spec.asset_key, **_outcome(spec, finding)
+    )
+
+
+def check_evaluation(
+    spec: dg.AssetCheckSpec, finding: Finding, partition: str
+) -> dg.AssetCheckEvaluation:
+    """A finding as an op reports it for one partition of its asset (as `check_result`)."""
+    return dg.AssetCheckEvaluation(
+        asset_key=spec.asset_key,
+        check_name=spec.name,
+        blocking=spec.blocking,
+        partition=partition,
+        **_outcome(spec, finding),
+    )
+
+
+def _outcome(spec: dg.AssetCheckSpec, finding: Finding) -> dict:
+    """Passed, severity, description and metadata of a finding."""
     description = None
     if not finding.passed:
         shown = ", ".join(finding.sample[:3])
         description = f"{finding.failures} of {finding.checked} failed (e.g. {shown})"
         if spec.blocking:
             description += f"; {REPAIR_HINT}"
-    return dg.AssetCheckResult(
-        check_name=spec.name,
-        asset_key=spec.asset_key,
-        passed=finding.passed,
-        description=description,
-        severity=dg.AssetCheckSeverity.ERROR if spec.blocking else dg.AssetCheckSeverity.WARN,
-        metadata={
+    return {
+        "passed": finding.passed,
+        "description": description,
+        "severity": dg.AssetCheckSeverity.ERROR if spec.blocking else dg.AssetCheckSeverity.WARN,
+        "metadata": {
             "failures": finding.failures,
             "checked": finding.checked,
             "sample": dg.MetadataValue.json(finding.sample),
         },
-    )
+    }

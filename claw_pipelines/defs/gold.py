@@ -35,6 +35,7 @@ from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import SpecError, load_spec, load_specs, read_specs, spec_path
 from claw_pipelines.materialize.failing import report_sensor_failures
 from claw_pipelines.materialize.gold import (
+    GoldPartition,
     build_partition,
     partition_findings,
     policy_versions,
@@ -144,29 +145,33 @@ def gold(context: dg.AssetExecutionContext, claw: ClawLake):
         path = spec_path(keys["dataset"])
         line = str(exc) if str(exc).startswith(path) else f"{path}: {exc}"
         raise spec_failure(line) from None
+    for key, metadata in partition_metadata(lake, part).items():
+        yield dg.MaterializeResult(asset_key=key, metadata=metadata)
+    for name, finding in partition_findings(lake, part).items():
+        yield check_result(GOLD_CHECKS[name], finding)
+
+
+def partition_metadata(lake: Lake, part: GoldPartition) -> dict[dg.AssetKey, dict]:
+    """The metadata of each gold asset's materialization for a partition write: the spec,
+    counts, tokens, the silver versions read and the Delta version written."""
     summary = {
-        "dataset": spec.name,
-        "spec_hash": spec.spec_hash,
+        "dataset": part.spec.name,
+        "spec_hash": part.spec.spec_hash,
         "policy_version": part.policy_version,
         "steps": part.steps.height,
         "raw_tokens": part.raw_tokens,
         "tree_tokens": part.tree_tokens,
         "token_ratio": round(part.tree_tokens / part.raw_tokens, 4) if part.raw_tokens else 1.0,
         "source_versions": dg.MetadataValue.json(part.source_versions),
+        "rejected_steps": part.rejected.height,
     }
-    summary["rejected_steps"] = part.rejected.height
     versions = {
         DATASETS_KEY: part.dataset_version,
         TREES_KEY: part.trees_version,
         REJECTIONS_KEY: part.rejections_version,
         LINEAGE_KEY: lake.version(GOLD_LINEAGE),
     }
-    for spec_ in GOLD_SPECS:
-        yield dg.MaterializeResult(
-            asset_key=spec_.key, metadata=summary | {"delta_version": versions[spec_.key] or 0}
-        )
-    for name, finding in partition_findings(lake, part).items():
-        yield check_result(GOLD_CHECKS[name], finding)
+    return {s.key: summary | {"delta_version": versions[s.key] or 0} for s in GOLD_SPECS}
 
 
 def partition_fingerprints(lake: Lake, specs: dict[str, CurationSpec]) -> dict[str, str]:

@@ -11,9 +11,12 @@ from streamlit.testing.v1 import AppTest
 
 from claw_pipelines.consume.dataset import Dataset
 from claw_pipelines.contracts.access import Caller
+from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.tables import SILVER_STEPS
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.leases import ShardPlan
 from claw_pipelines.lake.specs import load_specs
+from claw_pipelines.materialize.live import LiveMaterializer
 from tests.support.lakes import (
     ACME_KEY,
     ACME_LINE,
@@ -224,6 +227,37 @@ def test_the_curation_preview_and_a_saved_spec_are_the_tenants_own(keyed, lake):
     specs = load_specs(lake)
     assert specs["acme-made"].tenant == "acme"
     assert "globex-train" not in specs and specs["default"].tenant is None  # as they were
+
+
+def test_the_materializer_shards_are_an_admins_to_see(tmp_path, monkeypatch):
+    """A lake split two ways, one shard held: the Collection page shows the shards' table
+    (owners, tokens, lag, problems) to an admin; a tenant's key sees neither it nor its
+    warnings (a shard spans every tenant's groups)."""
+    lake = tenants_lake(tmp_path / "sharded")
+    ShardPlan.set(lake, 2)
+    follower = LiveMaterializer(lake, slot=Slot(0, 2))
+    follower.step()
+    keys = tmp_path / "api-keys"
+    keys.write_text(TENANTS_KEYS_FILE)
+    monkeypatch.setenv("CLAW_API_KEYS_FILE", str(keys))
+    monkeypatch.setenv("CLAW_LAKE_URI", lake.uri)
+    monkeypatch.setenv("CLAW_GATEWAY_URL", "http://127.0.0.1:9")
+    for name in ("CLAW_API_KEY", "CLAW_API_KEYS", "CLAW_DASHBOARD_USERS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        admin = go(log_in_with_key(open_app(), ADMIN_KEY), "collection")
+        assert "Materializer shards" in [s.value for s in admin.subheader]
+        shards = next(d.value for d in admin.dataframe if "shard" in d.value.columns)
+        assert shards["shard"].to_list() == ["0/2", "1/2"]
+        assert any("shard 1/2: no follower holds it" in w.value for w in admin.warning)
+        for key in (ACME_KEY, GLOBEX_KEY):
+            tenant = go(log_in_with_key(open_app(), key), "collection")
+            assert "Materializer shards" not in [s.value for s in tenant.subheader]
+            assert not any("shard" in d.value.columns for d in tenant.dataframe)
+            text = shown(tenant)
+            assert "0/2" not in text and "no follower holds it" not in text
+    finally:
+        follower.close()
 
 
 def test_local_mode_is_every_tenant_on_loopback_and_nothing_beyond(tmp_path, monkeypatch, lake):
