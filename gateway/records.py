@@ -207,6 +207,7 @@ def bronze_table(records: RecordColumns, gateway_id: str, batch_seq: int) -> pa.
         "schema_version": pa.array(np.full(n, SCHEMA_VERSION, np.int32)),
         "payload": records.payload,
         "token_source": pa.array(records.token_source, pa.string()),
+        "shard_order": pa.nulls(n, pa.int32()),  # set as the lake lays the batch out
     }
     for field in _SCALAR_COLUMNS:
         columns[field.name] = scalars.column(field.name).cast(field.type)

@@ -52,3 +52,27 @@ class Slot:
     def owns(self, buckets: np.ndarray) -> np.ndarray:
         """Which of `buckets` (see `transforms.shards.buckets_of`) are this shard's."""
         return (buckets % self.count) == self.index
+
+    def order_range(self) -> tuple[int, int] | None:
+        """The shard orders (`shard_order`) of this shard's buckets as one range [low, high),
+        when its count is a power of two (its buckets' low bits are its index, the high bits
+        of their orders); None for other counts (their buckets' orders interleave)."""
+        bits = self.count.bit_length() - 1
+        if self.count != 1 << bits or bits > ORDER_BITS:
+            return None
+        span = 1 << (ORDER_BITS - bits)
+        low = bit_reversed(np.array([self.index]), bits)[0] * span
+        return int(low), int(low + span)
+
+
+ORDER_BITS = BUCKETS.bit_length() - 1  # a bucket is this many bits
+
+
+def bit_reversed(values: np.ndarray, bits: int = ORDER_BITS) -> np.ndarray:
+    """Each value's low `bits` bits in reverse order: a bucket's `shard_order`, so that the
+    buckets of shard i of 2^k (low k bits = i) have orders in one range."""
+    values = values.astype(np.int64)
+    out = np.zeros_like(values)
+    for bit in range(bits):
+        out |= ((values >> bit) & 1) << (bits - 1 - bit)
+    return out

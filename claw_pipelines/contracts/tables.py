@@ -79,6 +79,9 @@ class TableSpec:
     sort_by: tuple[str, ...] = ()  # rows of each write sorted so row-group stats prune lookups
     row_group_rows: int | None = None  # small row groups: a point lookup reads little
     compact_lists: bool = False  # list values dictionary-encoded: smaller, slower to write
+    # rows laid out for materializer shards (`shard_order`, §19), in row groups of about
+    # this many bytes, so a shard's read skips the others' records' tokens
+    shard_row_group_bytes: int | None = None
 
 
 # Step fields lifted out of the JSON payload into typed columns so silver reads them fast.
@@ -114,12 +117,15 @@ BRONZE_EVENTS_SPEC = TableSpec(
             pa.field("schema_version", pa.int32(), nullable=False),
             pa.field("payload", pa.string(), nullable=False),
             *BRONZE_STEP_COLUMNS,
+            # a step record's shard bucket, bits reversed (facts: null); rows sorted by it
+            ("shard_order", pa.int32()),
         ]
     ),
     partition_by=("ingest_date",),
     description="One accepted request record, as the gateway acknowledged it.",
     append_heavy=True,
     change_feed=True,
+    shard_row_group_bytes=4 << 20,
 )
 
 SILVER_STEPS_SPEC = TableSpec(

@@ -18,6 +18,7 @@ from urllib.parse import unquote
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 from deltalake import (
     ColumnProperties,
     CommitProperties,
@@ -46,6 +47,7 @@ from claw_pipelines.lake.object_store import (
     write_bytes,
 )
 from claw_pipelines.settings import REMOTE_SCHEMES, ClawSettings
+from claw_pipelines.transforms.shards import with_shard_order
 
 log = logging.getLogger(__name__)
 # What delta-rs says when the change feed cannot cover a range: the log of those versions was
@@ -203,16 +205,17 @@ APPEND_HEAVY_COLUMNS = ColumnProperties(dictionary_enabled=False, statistics_ena
 STATISTICS_BYTES = 64
 
 
-def _writer(spec: TableSpec) -> WriterProperties | None:
-    """Parquet writer settings of a table's appends."""
+def _writer(spec: TableSpec, row_group_rows: int | None = None) -> WriterProperties | None:
+    """Parquet writer settings of a table's appends (`row_group_rows`: instead of the spec's)."""
     tokens = [f.name for f in spec.schema if f.type in (TOKEN_LIST, LOGPROB_LIST, MASK_LIST)]
-    if not tokens and not spec.row_group_rows and not spec.append_heavy:
+    row_group_rows = row_group_rows or spec.row_group_rows
+    if not tokens and not row_group_rows and not spec.append_heavy:
         return None
     zstd = bool(tokens) or spec.append_heavy
     heavy = spec.append_heavy
     flat = [f.name for f in spec.schema if not pa.types.is_nested(f.type)]
     return WriterProperties(
-        max_row_group_size=spec.row_group_rows,
+        max_row_group_size=row_group_rows,
         compression="ZSTD" if zstd else None,
         compression_level=1 if zstd else None,
         statistics_truncate_length=STATISTICS_BYTES if heavy else None,
@@ -229,7 +232,6 @@ def _read_files(
 ) -> Any:
     """A pyarrow dataset of some of a Delta table's data files (their `add` actions: path,
     size, partition values), read through delta-rs's own file system (local or a store)."""
-    import pyarrow.compute as pc
     import pyarrow.dataset as ds
     from deltalake.fs import DeltaStorageHandler
     from pyarrow.fs import PyFileSystem
@@ -643,6 +645,11 @@ class Lake:
             if not _is_sorted(frame, spec.sort_by):  # (a sort copies every column)
                 data = frame.sort(spec.sort_by).to_arrow()
         rows = conform(data, spec.schema)
+        properties = _writer(spec)
+        if spec.shard_row_group_bytes and rows.num_rows:
+            rows = with_shard_order(rows)
+            per_row = max(1, rows.nbytes // rows.num_rows)
+            properties = _writer(spec, max(1, spec.shard_row_group_bytes // per_row))
         txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
         commit = _commit(metadata, guard.transactions() if guard else txns)
 
@@ -652,7 +659,7 @@ class Lake:
                 rows,
                 mode="append",
                 partition_by=table.metadata().partition_columns or None,
-                writer_properties=_writer(spec),
+                writer_properties=properties,
                 commit_properties=commit,
             )
 
@@ -818,19 +825,28 @@ class Lake:
 
     # -- reads ------------------------------------------------------------------------------
     def changes(
-        self, name: str, after: int, until: int, columns: list[str] | None = None
+        self,
+        name: str,
+        after: int,
+        until: int,
+        columns: list[str] | None = None,
+        where: pc.Expression | None = None,
     ) -> pa.Table | None:
         """Rows inserted by versions `after`+1 .. `until` (the change data feed), or None when
         the feed cannot answer (not enabled then, or the log was cleaned up): read it all.
+        With `where`, only the rows it holds for (read from the row groups whose statistics
+        allow it).
 
         Compaction rewrites files without changing data (`dataChange = false`): it adds nothing.
         """
-        added = self.appended(name, after, until, columns)
+        added = self.appended(name, after, until, columns, where)
         if added is not None:
             return added
         changed = self.change_feed(name, after, until, columns)
         if changed is None:
             return None
+        if where is not None:
+            changed = changed.filter(where)
         kinds = changed.column("_change_type").unique().to_pylist() if changed.num_rows else []
         if set(kinds) - {"insert"}:
             return None  # rows were updated or deleted: not an append-only range
@@ -842,7 +858,12 @@ class Lake:
         return changed
 
     def appended(
-        self, name: str, after: int, until: int, columns: list[str] | None = None
+        self,
+        name: str,
+        after: int,
+        until: int,
+        columns: list[str] | None = None,
+        where: pc.Expression | None = None,
     ) -> pa.Table | None:
         """Rows versions `after`+1 .. `until` of table `name` added, read straight from the
         files they added (no change-feed machinery: a plain parquet read) when every one of
@@ -875,7 +896,7 @@ class Lake:
         wanted = [c for c in columns or schema.names if c in schema.names]
         try:
             read = _read_files(self.table_uri(name), self._options(), schema, added.values())
-            found = read.to_table(columns=wanted)
+            found = read.to_table(columns=wanted, filter=where)
         except (OSError, DeltaError) as exc:  # a file vacuumed since: the feed says more
             log.info(
                 "%s: reading versions %d..%d as files failed (%s)", name, after + 1, until, exc

@@ -17,12 +17,14 @@ simply redone, and what it had appended is recognised (by event_id, feedback_id)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
+import pyarrow.compute as pc
 
 from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.tables import (
@@ -129,6 +131,7 @@ class SilverRun:
     previous_bronze_version: int | None
     read_mode: str = "none"  # none | changes | full
     bronze_rows: int = 0
+    token_rows: int = 0  # bronze records whose tokens it read (a shard skips the others')
     steps_added: int = 0
     feedback_added: int = 0
     conflicts_added: int = 0
@@ -151,6 +154,7 @@ class SilverRun:
             "previous_bronze_version": self.previous_bronze_version,
             "read_mode": self.read_mode,
             "bronze_rows": self.bronze_rows,
+            "token_rows": self.token_rows,
             "steps_added": self.steps_added,
             "feedback_added": self.feedback_added,
             "conflicts_added": self.conflicts_added,
@@ -205,20 +209,56 @@ class BronzeRead:
     facts: pl.DataFrame
     others: pl.DataFrame
     mode: str
+    decoded: int = 0  # records whose token columns were read (a shard's: its range's)
 
 
 def _read_bronze(lake: Lake, after: int | None, until: int, slot: Slot | None) -> BronzeRead:
-    """The bronze records of the versions after `after` up to `until`."""
+    """The bronze records of the versions after `after` up to `until`. A shard whose records
+    lie in one range of `shard_order` reads the others' records' small columns only (their
+    clocks), not their tokens: bronze's row groups of other ranges are skipped."""
     columns = list(dict.fromkeys([*BRONZE_COLUMNS_OF_STEPS, *FACT_COLUMNS]))
-    mode, rows = "full", None
+    ranged = _order_range(lake, slot)
+    where = others = None
+    if ranged is not None:
+        order = pc.field(SHARD_ORDER)
+        inside = (order >= ranged[0]) & (order < ranged[1])
+        where = order.is_null() | inside
+        others, _ = _read_rows(lake, after, until, ["kind", *CLOCK_COLUMNS], ~where)
+        others = others.filter(pl.col("kind").is_in(STEP_KINDS)).select(CLOCK_COLUMNS)
+    rows, mode = _read_rows(lake, after, until, columns, where)
+    read = _split_records(rows, slot, mode)
+    if others is None:
+        return read
+    return dataclasses.replace(read, others=pl.concat([others, read.others]))
+
+
+SHARD_ORDER = "shard_order"
+CLOCK_COLUMNS = ["received_at", "policy_version"]  # what another shard's records move
+
+
+def _order_range(lake: Lake, slot: Slot | None) -> tuple[int, int] | None:
+    """The `shard_order` range of `slot`'s records when bronze is laid out by it."""
+    if slot is None or slot.order_range() is None:
+        return None
+    if SHARD_ORDER not in lake.open(BRONZE_EVENTS).schema().to_arrow().names:
+        return None  # an older bronze, not yet written by this version
+    return slot.order_range()
+
+
+def _read_rows(
+    lake: Lake, after: int | None, until: int, columns: list[str], where: pc.Expression | None
+) -> tuple[pl.DataFrame, str]:
+    """Bronze's rows of the versions after `after` up to `until` (those `where` holds for),
+    and how they were read: their changes, or the whole table (the feed could not answer)."""
+    rows, mode = None, "changes"
     if after is not None and after >= 0:
-        changed = lake.changes(BRONZE_EVENTS, after, until, columns=columns)
-        if changed is not None:
-            mode, rows = "changes", pl.from_arrow(changed)
+        rows = lake.changes(BRONZE_EVENTS, after, until, columns=columns, where=where)
     if rows is None:
-        rows = pl.from_arrow(lake.open(BRONZE_EVENTS, until).to_pyarrow_table(columns=columns))
-    assert isinstance(rows, pl.DataFrame)
-    return _split_records(rows, slot, mode)
+        table = lake.open(BRONZE_EVENTS, until).to_pyarrow_dataset()
+        rows, mode = table.to_table(columns, filter=where), "full"
+    frame = pl.from_arrow(rows)
+    assert isinstance(frame, pl.DataFrame)
+    return frame, mode
 
 
 def _split_records(rows: pl.DataFrame, slot: Slot | None, mode: str) -> BronzeRead:
@@ -229,14 +269,15 @@ def _split_records(rows: pl.DataFrame, slot: Slot | None, mode: str) -> BronzeRe
     key = pl.col("trajectory_uid") + ":" + pl.col("step_index").cast(pl.String)
     order = pl.arg_sort_by(key, maintain_order=True, nulls_last=True)
     is_step = pl.col("kind").is_in(STEP_KINDS)
-    others = rows.head(0).select("received_at", "policy_version")
+    others = rows.head(0).select(CLOCK_COLUMNS)
     if slot is not None:
         mine = pl.Series(owned(slot, record_shard_keys(rows)))
-        others = rows.filter(is_step & ~mine).select("received_at", "policy_version")
+        others = rows.filter(is_step & ~mine).select(CLOCK_COLUMNS)
         is_step = is_step & pl.lit(mine)
     steps_at = rows.select(order.filter(is_step.gather(order))).to_series()
     facts = rows.select(FACT_COLUMNS).filter(pl.col("kind").is_in(FACT_KINDS))
-    return BronzeRead(rows.select(BRONZE_COLUMNS_OF_STEPS)[steps_at], facts, others, mode)
+    steps = rows.select(BRONZE_COLUMNS_OF_STEPS)[steps_at]
+    return BronzeRead(steps, facts, others, mode, rows.height)
 
 
 def _stored(lake: Lake, table: str, columns: list[str], version: int | None = None) -> pl.DataFrame:
@@ -594,6 +635,7 @@ def _build_once(
     read = _read_bronze(lake, after, until, slot)
     steps, fact_records, run.read_mode = read.steps, read.facts, read.mode
     run.bronze_rows = steps.height + fact_records.height + read.others.height
+    run.token_rows = read.decoded
     view.saw(read.others)
     new, conflicts, run.duplicates_dropped, run.steps_renumbered = _new_steps(view, steps, options)
     new, absorbed, replacing = _join_partials(lake, view, new, pins[SILVER_STEPS])

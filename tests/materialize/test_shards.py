@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 
 import polars as pl
 import pytest
@@ -21,12 +22,14 @@ import pytest
 from claw_pipelines.contracts.errors import Fenced
 from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.tables import (
+    BRONZE_EVENTS,
     SHARD_LEASES,
     SILVER_FEEDBACK,
     SILVER_STEP_REWARDS,
     SILVER_STEPS,
     SILVER_TABLES,
     SILVER_TRAJECTORIES,
+    TABLES,
     gold_dataset_table,
     gold_rejection_table,
     gold_tree_table,
@@ -146,6 +149,36 @@ def test_two_shards_build_the_silver_one_writer_builds(tmp_path, seeded_ids):
     for table in (SILVER_STEPS, SILVER_TRAJECTORIES):
         writers[table] = [lake.transaction_version(table, s.silver_app_id) for s in SHARDS]
         assert all(v is not None for v in writers[table]), writers
+
+
+def test_shards_read_only_their_own_records_tokens_and_build_what_one_writer_builds(
+    tmp_path, monkeypatch
+):
+    """Bronze laid out by shard order in small row groups (a batch of many groups, as a
+    gateway's flush): each of two shards decodes the tokens of its range's row groups only
+    (its records, facts, the row group it shares at the boundary), takes the others' clocks
+    from their small columns, and the two build the silver one writer builds."""
+    bronze = TABLES[BRONZE_EVENTS]
+    monkeypatch.setitem(TABLES, BRONZE_EVENTS, replace(bronze, shard_row_group_bytes=4_096))
+    lake = Lake(str(tmp_path / "lake"))
+    records = []
+    for group in range(24):
+        records += lakes.group_of(f"p{group}", [group, 5, 9], [1.0, 0.0, 0.5], turns=2)
+    land(lake, records)
+    land(lake, [*script(0), feedback({"trajectory_uid": "p3-r1"}, "reward", 0.25)])
+    orders = lake.read(BRONZE_EVENTS, columns=["shard_order"])["shard_order"]
+    total, facts = orders.len(), orders.null_count()  # every shard reads the facts
+    decoded = {}
+    for slot in SHARDS:
+        run = build_silver(lake, OPTIONS, slot=slot)
+        decoded[slot] = run.token_rows
+        assert run.bronze_rows == total  # every record seen: its own whole, the others' clocks
+    assert all(rows < 0.75 * total for rows in decoded.values()), (decoded, total)
+    steps = total - facts
+    assert sum(decoded.values()) - 2 * facts < 1.25 * steps, (decoded, total, facts)
+    mine, theirs = silver_of(lake), silver_of(one_writer(lake, tmp_path / "one"))
+    for table in mine:
+        same(mine[table], theirs[table], mine[table].columns[:1])
 
 
 def test_a_shard_killed_after_its_appends_derives_its_share_again(

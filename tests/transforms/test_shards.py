@@ -10,12 +10,13 @@ import numpy as np
 import polars as pl
 import pytest
 
-from claw_pipelines.contracts.shards import BUCKETS, Slot
+from claw_pipelines.contracts.shards import BUCKETS, Slot, bit_reversed
 from claw_pipelines.transforms.shards import (
     buckets_of,
     record_shard_keys,
     stable_hashes,
     step_shard_keys,
+    with_shard_order,
 )
 
 
@@ -105,3 +106,38 @@ def test_every_bucket_is_owned_by_exactly_one_shard_and_keys_spread(count):
     assert max(shares) - min(shares) < 0.03, shares
     again = buckets_of(pl.Series([f"group-{i}" for i in range(20_000)]))
     assert (again == placed).all()  # the same key, the same bucket
+
+
+@pytest.mark.parametrize("count", [1, 2, 4, 8, 16])
+def test_a_power_of_two_shards_orders_are_one_range_holding_exactly_its_buckets(count):
+    buckets = np.arange(BUCKETS)
+    orders = bit_reversed(buckets)
+    assert sorted(orders.tolist()) == list(range(BUCKETS))  # a permutation of the buckets
+    for index in range(count):
+        slot = Slot(index, count)
+        low, high = slot.order_range()
+        assert high - low == BUCKETS // count
+        assert (((orders >= low) & (orders < high)) == slot.owns(buckets)).all()
+
+
+@pytest.mark.parametrize("count", [3, 5, 6])
+def test_other_counts_have_no_range_and_read_everything(count):
+    assert all(Slot(i, count).order_range() is None for i in range(count))
+
+
+def test_bronze_is_laid_out_facts_first_then_by_shard_order_keeping_each_keys_order():
+    rows = [
+        _record("step", f"t{i % 7}", f"g{i % 7}", None) | {"step_index": i, "event_id": f"e{i}"}
+        for i in range(40)
+    ]
+    rows.insert(5, {**_record("feedback", "t1", None, None), "event_id": "f1"})
+    frame = pl.DataFrame(rows).with_columns(shard_order=pl.lit(None, pl.Int32))
+    laid = pl.from_arrow(with_shard_order(frame.to_arrow()))
+    assert laid["event_id"][0] == "f1" and laid["shard_order"][0] is None
+    steps = laid.filter(pl.col("kind") == "step")
+    expected = bit_reversed(buckets_of(record_shard_keys(steps)))
+    assert steps["shard_order"].to_list() == expected.tolist()
+    assert steps["shard_order"].is_sorted()
+    for _, group in steps.group_by("trajectory_uid"):  # a key's records in arrival order
+        assert group["step_index"].is_sorted()
+    assert sorted(laid["event_id"].to_list()) == sorted(frame["event_id"].to_list())
