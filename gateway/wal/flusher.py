@@ -158,6 +158,9 @@ class BronzeFlusher:
                 self.write_status()
                 if stopping and not delay:
                     return
+                if stopping:  # a pipe at EOF is always readable: select would not wait
+                    time.sleep(delay)
+                    continue
                 readable, _, _ = select.select([control], [], [], delay or poll)
                 if readable and not os.read(control, 4096):
                     stopping = True

@@ -7,12 +7,15 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
 from claw_pipelines.contracts.tables import BRONZE_EVENTS_SPEC
+from claw_pipelines.lake.delta import Lake
+from claw_pipelines.settings import ClawSettings
 from gateway.records import (
     TOKEN_FIELDS,
     BronzeRecord,
@@ -22,8 +25,9 @@ from gateway.records import (
     typed_arrays,
 )
 from gateway.wal import scheduling
+from gateway.wal.flusher import BronzeFlusher
 from gateway.wal.frames import decode_columns, decode_frames, encode_frame, read_segment
-from gateway.wal.layout import SPARE, sealed_segments
+from gateway.wal.layout import SEALED_SUFFIX, SPARE, sealed_segments
 from gateway.wal.log import Write, WriteAheadLog
 from gateway.wal.scheduling import WalUnavailable
 from gateway.wal.syncer import ANSWER, COMMAND, MIN_SPARE_BYTES, OPEN, SEAL, SYNC, serve
@@ -296,3 +300,29 @@ def test_a_crash_leaves_zeros_after_the_frames_and_they_read_as_the_end(tmp_path
     assert "torn" not in caplog.text
     assert [r.event_id for r in read_segment(torn)] == ["e0", "e1"]
     assert "ignoring 4097 torn bytes" in caplog.text
+
+
+def test_a_stopping_flusher_whose_commits_fail_waits_out_its_retries(tmp_path):
+    """The gateway gone (its pipe at EOF) while bronze refuses the commit: the flusher keeps
+    the records and retries with its backoff (a handful of tries a second, not a busy loop
+    that floods the log), and drains once bronze takes them."""
+    settings = ClawSettings(lake_uri=str(tmp_path / "lake"), wal_dir=tmp_path / "wal")
+    Lake.from_settings(settings).ensure(BRONZE_EVENTS_SPEC)
+    blocker = tmp_path / "lake" / "bronze" / "events" / "ingest_date=2023-11-14"
+    blocker.write_text("a file where the record's partition folder goes: writes fail")
+    settings.resolved_wal_dir.mkdir(parents=True, exist_ok=True)
+    segment = settings.resolved_wal_dir / f"{1:020d}{SEALED_SUFFIX}"
+    segment.write_bytes(encode_frame(record(1)))
+    control, gateway_end = os.pipe()
+    os.close(gateway_end)  # EOF: the gateway stopped
+    flusher = BronzeFlusher(settings)
+    thread = threading.Thread(target=flusher.run, args=(control,), daemon=True)
+    thread.start()
+    time.sleep(2.0)  # backoff 0.1, 0.2, 0.4, 0.8 s: about five tries
+    assert thread.is_alive() and segment.exists()  # the records kept, still trying
+    assert 2 <= flusher.status["failures"] <= 8, flusher.status
+    blocker.unlink()
+    thread.join(15)
+    assert not thread.is_alive() and not segment.exists()
+    landed = Lake.from_settings(settings).read("bronze/events", columns=["event_id"])
+    assert landed["event_id"].to_list() == ["e1"]
