@@ -842,15 +842,22 @@ class Lake:
         added = self.appended(name, after, until, columns, where)
         if added is not None:
             return added
-        changed = self.change_feed(name, after, until, columns)
+        # (a filter may name columns not asked for: the feed's rows then come whole)
+        changed = self.change_feed(name, after, until, columns if where is None else None)
         if changed is None:
             return None
-        if where is not None:
-            changed = changed.filter(where)
         kinds = changed.column("_change_type").unique().to_pylist() if changed.num_rows else []
         if set(kinds) - {"insert"}:
             return None  # rows were updated or deleted: not an append-only range
         changed = changed.drop_columns([c for c in CHANGE_COLUMNS if c in changed.column_names])
+        if where is not None:  # (the feed's string views have no filter kernel)
+            plain = [
+                pa.field(f.name, pa.string()) if f.type == pa.string_view() else f
+                for f in changed.schema
+            ]
+            changed = changed.cast(pa.schema(plain)).filter(where)
+            if columns is not None:
+                changed = changed.select([c for c in columns if c in changed.column_names])
         declared = TABLES[name].schema if name in TABLES else pa.schema([])
         for column in [c for c in columns or () if c not in changed.column_names]:
             kind = declared.field(column).type if column in declared.names else pa.string()

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import httpx
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from claw_pipelines.consume.dataset import Dataset
+from claw_pipelines.contracts.shards import Slot
 from claw_pipelines.contracts.specs import CurationSpec
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, BRONZE_EVENTS_SPEC
 from claw_pipelines.lake import delta
@@ -211,6 +213,33 @@ def test_appended_rows_are_read_from_the_files_their_commits_added(tmp_path):
     ).to_pylist() == ["e3"]
     lake.open(BRONZE_EVENTS).delete("event_id = 'e3'")
     assert lake.appended(BRONZE_EVENTS, compacted, compacted + 2) is None
+
+
+def test_a_filtered_range_reads_the_same_rows_from_its_files_and_from_the_feed(tmp_path):
+    """`changes(..., where=)` (a shard's range of `shard_order`, facts included) gives the
+    rows the whole range holds that the filter keeps, read from the files a range added and,
+    once they are compacted, from the change feed, with a column the filter names but the
+    read does not ask for."""
+    lake = Lake(str(tmp_path / "lake"))
+    for batch in range(3):
+        land(lake, [*group_of(f"a{batch}", [batch], [1.0]), *group_of(f"b{batch}", [5], [0.0])])
+    newest = lake.version(BRONZE_EVENTS)
+    low, high = Slot(0, 2).order_range()
+    order = pc.field("shard_order")
+    where = order.is_null() | ((order >= low) & (order < high))
+    columns = ["event_id", "kind"]
+    whole = lake.changes(BRONZE_EVENTS, 1, newest, ["event_id", "kind", "shard_order"])
+    expected = sorted(whole.filter(where).column("event_id").to_pylist())
+    assert 0 < len(expected) < whole.num_rows
+    read = lake.changes(BRONZE_EVENTS, 1, newest, columns, where)
+    assert read.column_names == columns
+    assert sorted(read.column("event_id").to_pylist()) == expected
+    lake.compact(BRONZE_EVENTS)  # the range's files rewritten: the change feed answers
+    compacted = lake.version(BRONZE_EVENTS)
+    assert lake.appended(BRONZE_EVENTS, 1, compacted) is None
+    fed = lake.changes(BRONZE_EVENTS, 1, compacted, columns, where)
+    assert fed.column_names == columns
+    assert sorted(fed.column("event_id").to_pylist()) == expected
 
 
 def _mtime(path: Path) -> float:
