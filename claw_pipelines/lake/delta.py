@@ -359,6 +359,10 @@ class Lake:
             return True
         return DeltaTable.is_deltatable(self.table_uri(name), storage_options=self._options())
 
+    def column_names(self, name: str) -> list[str]:
+        """The columns table `name` has now (its kept handle: no log replayed)."""
+        return list(self._latest(name).schema().to_arrow().names)
+
     def open(self, name: str, version: int | None = None) -> DeltaTable:
         """The Delta table `name`, at `version` when given (time travel)."""
         return DeltaTable(self.table_uri(name), version=version, storage_options=self._options())

@@ -240,7 +240,7 @@ def _order_range(lake: Lake, slot: Slot | None) -> tuple[int, int] | None:
     """The `shard_order` range of `slot`'s records when bronze is laid out by it."""
     if slot is None or slot.order_range() is None:
         return None
-    if SHARD_ORDER not in lake.open(BRONZE_EVENTS).schema().to_arrow().names:
+    if SHARD_ORDER not in lake.column_names(BRONZE_EVENTS):
         return None  # an older bronze, not yet written by this version
     return slot.order_range()
 
