@@ -125,7 +125,7 @@ BRONZE_EVENTS_SPEC = TableSpec(
     description="One accepted request record, as the gateway acknowledged it.",
     append_heavy=True,
     change_feed=True,
-    shard_row_group_bytes=4 << 20,
+    shard_row_group_bytes=8 << 20,
 )
 
 SILVER_STEPS_SPEC = TableSpec(
