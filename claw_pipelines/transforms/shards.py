@@ -26,9 +26,12 @@ _MIX_1, _MIX_2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
 def record_shard_keys(records: pl.DataFrame) -> pl.Series:
     """The shard key of bronze step records (`kind`, `tenant`, `trajectory_uid`,
     `prompt_uid`, `payload`): a proxied call the gateway did not scope goes by its tenant."""
-    scoped = pl.col("payload").str.json_path_match("$.metadata.scoped")
-    unscoped = (pl.col("kind") != "step") & (scoped == "false")
-    return records.select(_key(unscoped.fill_null(False))).to_series()
+    proxied = (records["kind"] != "step").fill_null(False)
+    unscoped = pl.Series("unscoped", np.zeros(records.height, dtype=bool))
+    if proxied.any():  # only a proxied call's payload is parsed
+        scoped = records.filter(proxied)["payload"].str.json_path_match("$.metadata.scoped")
+        unscoped = unscoped.scatter(proxied.arg_true(), (scoped == "false").fill_null(False))
+    return records.select(_key(pl.lit(unscoped))).to_series()
 
 
 def with_shard_order(records: pa.Table) -> pa.Table:
