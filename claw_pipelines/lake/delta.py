@@ -224,6 +224,15 @@ def _writer(spec: TableSpec, row_group_rows: int | None = None) -> WriterPropert
     )
 
 
+def row_groups_where(dataset: Any, where: pc.Expression) -> Any:
+    """The row groups of a pyarrow parquet dataset whose statistics allow `where`, as a
+    dataset to read whole (no row filter: filtering copies every column it keeps)."""
+    import pyarrow.dataset as ds
+
+    groups = [g for f in dataset.get_fragments() for g in f.split_by_row_group(where)]
+    return ds.FileSystemDataset(groups, dataset.schema, dataset.format, dataset.filesystem)
+
+
 def _read_files(
     table_uri: str,
     options: dict[str, str] | None,
@@ -835,15 +844,17 @@ class Lake:
         until: int,
         columns: list[str] | None = None,
         where: pc.Expression | None = None,
+        prune_only: bool = False,
     ) -> pa.Table | None:
         """Rows inserted by versions `after`+1 .. `until` (the change data feed), or None when
         the feed cannot answer (not enabled then, or the log was cleaned up): read it all.
         With `where`, only the rows it holds for (read from the row groups whose statistics
-        allow it).
+        allow it); with `prune_only` too, the whole row groups it may hold for when they are
+        read from the files (a superset: the caller filters; no copy of the rows).
 
         Compaction rewrites files without changing data (`dataChange = false`): it adds nothing.
         """
-        added = self.appended(name, after, until, columns, where)
+        added = self.appended(name, after, until, columns, where, prune_only)
         if added is not None:
             return added
         # (a filter may name columns not asked for: the feed's rows then come whole)
@@ -875,6 +886,7 @@ class Lake:
         until: int,
         columns: list[str] | None = None,
         where: pc.Expression | None = None,
+        prune_only: bool = False,
     ) -> pa.Table | None:
         """Rows versions `after`+1 .. `until` of table `name` added, read straight from the
         files they added (no change-feed machinery: a plain parquet read) when every one of
@@ -907,6 +919,8 @@ class Lake:
         wanted = [c for c in columns or schema.names if c in schema.names]
         try:
             read = _read_files(self.table_uri(name), self._options(), schema, added.values())
+            if where is not None and prune_only:  # whole row groups, no row filter (a copy)
+                read, where = row_groups_where(read, where), None
             found = read.to_table(columns=wanted, filter=where)
         except (OSError, DeltaError) as exc:  # a file vacuumed since: the feed says more
             log.info(

@@ -17,7 +17,6 @@ simply redone, and what it had appended is recognised (by event_id, feedback_id)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,7 +39,14 @@ from claw_pipelines.contracts.tables import (
     TABLES,
 )
 from claw_pipelines.lake import delta as lake_module
-from claw_pipelines.lake.delta import Guard, Lake, empty_frame, sql_strings, until_landed
+from claw_pipelines.lake.delta import (
+    Guard,
+    Lake,
+    empty_frame,
+    row_groups_where,
+    sql_strings,
+    until_landed,
+)
 from claw_pipelines.materialize.history import History
 from claw_pipelines.materialize.silver_view import SilverView
 from claw_pipelines.settings import ClawSettings
@@ -209,7 +215,7 @@ class BronzeRead:
     facts: pl.DataFrame
     others: pl.DataFrame
     mode: str
-    decoded: int = 0  # records whose token columns were read (a shard's: its range's)
+    decoded: int = 0  # records whose token columns were read (a shard: its range's only)
 
 
 def _read_bronze(lake: Lake, after: int | None, until: int, slot: Slot | None) -> BronzeRead:
@@ -218,18 +224,22 @@ def _read_bronze(lake: Lake, after: int | None, until: int, slot: Slot | None) -
     clocks), not their tokens: bronze's row groups of other ranges are skipped."""
     columns = list(dict.fromkeys([*BRONZE_COLUMNS_OF_STEPS, *FACT_COLUMNS]))
     ranged = _order_range(lake, slot)
-    where = others = None
-    if ranged is not None:
-        order = pc.field(SHARD_ORDER)
-        inside = (order >= ranged[0]) & (order < ranged[1])
-        where = order.is_null() | inside
-        others, _ = _read_rows(lake, after, until, ["kind", *CLOCK_COLUMNS], ~where)
-        others = others.filter(pl.col("kind").is_in(STEP_KINDS)).select(CLOCK_COLUMNS)
-    rows, mode = _read_rows(lake, after, until, columns, where)
-    read = _split_records(rows, slot, mode)
-    if others is None:
-        return read
-    return dataclasses.replace(read, others=pl.concat([others, read.others]))
+    if ranged is None:
+        rows, mode = _read_rows(lake, after, until, columns, None)
+        return _split_records(rows, slot, mode)
+    # three reads, pruned on the row groups' statistics: the row groups that may hold the
+    # range's records, whole (its steps are taken from them by ownership); the facts (null
+    # order) without token columns; the clocks of the other ranges' records.
+    order = pc.field(SHARD_ORDER)
+    inside = (order >= ranged[0]) & (order < ranged[1])
+    facts, _ = _read_rows(lake, after, until, FACT_COLUMNS, order.is_null())
+    if facts.filter(pl.col("kind").is_in(STEP_KINDS)).height:  # steps written before the
+        rows, mode = _read_rows(lake, after, until, columns, inside | order.is_null())  # layout
+        return _split_records(rows, slot, mode)
+    rows, mode = _read_rows(lake, after, until, columns, inside, prune_only=True)
+    others, _ = _read_rows(lake, after, until, ["kind", *CLOCK_COLUMNS], ~inside)
+    others = others.filter(pl.col("kind").is_in(STEP_KINDS)).select(CLOCK_COLUMNS)
+    return _split_records(rows, slot, mode, facts, others)
 
 
 SHARD_ORDER = "shard_order"
@@ -246,36 +256,55 @@ def _order_range(lake: Lake, slot: Slot | None) -> tuple[int, int] | None:
 
 
 def _read_rows(
-    lake: Lake, after: int | None, until: int, columns: list[str], where: pc.Expression | None
+    lake: Lake,
+    after: int | None,
+    until: int,
+    columns: list[str],
+    where: pc.Expression | None,
+    prune_only: bool = False,
 ) -> tuple[pl.DataFrame, str]:
-    """Bronze's rows of the versions after `after` up to `until` (those `where` holds for),
-    and how they were read: their changes, or the whole table (the feed could not answer)."""
+    """Bronze's rows of the versions after `after` up to `until` (those `where` holds for;
+    with `prune_only`, maybe more: see `Lake.changes`), and how they were read: their
+    changes, or the whole table (the feed could not answer)."""
     rows, mode = None, "changes"
     if after is not None and after >= 0:
-        rows = lake.changes(BRONZE_EVENTS, after, until, columns=columns, where=where)
+        rows = lake.changes(BRONZE_EVENTS, after, until, columns, where, prune_only)
     if rows is None:
         table = lake.open(BRONZE_EVENTS, until).to_pyarrow_dataset()
+        if where is not None and prune_only:
+            table = row_groups_where(table, where)
+            where = None
         rows, mode = table.to_table(columns, filter=where), "full"
     frame = pl.from_arrow(rows)
     assert isinstance(frame, pl.DataFrame)
     return frame, mode
 
 
-def _split_records(rows: pl.DataFrame, slot: Slot | None, mode: str) -> BronzeRead:
-    """Bronze `rows` split. The steps are taken with one gather, in one chunk (every later
+def _split_records(
+    rows: pl.DataFrame,
+    slot: Slot | None,
+    mode: str,
+    facts: pl.DataFrame | None = None,
+    others: pl.DataFrame | None = None,
+) -> BronzeRead:
+    """Bronze `rows` split (the fact records read apart: `facts`; the other shards' clocks
+    read apart: `others`). The steps are taken with one gather, in one chunk (every later
     view of their token columns as Arrow is then free) and in the order of the keys most
     will take (arrival order within a key): gold, which merges steps in step_key order, then
     takes the new steps' tokens without a copy."""
     key = pl.col("trajectory_uid") + ":" + pl.col("step_index").cast(pl.String)
     order = pl.arg_sort_by(key, maintain_order=True, nulls_last=True)
     is_step = pl.col("kind").is_in(STEP_KINDS)
-    others = rows.head(0).select(CLOCK_COLUMNS)
     if slot is not None:
         mine = pl.Series(owned(slot, record_shard_keys(rows)))
-        others = rows.filter(is_step & ~mine).select(CLOCK_COLUMNS)
+        if others is None:
+            others = rows.filter(is_step & ~mine).select(CLOCK_COLUMNS)
         is_step = is_step & pl.lit(mine)
+    if others is None:
+        others = rows.head(0).select(CLOCK_COLUMNS)
     steps_at = rows.select(order.filter(is_step.gather(order))).to_series()
-    facts = rows.select(FACT_COLUMNS).filter(pl.col("kind").is_in(FACT_KINDS))
+    facts = rows if facts is None else facts
+    facts = facts.select(FACT_COLUMNS).filter(pl.col("kind").is_in(FACT_KINDS))
     steps = rows.select(BRONZE_COLUMNS_OF_STEPS)[steps_at]
     return BronzeRead(steps, facts, others, mode, rows.height)
 
