@@ -157,6 +157,12 @@ class ClawSettings(BaseSettings):
         description="a shard follower's lease lapses this long after its last renewal "
         "(renewed every third of it); then another follower may take the shard over",
     )
+    rebuild_executor: Literal["multiprocess", "k8s"] = Field(
+        "multiprocess",
+        description="how `gold_rebuild_job` runs its shares: processes of its run "
+        "(multiprocess), or a Kubernetes Job each (k8s: dagster-k8s's k8s_job_executor, "
+        "the `k8s` extra)",
+    )
     trajectory_reward_to: Literal["last", "every"] = Field(
         "last", description="steps a trajectory-level reward addresses"
     )

@@ -3,8 +3,9 @@
 `gold_rebuild_job` plans the dataset's policy-version partitions (every one silver holds, or
 those asked for), splits them into shares of about equal steps, and maps one op over the
 shares: Dagster's multiprocess executor runs the shares in parallel, a process each
-(`workers` at a time); on Kubernetes the run is a pod of the K8sRunLauncher and its shares
-use the pod's cores, or pods of their own with dagster-k8s's `k8s_job_executor`. Each share
+(`workers` at a time); on Kubernetes the run is a pod of the K8sRunLauncher, and with
+`CLAW_REBUILD_EXECUTOR=k8s` (the chart's values) each share is a Kubernetes Job of its own
+(dagster-k8s's `k8s_job_executor`). Each share
 builds its partitions with the gold asset's own code (`build_partition`) and reports each as
 a materialization of the gold assets' partition, with the same checks, so the asset
 history shows the rebuild as it shows a partition run. Partitions of one dataset are written
@@ -29,6 +30,7 @@ from claw_pipelines.defs.runs import OP_RETRY_POLICY, spec_failure
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import SpecError, load_spec, spec_path
 from claw_pipelines.materialize.gold import build_partition, partition_findings
+from claw_pipelines.settings import ClawSettings
 
 REBUILD_JOB = "gold_rebuild_job"
 
@@ -126,13 +128,28 @@ def rebuilt(context: dg.OpExecutionContext, shares: list) -> list:
     return built
 
 
+def rebuild_executor(kind: str | None = None) -> dg.ExecutorDefinition:
+    """The executor the shares run on (`kind`, or CLAW_REBUILD_EXECUTOR): processes of the
+    run's own (multiprocess), or a Kubernetes Job a share (k8s, the `k8s` extra)."""
+    kind = kind or ClawSettings().rebuild_executor
+    if kind == "multiprocess":
+        return dg.multiprocess_executor
+    try:
+        from dagster_k8s import k8s_job_executor
+    except ImportError as exc:
+        raise ImportError(
+            "CLAW_REBUILD_EXECUTOR=k8s needs dagster-k8s: pip install 'claw-lakehouse[k8s]'"
+        ) from exc
+    return k8s_job_executor
+
+
 @dg.job(
     name=REBUILD_JOB,
-    executor_def=dg.multiprocess_executor,
+    executor_def=rebuild_executor(),
     resource_defs={"claw": ClawLake()},
     description="Rebuild a dataset's partitions (all, or some policy versions) in parallel "
-    "shares, a process each (config: dataset, policy_versions, shares; the executor's "
-    "max_concurrent bounds how many run at once).",
+    "shares, a process or a Kubernetes Job each (config: dataset, policy_versions, shares; "
+    "the executor's max_concurrent bounds how many run at once).",
     tags={"claw/rebuild": "true"},
 )
 def gold_rebuild_job() -> None:

@@ -4,11 +4,18 @@ assets' partition with its checks, and the dataset equals one writer's build."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import dagster as dg
 import polars as pl
+import pydantic
 import pytest
+import yaml
 
 from claw_pipelines.app.materialize import materialize
 from claw_pipelines.contracts.specs import CurationSpec
@@ -99,3 +106,48 @@ def test_a_policy_version_silver_does_not_hold_fails_with_one_line(lakes):
     )
     assert not report.success
     assert "policy version 9 does not exist" in report.errors[0]
+
+
+EXECUTOR_OF_LOCATION = """
+import json, dagster as dg
+from claw_pipelines.definitions import defs
+job = defs.resolve_job_def("gold_rebuild_job")
+execution = {"max_concurrent": 2}
+if job.executor_def.name == "k8s":
+    execution["job_namespace"] = "claw"
+config = {"ops": {"plan_rebuild": {"config": {"dataset": "rebuilt"}}},
+          "execution": {"config": execution}}
+valid = dg.validate_run_config(job, config)
+print(json.dumps({"executor": job.executor_def.name, "validated": bool(valid)}))
+"""
+
+
+@pytest.mark.parametrize("setting", [None, "k8s"])
+def test_the_chart_values_run_each_share_as_a_kubernetes_job(setting):
+    """The code location as the chart's values start it (CLAW_REBUILD_EXECUTOR=k8s) gives the
+    rebuild dagster-k8s's k8s_job_executor (a Job a share), whose config takes the CLI's
+    max_concurrent with a namespace; unset, the multiprocess executor."""
+    repo = Path(__file__).resolve().parents[2]
+    values = yaml.safe_load((repo / "deploy" / "helm" / "values.yaml").read_text())
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    assert deployment["env"]["CLAW_REBUILD_EXECUTOR"] == "k8s"
+    env = {k: v for k, v in os.environ.items() if k != "CLAW_REBUILD_EXECUTOR"}
+    if setting:
+        env["CLAW_REBUILD_EXECUTOR"] = setting
+    done = subprocess.run(
+        [sys.executable, "-c", EXECUTOR_OF_LOCATION],
+        env=env,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == {"executor": setting or "multiprocess", "validated": True}
+
+
+def test_an_unknown_rebuild_executor_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("CLAW_REBUILD_EXECUTOR", "threads")
+    with pytest.raises(pydantic.ValidationError, match="rebuild_executor"):
+        ClawSettings()

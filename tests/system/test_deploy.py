@@ -56,6 +56,7 @@ CHART_KEYS = {
     "dagster-user-deployments.deployments[].image.pullPolicy",
     "dagster-user-deployments.deployments[].dagsterApiGrpcArgs[]",
     "dagster-user-deployments.deployments[].port",
+    "dagster-user-deployments.deployments[].env.*",  # free-form: environment variables
     "dagster-user-deployments.deployments[].envSecrets[].name",
     "dagster-user-deployments.deployments[].envConfigMaps[].name",
     "dagsterWebserver.envSecrets[].name",
@@ -81,7 +82,10 @@ CHART_KEYS = {
         for key in ("host", "path", "pathType", "tls.enabled", "tls.secretName")
     ),
 }
-FREE_FORM = {"ingress.annotations"}  # maps whose keys are not the chart's (they hold dots)
+FREE_FORM = {
+    "ingress.annotations",
+    "dagster-user-deployments.deployments[].env",
+}  # maps whose keys are not the chart's (they hold dots)
 DAGSTER_COMMANDS = {
     ("dagster", "api", "grpc"): grpc_command,
     ("dagster", "api", "grpc-health-check"): grpc_health_check_command,
