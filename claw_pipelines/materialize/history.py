@@ -134,18 +134,22 @@ class History:
         return segment
 
     def _file(self, batch: WriteBatch, segment: int, table: str, rows: pl.DataFrame) -> None:
-        """The rows in chunks of about CHUNK_ROWS by trajectory, and each chunk's uids."""
+        """The rows in chunks of about CHUNK_ROWS by trajectory, and each chunk's uids: the
+        rows sorted by owner with one gather, each chunk a slice of them (a gather a chunk
+        from rows of several chunks copied them whole each time: quadratic in a run)."""
         column = "addresses" if table == "facts" else "trajectory_uid"
         uids = rows.select(pl.concat_list(column)).to_series()
-        owner = uids.list.first().fill_null("")
-        order = pl.DataFrame({"owner": owner, "at": np.arange(rows.height)}).sort("owner")
-        bounds = _chunk_bounds(order["owner"], CHUNK_ROWS)
+        owner = uids.list.first().fill_null("").alias("owner")
+        order = owner.to_frame().select(pl.arg_sort_by("owner", maintain_order=True)).to_series()
+        rows, owner, uids = rows[order], owner.gather(order), uids.gather(order)
+        bounds = _chunk_bounds(owner, CHUNK_ROWS)
         for chunk, (start, end) in enumerate(bounds):
-            at = order["at"].slice(start, end - start)
-            batch.put(_segment_key(segment, chunk, table), _ipc(rows[at]))
-            tail = struct.pack(">QI", segment, chunk)
-            for uid in uids.gather(at).explode().drop_nulls().unique():
-                batch.put(b"u" + uid.encode() + _SEP + tail, b"")
+            batch.put(_segment_key(segment, chunk, table), _ipc(rows.slice(start, end - start)))
+        sizes = [end - start for start, end in bounds]
+        filed = pl.DataFrame({"uid": uids, "chunk": np.repeat(np.arange(len(bounds)), sizes)})
+        filed = filed.explode("uid").drop_nulls().unique(maintain_order=True)
+        for uid, chunk in filed.iter_rows():
+            batch.put(b"u" + uid.encode() + _SEP + struct.pack(">QI", segment, chunk), b"")
 
     def _index(self, batch: WriteBatch, table: str, rows: pl.DataFrame) -> None:
         if table == "steps":
