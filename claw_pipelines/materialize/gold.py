@@ -377,7 +377,8 @@ def tree_rows(policy_version: int, steps: pl.DataFrame, forest: PrefixForest) ->
     trees: increments and full builds write the same rows)."""
     offsets = pa.array(forest.offsets.astype(np.int32))
     first = forest.tree_first()
-    paths = [[k - f for k in path] for path, f in zip(forest.paths(), first.tolist(), strict=True)]
+    path_offsets, path_segments = forest.path_arrays()  # numbered within their tree
+    path_segments = path_segments - np.repeat(first, np.diff(path_offsets))
     return pa.table(
         {
             "policy_version": pa.array(np.full(len(forest.row), policy_version), pa.int64()),
@@ -388,7 +389,9 @@ def tree_rows(policy_version: int, steps: pl.DataFrame, forest: PrefixForest) ->
             "end_depth": pa.array(forest.length, pa.int64()),
             "tokens": pa.ListArray.from_arrays(offsets, pa.array(forest.tokens, pa.int32())),
             "step_key": steps["step_key"].gather(forest.row).to_arrow(),
-            "path": pa.array(paths, pa.list_(pa.int64())),
+            "path": pa.ListArray.from_arrays(
+                pa.array(path_offsets.astype(np.int32)), pa.array(path_segments, pa.int64())
+            ),
         }
     )
 

@@ -13,6 +13,7 @@ copy), never per token in Python.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,12 +64,27 @@ class PrefixForest:
         starts = np.flatnonzero(np.r_[True, self.tree[1:] != self.tree[:-1]])
         return np.repeat(starts, np.diff(np.r_[starts, count])).astype(np.int64)
 
+    def path_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every segment's path (the segments from its root down to itself) as (offsets,
+        flat segments), numpy only: a pass per level of the deepest tree."""
+        count = len(self.parent)
+        depth = np.ones(count, dtype=np.int64)
+        above = _parent_of(np.arange(count, dtype=np.int64), self.parent)
+        while (climbing := above != NO_PARENT).any():
+            depth += climbing
+            above = _parent_of(above, self.parent)
+        offsets = np.r_[0, np.cumsum(depth)]
+        flat = np.empty(offsets[-1], dtype=np.int64)
+        at, here = offsets[1:] - 1, np.arange(count, dtype=np.int64)  # filled leaf to root
+        while (left := here != NO_PARENT).any():
+            flat[at[left]] = here[left]
+            at, here = at - 1, _parent_of(here, self.parent)
+        return offsets, flat
+
     def paths(self) -> list[list[int]]:
         """For each segment, the segments from its root down to itself."""
-        paths: list[list[int]] = []
-        for k, p in enumerate(self.parent.tolist()):  # parents come first in sorted order
-            paths.append([*paths[p], k] if p != NO_PARENT else [k])
-        return paths
+        offsets, flat = self.path_arrays()
+        return [flat[a:b].tolist() for a, b in itertools.pairwise(offsets.tolist())]
 
     def rebuild(self, segment: int, path: list[int] | None = None) -> np.ndarray:
         """The full sequence of a segment's row, from the tree alone."""
@@ -80,6 +96,11 @@ class PrefixForest:
             end = self.offsets[here + 1] if take is None else begin + take
             pieces.append(self.tokens[begin:end])
         return np.concatenate(pieces) if pieces else self.tokens[:0]
+
+
+def _parent_of(segments: np.ndarray, parent: np.ndarray) -> np.ndarray:
+    """Each segment's parent (NO_PARENT stays NO_PARENT)."""
+    return np.where(segments == NO_PARENT, NO_PARENT, parent[np.maximum(segments, 0)])
 
 
 def _mismatch(a: bytes, b: bytes, m: int) -> int:
