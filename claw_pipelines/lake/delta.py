@@ -597,7 +597,7 @@ class Lake:
             table = latest if latest is not None and latest.version() == base else None
             if table is None:
                 table = self.open(spec.name, base)
-            own = {a: table.transaction_version(a) for a in [*guard.app_ids, *guard.fences]}
+            own = {*guard.app_ids, *guard.fences}
             for _ in range(REBASES):
                 guard.check_fences(table, spec.name)
                 try:
@@ -609,7 +609,8 @@ class Lake:
                     if not rebase:
                         raise conflict from None
                     table = self.open(spec.name)
-                    if any(table.transaction_version(a) != v for a, v in own.items()):
+                    since = -1 if base is None else base
+                    if self._transacted(spec.name, since, table.version(), own) is not False:
                         guard.check_fences(table, spec.name)  # a newer owner: Fenced
                         raise conflict from None  # one of its own writers: compute again
             else:
@@ -619,6 +620,19 @@ class Lake:
             if table is latest:
                 self._latest_tables[spec.name] = self._renewed(spec.name, table)
             return table.version()  # the table object now stands at its own commit
+
+    def _transacted(self, name: str, after: int, until: int, app_ids: set[str]) -> bool | None:
+        """Whether a commit of versions `after`+1 .. `until` of table `name` carries a
+        transaction of one of `app_ids` (read from their log entries: only a refused write
+        asks); None when an entry is gone (cleaned up: as good as yes)."""
+        for version in range(after + 1, until + 1):
+            text = self.read_text(f"{name}/_delta_log/{version:020d}.json")
+            if text is None:
+                return None
+            for line in text.splitlines():
+                if '"txn"' in line and json.loads(line).get("txn", {}).get("appId") in app_ids:
+                    return True
+        return False
 
     def fence(self, spec: TableSpec | str, app_id: str, token: int) -> int:
         """Record fencing token `token` of `app_id` in table `spec` (created if missing) with a
