@@ -947,6 +947,32 @@ class Lake:
             found = found.append_column(column, pa.nulls(found.num_rows, kind))
         return found
 
+    def versions_within(
+        self, name: str, after: int, until: int, max_records: int, max_bytes: int
+    ) -> int:
+        """The newest version v <= `until` such that versions `after`+1 .. v of table `name`
+        added at most `max_records` rows and `max_bytes` bytes of files (from their log
+        entries' stats), and at least `after`+1; `until` when an entry or its stats are
+        gone (the read decides then)."""
+        records = size = 0
+        for version in range(after + 1, until + 1):
+            text = self.read_text(f"{name}/_delta_log/{version:020d}.json")
+            if text is None:
+                return until
+            for line in text.splitlines():
+                if '"add"' not in line:
+                    continue
+                added = json.loads(line).get("add") or {}
+                if not added.get("dataChange", True):
+                    continue
+                stats = json.loads(added.get("stats") or "{}")
+                if "numRecords" not in stats:
+                    return until
+                records, size = records + stats["numRecords"], size + added.get("size", 0)
+            if version > after + 1 and (records > max_records or size > max_bytes):
+                return version - 1
+        return until
+
     def changed_values(self, name: str, after: int, until: int, column: str) -> pl.Series | None:
         """The values of `column` in every row versions `after`+1 .. `until` inserted,
         updated or deleted (the change data feed; None when it cannot answer)."""

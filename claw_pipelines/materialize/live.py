@@ -1,7 +1,8 @@
 """Continuous materialization: silver and every spec's gold, up to date seconds after bronze.
 
 `LiveMaterializer.step()` is one round: a silver run when bronze has a version silver has not
-read (at most CATCH_UP_VERSIONS of them, so a backlog is taken in rounds of bounded memory),
+read (at most CATCH_UP_VERSIONS of them holding at most CATCH_UP_RECORDS records and
+CATCH_UP_BYTES bytes beyond the first, so a backlog is taken in rounds of bounded memory),
 then an increment of every valid spec's dataset when silver, the specs or the published
 policy version moved. Between rounds it keeps a view of silver's small columns
 (`silver_view`) and what each dataset was brought up to (also in its heartbeat, so a restart
@@ -104,7 +105,9 @@ BACKGROUND_S = 15.0  # while trainers wait on some datasets, the others follow t
 RECENT_S = 300.0  # how much data time of new steps' tokens a follower keeps at hand
 RECENT_STEPS = 50_000  # and at most how many steps' (the rest is read from silver)
 PLAN_EVERY_S = 2.0  # the lake's shard plan is read again at most this often
-CATCH_UP_VERSIONS = 64  # bronze versions (gateway flushes) one round takes at most
+CATCH_UP_VERSIONS = 64  # bronze versions (gateway flushes) one round takes at most,
+CATCH_UP_RECORDS = 50_000  # and the records and bytes of files they added (beyond the
+CATCH_UP_BYTES = 32 << 20  # first): a backlog is taken in rounds of bounded memory
 RETRY_FIRST_S = 1.0  # a dataset whose increment failed is tried again after this long,
 RETRY_MAX_S = 60.0  # doubling with each failure in a row up to this
 COMPACT_EVERY_S = 60.0  # the tables rounds append to are compacted this often
@@ -327,6 +330,10 @@ class LiveMaterializer:
         if bronze is not None and (start is None or bronze > start):
             read = -1 if start is None else start
             upto = min(bronze, read + CATCH_UP_VERSIONS)
+            if upto > read + 1:  # a backlog (large commits: a bulk import, an outage)
+                upto = self.lake.versions_within(
+                    BRONZE_EVENTS, read, upto, CATCH_UP_RECORDS, CATCH_UP_BYTES
+                )
             done.silver = build_silver(
                 self.lake,
                 self.options,

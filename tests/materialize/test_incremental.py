@@ -260,8 +260,16 @@ def test_a_follower_curates_only_the_groups_that_changed(tmp_path):
     assert last["operationMetrics"]["num_added_rows"] == 2
 
 
-def test_a_backlog_is_taken_in_bounded_rounds_that_end_where_one_run_would(tmp_path, monkeypatch):
-    monkeypatch.setattr(live, "CATCH_UP_VERSIONS", 2)
+@pytest.mark.parametrize("bound", ["versions", "records"])
+def test_a_backlog_is_taken_in_bounded_rounds_that_end_where_one_run_would(
+    tmp_path, monkeypatch, bound
+):
+    """A round takes at most CATCH_UP_VERSIONS bronze versions, and (beyond the first) at
+    most CATCH_UP_RECORDS records: large commits (a bulk import) make smaller rounds."""
+    if bound == "versions":
+        monkeypatch.setattr(live, "CATCH_UP_VERSIONS", 2)
+    else:
+        monkeypatch.setattr(live, "CATCH_UP_RECORDS", 700)
     lake = Lake(str(tmp_path / "lake"))
     write_bulk_bronze(lake, 2_400, BulkShape(groups_per_policy_version=40), batch=500)
     save_spec(lake, LIVE)
@@ -269,6 +277,8 @@ def test_a_backlog_is_taken_in_bounded_rounds_that_end_where_one_run_would(tmp_p
     while (done := follower.step()).silver is not None:
         rounds.append(done.silver.bronze_rows)
     assert len(rounds) >= 3 and max(rounds) <= 2 * 520  # two micro-batches a round
+    if bound == "records":  # micro-batches of 512 records: one a round (the last two: 640)
+        assert max(rounds) <= 700 and len(rounds) >= 6
     assert silver_state(lake).bronze_version == lake.version(BRONZE_EVENTS)
     full = full_rebuild(lake, tmp_path / "full")
     for version in policy_versions(full):
