@@ -2,11 +2,14 @@
 speed on long agentic trajectories.
 
 Memory, for each lake size (default 500,000 and 5,000,000 short steps, `BulkShape()` as
-`benchmarks/scale.py`: 8 rollouts x 3 turns a group, 1,000 groups a policy version):
+`benchmarks/scale.py`: 8 rollouts x 3 turns a group, 1,000 groups a policy version; every
+lake built (1, 2) before any is followed (3, 4), so their followers compare under the same
+conditions):
   1. bronze: the bulk lake written straight to bronze (`simulation/bulk.py`);
   2. backlog: the follower `claw materialize --follow` runs (`LiveMaterializer.from_settings`:
      its window and its history in the lake's state folder) takes it all in, in a child process
-     (`--backlog-versions` bronze versions a round), then the maintenance schedule's pass over
+     (at most `--backlog-versions` bronze versions a round, and the follower's bounds on the
+     records and bytes of a round), then the maintenance schedule's pass over
      every table (as scale.py);
   3. follower: `claw materialize --follow` (a child process, `CLAW_FOLLOWER_STATE` set to a
      folder of this lake's, the backlog's too) starts on the caught-up lake; its first round
@@ -398,8 +401,9 @@ def follow_lake(uri: str, steps: int, state: Path, workdir: Path, args) -> dict:
     return result
 
 
-def memory_lake(steps: int, workdir: Path, args) -> dict:
-    """Every phase of one lake size, each timed."""
+def build_memory_lake(steps: int, workdir: Path, args) -> dict:
+    """Phases 1 and 2 of one lake size (bronze, the backlog taken in), each timed; a kept
+    lake (--workdir, caught up by an earlier run) as it is."""
     from claw_pipelines.lake.delta import Lake
     from claw_pipelines.lake.specs import save_spec
     from claw_pipelines.simulation.bulk import BulkShape, write_bulk_bronze
@@ -408,26 +412,32 @@ def memory_lake(steps: int, workdir: Path, args) -> dict:
     state.mkdir(parents=True, exist_ok=True)
     phases: dict = {}
     lake = Lake(uri)
-    result: dict = {"steps": steps}
+    result: dict = {"steps": steps, "phases": phases}
     if Path(uri, "silver").exists():  # a kept lake (--workdir), caught up by an earlier run
         result["kept_lake"] = True
         log(f"{steps:,}: a kept lake")
-    else:
-        started = time.perf_counter()
-        result["records"] = write_bulk_bronze(lake, steps, BulkShape(), batch=5_000, seed=7)
-        save_spec(lake, _spec(MEMORY_DATASET))
-        phases["bronze_s"] = round(time.perf_counter() - started, 1)
-        log(f"{steps:,}: bronze written ({phases['bronze_s']} s); backlog")
-        started = time.perf_counter()
-        env = {STATE_ENV: str(state)}
-        result["backlog"] = in_child(take_backlog, uri, args.backlog_versions, env=env)
-        phases["backlog_s"] = round(time.perf_counter() - started, 1)
-        log(f"{steps:,}: backlog taken in: {result['backlog']}")
+        return result
     started = time.perf_counter()
-    result |= follow_lake(uri, steps, state, workdir, args)
-    phases["follower_s"] = round(time.perf_counter() - started, 1)
-    result["phases"] = phases
-    if not args.workdir:  # the lake is not needed again: free the disk for the next one
+    result["records"] = write_bulk_bronze(lake, steps, BulkShape(), batch=5_000, seed=7)
+    save_spec(lake, _spec(MEMORY_DATASET))
+    phases["bronze_s"] = round(time.perf_counter() - started, 1)
+    log(f"{steps:,}: bronze written ({phases['bronze_s']} s); backlog")
+    started = time.perf_counter()
+    env = {STATE_ENV: str(state)}
+    result["backlog"] = in_child(take_backlog, uri, args.backlog_versions, env=env)
+    phases["backlog_s"] = round(time.perf_counter() - started, 1)
+    log(f"{steps:,}: backlog taken in: {result['backlog']}")
+    return result
+
+
+def follow_memory_lake(built: dict, workdir: Path, args) -> dict:
+    """Phases 3 and 4 of a built lake, timed (the lake removed after, unless kept)."""
+    steps = built["steps"]
+    uri, state = str(workdir / f"lake-{steps}"), workdir / f"state-{steps}"
+    started = time.perf_counter()
+    result = built | follow_lake(uri, steps, state, workdir, args)
+    result["phases"]["follower_s"] = round(time.perf_counter() - started, 1)
+    if not args.workdir:  # the lake is not needed again: free the disk
         shutil.rmtree(uri, ignore_errors=True)
     return result
 
@@ -725,11 +735,10 @@ def main() -> None:
             figures["agentic"] = found
             ratio["take_in_over_baseline"] = found["take_in_over_baseline"]
         if not args.skip_memory:
-            lakes = {}
-            for steps in sizes:
-                started = time.perf_counter()
-                lakes[str(steps)] = memory_lake(steps, workdir, args)
-                lakes[str(steps)]["phases"]["total_s"] = round(time.perf_counter() - started, 1)
+            # every lake built first, then each followed: the followers' increments compare
+            # under the same conditions (a large backlog's take-in evicts the page cache)
+            built = [build_memory_lake(steps, workdir, args) for steps in sizes]
+            lakes = {str(b["steps"]): follow_memory_lake(b, workdir, args) for b in built}
             small, large = lakes[str(sizes[0])], lakes[str(sizes[-1])]
             resident_ratio = large["resident_mib"] / small["resident_mib"]
             increments = round(large["increment_median_s"] / small["increment_median_s"], 3)
