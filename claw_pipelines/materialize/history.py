@@ -52,9 +52,8 @@ def _segment_key(segment: int, chunk: int, table: str) -> bytes:
     return b"s" + struct.pack(">QI", segment, chunk) + _CODE[table]
 
 
-def _ipc(frame: pl.DataFrame) -> bytes:
-    """`frame` as Arrow IPC stream bytes."""
-    table = frame.to_arrow()
+def _ipc(table: pa.Table) -> bytes:
+    """`table` as Arrow IPC stream bytes."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
@@ -135,13 +134,15 @@ class History:
 
     def _file(self, batch: WriteBatch, segment: int, table: str, rows: pl.DataFrame) -> None:
         """The rows in chunks of about CHUNK_ROWS by trajectory, and each chunk's uids: the
-        rows sorted by owner with one gather, each chunk a slice of them (a gather a chunk
-        from rows of several chunks copied them whole each time: quadratic in a run)."""
+        rows sorted by owner with one gather and made Arrow once, each chunk a slice of them
+        (a gather a chunk from rows of several chunks copied them whole each time: quadratic
+        in a run)."""
         column = "addresses" if table == "facts" else "trajectory_uid"
         uids = rows.select(pl.concat_list(column)).to_series()
         owner = uids.list.first().fill_null("").alias("owner")
         order = owner.to_frame().select(pl.arg_sort_by("owner", maintain_order=True)).to_series()
-        rows, owner, uids = rows[order], owner.gather(order), uids.gather(order)
+        owner, uids = owner.gather(order), uids.gather(order)
+        rows = rows[order].to_arrow()  # once: a chunk is a slice of it (no copy)
         bounds = _chunk_bounds(owner, CHUNK_ROWS)
         for chunk, (start, end) in enumerate(bounds):
             batch.put(_segment_key(segment, chunk, table), _ipc(rows.slice(start, end - start)))
