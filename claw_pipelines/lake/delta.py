@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import unquote
+from urllib.parse import unquote, urlparse
 
 import polars as pl
 import pyarrow as pa
@@ -240,15 +240,21 @@ def _read_files(
     adds: Iterable[Mapping[str, Any]],
 ) -> Any:
     """A pyarrow dataset of some of a Delta table's data files (their `add` actions: path,
-    size, partition values), read through delta-rs's own file system (local or a store)."""
+    size, partition values), read through delta-rs's own file system from a store, through
+    pyarrow's own from a local table (no Python call a read: 10-50 % of a large read)."""
     import pyarrow.dataset as ds
     from deltalake.fs import DeltaStorageHandler
-    from pyarrow.fs import PyFileSystem
+    from pyarrow.fs import LocalFileSystem, PyFileSystem
 
     adds = list(adds)
     paths = [unquote(add["path"]) for add in adds]
-    sizes = {path: int(add["size"]) for path, add in zip(paths, adds, strict=True)}
-    files = PyFileSystem(DeltaStorageHandler(table_uri, options, sizes))
+    local = urlparse(table_uri).scheme in ("", "file")
+    if local:
+        root = os.path.abspath(table_uri.removeprefix("file://"))
+        files: Any = LocalFileSystem()
+    else:
+        sizes = {path: int(add["size"]) for path, add in zip(paths, adds, strict=True)}
+        files = PyFileSystem(DeltaStorageHandler(table_uri, options, sizes))
     form = ds.ParquetFileFormat(
         default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=True)
     )
@@ -261,7 +267,8 @@ def _read_files(
                 where = where & field.is_null()
             else:
                 where = where & (field == pa.scalar(value).cast(schema.field(column).type))
-        fragments.append(form.make_fragment(path, filesystem=files, partition_expression=where))
+        located = f"{root}/{path}" if local else path
+        fragments.append(form.make_fragment(located, filesystem=files, partition_expression=where))
     return ds.FileSystemDataset(fragments, schema, form, files)
 
 
