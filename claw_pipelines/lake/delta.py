@@ -628,17 +628,24 @@ class Lake:
                 self._latest_tables[spec.name] = self._renewed(spec.name, table)
             return table.version()  # the table object now stands at its own commit
 
+    def _log_entry(self, name: str, version: int) -> list[dict[str, Any]] | None:
+        """The actions of version `version` of table `name` (its log entry), or None when
+        the entry is gone (cleaned up after a checkpoint)."""
+        text = self.read_text(f"{name}/_delta_log/{version:020d}.json")
+        if text is None:
+            return None
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
     def _transacted(self, name: str, after: int, until: int, app_ids: set[str]) -> bool | None:
         """Whether a commit of versions `after`+1 .. `until` of table `name` carries a
         transaction of one of `app_ids` (read from their log entries: only a refused write
         asks); None when an entry is gone (cleaned up: as good as yes)."""
         for version in range(after + 1, until + 1):
-            text = self.read_text(f"{name}/_delta_log/{version:020d}.json")
-            if text is None:
+            actions = self._log_entry(name, version)
+            if actions is None:
                 return None
-            for line in text.splitlines():
-                if '"txn"' in line and json.loads(line).get("txn", {}).get("appId") in app_ids:
-                    return True
+            if any(a.get("txn", {}).get("appId") in app_ids for a in actions):
+                return True
         return False
 
     def fence(self, spec: TableSpec | str, app_id: str, token: int) -> int:
@@ -918,11 +925,10 @@ class Lake:
             raise ValueError(f"empty version range ({after}, {until}]")
         added: dict[str, dict[str, Any]] = {}
         for version in range(after + 1, until + 1):
-            text = self.read_text(f"{name}/_delta_log/{version:020d}.json")
-            if text is None:
+            actions = self._log_entry(name, version)
+            if actions is None:
                 return None
-            for line in text.splitlines():
-                action = json.loads(line) if line.strip() else {}
+            for action in actions:
                 if "cdc" in action:
                     return None
                 if "remove" in action:
@@ -963,14 +969,12 @@ class Lake:
         gone (the read decides then)."""
         records = size = 0
         for version in range(after + 1, until + 1):
-            text = self.read_text(f"{name}/_delta_log/{version:020d}.json")
-            if text is None:
+            actions = self._log_entry(name, version)
+            if actions is None:
                 return until
-            for line in text.splitlines():
-                if '"add"' not in line:
-                    continue
-                added = json.loads(line).get("add") or {}
-                if not added.get("dataChange", True):
+            for action in actions:
+                added = action.get("add")
+                if added is None or not added.get("dataChange", True):
                     continue
                 stats = json.loads(added.get("stats") or "{}")
                 if "numRecords" not in stats:
