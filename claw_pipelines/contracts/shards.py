@@ -66,6 +66,7 @@ class Slot:
 
 
 ORDER_BITS = BUCKETS.bit_length() - 1  # a bucket is this many bits
+SHARD_ORDER = "shard_order"  # bronze's column of a step record's bucket, bits reversed
 
 
 def bit_reversed(values: np.ndarray, bits: int = ORDER_BITS) -> np.ndarray:

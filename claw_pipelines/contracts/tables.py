@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from claw_pipelines.contracts.shards import SHARD_ORDER
+
 SCHEMA_VERSION = 1
 
 BRONZE_EVENTS = "bronze/events"
@@ -118,7 +120,7 @@ BRONZE_EVENTS_SPEC = TableSpec(
             pa.field("payload", pa.string(), nullable=False),
             *BRONZE_STEP_COLUMNS,
             # a step record's shard bucket, bits reversed (facts: null); rows sorted by it
-            ("shard_order", pa.int32()),
+            (SHARD_ORDER, pa.int32()),
         ]
     ),
     partition_by=("ingest_date",),

@@ -25,7 +25,7 @@ from typing import Any
 import polars as pl
 import pyarrow.compute as pc
 
-from claw_pipelines.contracts.shards import Slot
+from claw_pipelines.contracts.shards import SHARD_ORDER, Slot
 from claw_pipelines.contracts.tables import (
     BRONZE_EVENTS,
     FACT_KINDS,
@@ -242,17 +242,15 @@ def _read_bronze(lake: Lake, after: int | None, until: int, slot: Slot | None) -
     return _split_records(rows, slot, mode, facts, others)
 
 
-SHARD_ORDER = "shard_order"
 CLOCK_COLUMNS = ["received_at", "policy_version"]  # what another shard's records move
 
 
 def _order_range(lake: Lake, slot: Slot | None) -> tuple[int, int] | None:
     """The `shard_order` range of `slot`'s records when bronze is laid out by it."""
-    if slot is None or slot.order_range() is None:
-        return None
-    if SHARD_ORDER not in lake.column_names(BRONZE_EVENTS):
-        return None  # an older bronze, not yet written by this version
-    return slot.order_range()
+    ranged = None if slot is None else slot.order_range()
+    if ranged is None or SHARD_ORDER not in lake.column_names(BRONZE_EVENTS):
+        return None  # (no shard, a count not a power of two, or an older bronze)
+    return ranged
 
 
 def _read_rows(

@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from claw_pipelines.contracts.shards import BUCKETS, Slot, bit_reversed
+from claw_pipelines.contracts.shards import BUCKETS, SHARD_ORDER, Slot, bit_reversed
 from claw_pipelines.contracts.tables import STEP_KINDS
 
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
@@ -52,7 +52,7 @@ def with_shard_order(records: pa.Table) -> pa.Table:
         orders[is_step] = bit_reversed(buckets_of(record_shard_keys(keys.filter(is_step))))
     column = pa.array(orders.astype(np.int32), mask=~is_step, type=pa.int32())
     records = records.set_column(
-        records.schema.get_field_index("shard_order"), records.schema.field("shard_order"), column
+        records.schema.get_field_index(SHARD_ORDER), records.schema.field(SHARD_ORDER), column
     )
     if (np.diff(orders) >= 0).all():  # already in order (facts, -1, first)
         return records
