@@ -210,7 +210,7 @@ def rebuild(
             }
         },
         "resources": {"claw": {"config": {"lake_uri": settings.lake_uri}}},
-        "execution": {"config": {"max_concurrent": shares}},
+        "execution": {"config": {"max_concurrent": shares, "start_method": {"forkserver": {}}}},
         **QUIET,
     }
     report = report if report is not None else MaterializeReport()

@@ -29,7 +29,7 @@ from claw_pipelines.defs.resources import ClawLake
 from claw_pipelines.defs.runs import OP_RETRY_POLICY, spec_failure
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.specs import SpecError, load_spec, spec_path
-from claw_pipelines.materialize.gold import build_partition, partition_findings
+from claw_pipelines.materialize.gold import Curations, build_partition, partition_findings
 from claw_pipelines.settings import ClawSettings
 
 REBUILD_JOB = "gold_rebuild_job"
@@ -103,9 +103,9 @@ def rebuild_share(context: dg.OpExecutionContext, claw: ClawLake, share: list):
     lake = claw.lake()
     dataset, versions = share[0], share[1:]
     spec = load_spec(lake, dataset)
-    blocked, built = [], []
+    blocked, built, curations = [], [], Curations()
     for version in versions:
-        part = build_partition(lake, spec, int(version))
+        part = build_partition(lake, spec, int(version), curations=curations)
         key = str(dg.MultiPartitionKey({"dataset": dataset, "policy_version": str(version)}))
         for asset, metadata in partition_metadata(lake, part).items():
             yield dg.AssetMaterialization(asset_key=asset, partition=key, metadata=metadata)

@@ -482,14 +482,39 @@ def commit_metadata(lineage: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in lineage.items() if k != "spec_json"} | {"spec": lineage["spec_json"]}
 
 
+class Curations:
+    """A spec's curation of silver (its kept and rejected steps of every policy version) at
+    the versions it was made at: the partitions one process builds in a row share it while
+    silver and the spec stand, rather than curating the whole of silver once each."""
+
+    def __init__(self) -> None:
+        self._at: tuple | None = None
+        self._made: tuple[pl.DataFrame, pl.DataFrame] | None = None
+
+    def of(
+        self, lake: Lake, spec: CurationSpec, versions: dict[str, int | None], sources: dict
+    ) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """`curated_and_rejected` at `versions` (with the specs' `sources`), made once."""
+        at = (spec.spec_hash, tuple(sorted((versions | sources).items())))
+        if self._made is None or self._at != at:
+            self._made, self._at = curated_and_rejected(lake, spec, versions), at
+        return self._made
+
+
 def build_partition(
-    lake: Lake, spec: CurationSpec, policy_version: int, reason: str = "build"
+    lake: Lake,
+    spec: CurationSpec,
+    policy_version: int,
+    reason: str = "build",
+    curations: Curations | None = None,
 ) -> GoldPartition:
     """Curate, merge and write one policy version of a dataset; record its lineage (with
     `reason`, e.g. what a repair fixed). A build overtaken by another build of the same
-    partition starts again from the new state."""
+    partition starts again from the new state. `curations`: shared by the partitions built
+    in a row."""
+    curations = curations or Curations()
     part, part.write_conflicts = until_landed(
-        lambda: _build_once(lake, spec, policy_version, reason),
+        lambda: _build_once(lake, spec, policy_version, reason, curations),
         f"gold {spec.name} v{policy_version}",
     )
     return part
@@ -507,7 +532,9 @@ def pin_gold(lake: Lake, spec: CurationSpec) -> dict[str, int]:
     return {table.name: lake.version(table.name) for table in tables}
 
 
-def _build_once(lake: Lake, spec: CurationSpec, policy_version: int, reason: str) -> GoldPartition:
+def _build_once(
+    lake: Lake, spec: CurationSpec, policy_version: int, reason: str, curations: Curations
+) -> GoldPartition:
     """One attempt: pin the gold tables, read silver, build, commit guarded (rejections,
     then dataset, then trees; lineage last)."""
     pins = pin_gold(lake, spec)
@@ -515,8 +542,9 @@ def _build_once(lake: Lake, spec: CurationSpec, policy_version: int, reason: str
     part = GoldPartition(spec.name, policy_version, spec, versions, reason=reason)
     if versions[SILVER_STEPS] is None:
         return part
-    part.source_versions = versions | spec_sources(lake, spec)
-    chosen, rejected = curated_and_rejected(lake, spec, versions)
+    sources = spec_sources(lake, spec)
+    part.source_versions = versions | sources
+    chosen, rejected = curations.of(lake, spec, versions, sources)
     part.newest_version = int(chosen["newest_policy_version"].max() or 0) if chosen.height else 0
     chosen = chosen.filter(pl.col("policy_version") == policy_version)
     part.rejected = rejected.filter(pl.col("policy_version") == policy_version)
@@ -599,7 +627,8 @@ def partition_findings(lake: Lake, part: GoldPartition) -> dict[str, Finding]:
         "steps_in_one_partition": steps_in_one_partition(
             lake.read(gold_dataset_spec(part.dataset).name, columns=["step_key"])["step_key"]
             if lake.exists(gold_dataset_spec(part.dataset).name)
-            else pl.Series("step_key", [], dtype=pl.String)
+            else pl.Series("step_key", [], dtype=pl.String),
+            part.steps["step_key"] if part.steps.height else pl.Series("step_key", [], pl.String),
         ),
         "groups_are_complete": groups_are_complete(part.spec, part.steps),
         "partition_within_staleness": partition_within_staleness(

@@ -35,7 +35,7 @@ from claw_pipelines.lake.catalog import gold_datasets
 from claw_pipelines.lake.delta import Lake
 from claw_pipelines.lake.prompts import prompt_columns, scope_of, with_prompts
 from claw_pipelines.lake.specs import SpecError, load_spec
-from claw_pipelines.materialize.gold import build_partition, policy_versions
+from claw_pipelines.materialize.gold import Curations, build_partition, policy_versions
 from claw_pipelines.materialize.silver import (
     SILVER_TABLES,
     SilverOptions,
@@ -266,10 +266,10 @@ def repair_lake(
     reason = "repair: " + "; ".join(str(p) for p in report.found if p.kind != "bad_rows")
     for name in gold_datasets(lake):
         if silver_changed or name in broken:
-            spec = _spec_of(lake, name)
+            spec, curations = _spec_of(lake, name), Curations()
             for version in policy_versions(lake):
                 progress(f"rebuilding {name} policy version {version}")
-                build_partition(lake, spec, version, reason=reason[:2000])
+                build_partition(lake, spec, version, reason[:2000], curations)
                 report.rebuilt.append((name, version))
     report.remaining = check_lake(lake)
     return report

@@ -29,7 +29,6 @@ reference depth) at a time.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 from collections.abc import Callable
 
@@ -45,6 +44,7 @@ from claw_pipelines.transforms.hashing import (
     strings,
 )
 from claw_pipelines.transforms.partials import is_aborted
+from claw_pipelines.transforms.ranges import copy_ranges, equal_ranges, range_index
 
 PREFIX_TYPES = {
     "prefix_step_key": pl.String,
@@ -74,12 +74,7 @@ REFERENCE_COLUMNS = [
 # a step's stored reference as silver chose it, carried beside its whole prompt (gold keeps it
 # where it holds: `encode_prompts`' `given`)
 CARRIED_REFERENCE = {"prefix_step_key": "silver_prefix_step_key", "prefix_len": "silver_prefix_len"}
-_CHUNK_TOKENS = 1 << 22  # range copies and comparisons in chunks of ~4 M tokens
-_LONG_RANGE = 2_048  # a range this long is compared alone, in place
 _SLICED_FROM = 64  # rows this long on average are joined by slices, not an index
-_memcmp = ctypes.CDLL(None).memcmp
-_memcmp.restype = ctypes.c_int
-_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 
 
 class BrokenReference(ValueError):
@@ -156,7 +151,7 @@ def _tails(lists: pa.Array | pa.ChunkedArray, start: np.ndarray) -> pa.Array:
             [values[b:e] for b, e in zip(begins.tolist(), ends.tolist(), strict=True)]
         )
     else:
-        kept = values[_range_index(begins, lengths)]
+        kept = values[range_index(begins, lengths)]
     new_offsets = np.r_[0, np.cumsum(lengths)]
     return pa.ListArray.from_arrays(arrow_of(new_offsets.astype(np.int32)), arrow_of(kept))
 
@@ -254,108 +249,12 @@ def token_matches(
     head = np.zeros(len(rows), dtype=bool)
     tail = np.zeros(len(rows), dtype=bool)
     first = np.flatnonzero(cp <= own)
-    head[first] = _equal_ranges(p_val, p_off[rows[first]], p_val, p_off[c_rows[first]], cp[first])
+    head[first] = equal_ranges(p_val, p_off[rows[first]], p_val, p_off[c_rows[first]], cp[first])
     second = np.flatnonzero(head & (cp + cr <= own))
-    tail[second] = _equal_ranges(
+    tail[second] = equal_ranges(
         p_val, p_off[rows[second]] + cp[second], r_val, r_off[c_rows[second]], cr[second]
     )
     return head, tail
-
-
-def _equal_ranges(
-    a: np.ndarray, a_starts: np.ndarray, b: np.ndarray, b_starts: np.ndarray, lengths: np.ndarray
-) -> np.ndarray:
-    """Per i: a[a_starts[i] : +lengths[i]] == b[b_starts[i] : +lengths[i]]: long ranges one
-    comparison each (in place, no index built), short ones together in chunks."""
-    out = np.ones(len(lengths), dtype=bool)
-    long = np.flatnonzero(lengths >= _LONG_RANGE)
-    if len(long):
-        out[long] = _equal_long_ranges(a, a_starts[long], b, b_starts[long], lengths[long])
-    short = np.flatnonzero(lengths < _LONG_RANGE)
-    if len(short) < len(lengths):
-        out[short] = _equal_ranges(a, a_starts[short], b, b_starts[short], lengths[short])
-        return out
-    for first, stop in _chunks(lengths):
-        n = lengths[first:stop]
-        if not n.sum():
-            continue
-        ia = _range_index(a_starts[first:stop], n)
-        ib = _range_index(b_starts[first:stop], n)
-        differs = a[ia] != b[ib]
-        owner = np.repeat(np.arange(first, stop), n)
-        out[np.unique(owner[differs])] = False
-    return out
-
-
-def _equal_long_ranges(
-    a: np.ndarray, a_starts: np.ndarray, b: np.ndarray, b_starts: np.ndarray, lengths: np.ndarray
-) -> np.ndarray:
-    """`_equal_ranges` of long ranges: one memcmp each, in place (numpy's comparison would
-    build a mask per range; this reads each byte once, at memory speed)."""
-    a_starts, b_starts = a_starts.astype(np.int64), b_starts.astype(np.int64)
-    lengths = lengths.astype(np.int64)
-    inside = (a_starts >= 0) & (b_starts >= 0) & (lengths >= 0)
-    inside &= (a_starts + lengths <= len(a)) & (b_starts + lengths <= len(b))
-    out = np.zeros(len(lengths), dtype=bool)  # a range outside its buffer equals nothing
-    a = np.ascontiguousarray(a)
-    b = np.ascontiguousarray(b, dtype=a.dtype)
-    width = a.dtype.itemsize
-    base_a, base_b = a.ctypes.data, b.ctypes.data
-    at = np.flatnonzero(inside)
-    out[at] = [
-        _memcmp(base_a + s * width, base_b + t * width, n * width) == 0
-        for s, t, n in zip(
-            a_starts[at].tolist(), b_starts[at].tolist(), lengths[at].tolist(), strict=True
-        )
-    ]
-    return out
-
-
-def _chunks(lengths: np.ndarray) -> list[tuple[int, int]]:
-    """Consecutive (first, stop) spans of rows of about _CHUNK_TOKENS tokens each."""
-    ends = np.cumsum(lengths)
-    bounds, first = [], 0
-    while first < len(lengths):
-        base = ends[first - 1] if first else 0
-        stop = int(np.searchsorted(ends, base + _CHUNK_TOKENS, side="right"))
-        stop = max(stop, first + 1)
-        bounds.append((first, stop))
-        first = stop
-    return bounds
-
-
-def _range_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """starts[i] + 0 .. lengths[i]-1 for every i, concatenated."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.empty(0, dtype=np.int64)
-    begins = np.cumsum(lengths) - lengths
-    return np.repeat(starts.astype(np.int64) - begins, lengths) + np.arange(total, dtype=np.int64)
-
-
-def _copy_ranges(
-    dst: np.ndarray,
-    dst_starts: np.ndarray,
-    src: np.ndarray,
-    src_starts: np.ndarray,
-    lengths: np.ndarray,
-) -> None:
-    """dst[dst_starts[i] : +lengths[i]] = src[src_starts[i] : +lengths[i]]: long ranges one
-    copy each (a memcpy, no index built), short ones together in chunks."""
-    long = np.flatnonzero(lengths >= _LONG_RANGE)
-    for d, s, n in zip(
-        dst_starts[long].tolist(), src_starts[long].tolist(), lengths[long].tolist(), strict=True
-    ):
-        dst[d : d + n] = src[s : s + n]
-    if len(long):
-        short = np.flatnonzero(lengths < _LONG_RANGE)
-        dst_starts, src_starts, lengths = dst_starts[short], src_starts[short], lengths[short]
-    for first, stop in _chunks(lengths):
-        n = lengths[first:stop]
-        if n.sum():
-            dst[_range_index(dst_starts[first:stop], n)] = src[
-                _range_index(src_starts[first:stop], n)
-            ]
 
 
 def has_references(rows: pl.DataFrame) -> bool:
@@ -438,7 +337,7 @@ def _resolve(known: pl.DataFrame) -> pa.Array:
     lengths = prefix + suffix
     offsets = np.r_[0, np.cumsum(lengths)].astype(np.int64)
     out = np.empty(int(offsets[-1]), dtype=np.int32)
-    _copy_ranges(out, offsets[:-1] + prefix, s_val, s_off[:-1], suffix)
+    copy_ranges(out, offsets[:-1] + prefix, s_val, s_off[:-1], suffix)
     linked = np.flatnonzero(ref >= 0)
     target = ref[linked]
     from_prompt = np.minimum(prefix[linked], lengths[target])
@@ -450,7 +349,7 @@ def _resolve(known: pl.DataFrame) -> pa.Array:
             f"the prompt of step {known['step_key'][int(bad)]} takes {prefix[bad]} tokens of "
             f"{known['prefix_step_key'][int(bad)]}, which has fewer"
         )
-    _copy_ranges(
+    copy_ranges(
         out,
         offsets[linked] + from_prompt,
         r_val,
@@ -465,7 +364,7 @@ def _resolve(known: pl.DataFrame) -> pa.Array:
         if not len(ready):
             raise BrokenReference("stored prompts refer to each other in a cycle")
         targets = ref[ready]
-        _copy_ranges(
+        copy_ranges(
             out,
             offsets[ready],
             out,

@@ -13,13 +13,13 @@ copy), never per token in Python.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from claw_pipelines.transforms.hashing import list_parts
+from claw_pipelines.transforms.ranges import copy_ranges
 
 NO_PARENT = -1
 BATCH_TOKENS = 1 << 21  # ~8 MiB of sort keys alive at a time
@@ -81,21 +81,33 @@ class PrefixForest:
             at, here = at - 1, _parent_of(here, self.parent)
         return offsets, flat
 
-    def paths(self) -> list[list[int]]:
-        """For each segment, the segments from its root down to itself."""
+    def pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every segment's whole sequence as pieces of `tokens`, root first: (the segment
+        each piece rebuilds, the piece's depth in that sequence, where it starts in
+        `tokens`, its length), numpy only. A piece that would run past the segment it is
+        taken from (no tree is built so) has length -1."""
         offsets, flat = self.path_arrays()
-        return [flat[a:b].tolist() for a, b in itertools.pairwise(offsets.tolist())]
+        owner = np.repeat(np.arange(len(self.parent), dtype=np.int64), np.diff(offsets))
+        last = np.zeros(len(flat), dtype=bool)
+        last[offsets[1:] - 1] = True
+        below = np.where(last, 0, np.r_[flat[1:], 0])
+        held = np.diff(self.offsets)[flat]
+        take = np.where(last, held, self.start[below] - self.start[flat])
+        take = np.where((take < 0) | (take > held), -1, take)
+        return owner, self.start[flat], self.offsets[flat], take
 
-    def rebuild(self, segment: int, path: list[int] | None = None) -> np.ndarray:
-        """The full sequence of a segment's row, from the tree alone."""
-        path = path if path is not None else self.paths()[segment]
-        pieces = []
-        for here, below in zip(path, [*path[1:], None], strict=True):
-            begin = self.offsets[here]
-            take = (self.start[below] - self.start[here]) if below is not None else None
-            end = self.offsets[here + 1] if take is None else begin + take
-            pieces.append(self.tokens[begin:end])
-        return np.concatenate(pieces) if pieces else self.tokens[:0]
+    def sequences(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every input row's whole sequence rebuilt from the trees alone, in row order, as
+        (offsets, flat tokens): range copies, no Python per row."""
+        owner, depth, source, take = self.pieces()
+        if (take < 0).any():
+            raise ValueError("a tree piece runs past its segment")
+        lengths = np.zeros(len(self.row), dtype=np.int64)
+        lengths[self.row] = self.start + np.diff(self.offsets)
+        offsets = np.r_[0, np.cumsum(lengths)].astype(np.int64)
+        out = np.empty(offsets[-1], dtype=self.tokens.dtype)
+        copy_ranges(out, offsets[self.row[owner]] + depth, self.tokens, source, take)
+        return offsets, out
 
 
 def _parent_of(segments: np.ndarray, parent: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ few of their keys, so a failure names the steps to look at.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,7 @@ from claw_pipelines.transforms.feedback import unresolved_targets
 from claw_pipelines.transforms.fragments import REPLY_RETOKENIZED
 from claw_pipelines.transforms.hashing import list_parts
 from claw_pipelines.transforms.prefix_tree import PrefixForest
+from claw_pipelines.transforms.ranges import equal_ranges
 
 SAMPLE = 20
 
@@ -98,24 +100,32 @@ def steps_have_no_conflicts(conflicts: pl.DataFrame) -> Finding:
 
 
 def trees_rebuild_steps(forest: PrefixForest, steps: pl.DataFrame) -> Finding:
-    """Every step's `prompt_ids + response_ids` is rebuilt exactly from its tree."""
+    """Every step's `prompt_ids + response_ids` is rebuilt exactly from its tree: each piece
+    of its path compared in place with the prompt and response tokens it stands for."""
     if steps.is_empty():
         return Finding(True)
-    p_offsets, p_values, _ = list_parts(steps["prompt_ids"].to_arrow())
-    r_offsets, r_values, _ = list_parts(steps["response_ids"].to_arrow())
-    segments, paths = forest.segment_of_row(), forest.paths()
-    broken = []
-    for row, segment in enumerate(segments.tolist()):
-        rebuilt = forest.rebuild(segment, paths[segment])
-        prompt = p_values[p_offsets[row] : p_offsets[row + 1]]
-        response = r_values[r_offsets[row] : r_offsets[row + 1]]
-        if not (
-            len(rebuilt) == len(prompt) + len(response)
-            and np.array_equal(rebuilt[: len(prompt)], prompt)
-            and np.array_equal(rebuilt[len(prompt) :], response)
-        ):
-            broken.append(row)
-    return Finding.of(steps["step_key"].gather(broken), steps.height)
+    p_off, p_val, _ = list_parts(steps["prompt_ids"].to_arrow())
+    r_off, r_val, _ = list_parts(steps["response_ids"].to_arrow())
+    p_len, r_len = np.diff(p_off), np.diff(r_off)
+    rows = np.arange(steps.height)
+    rebuilt = np.zeros(steps.height, dtype=np.int64)
+    rebuilt[forest.row] = forest.start + np.diff(forest.offsets)
+    broken = np.zeros(steps.height, dtype=bool)
+    broken[rows] = (rebuilt != p_len + r_len) | ~np.isin(rows, forest.row)
+    owner, depth, source, take = forest.pieces()
+    row = forest.row[owner]
+    broken[row[take < 0]] = True
+    keep = ~broken[row]  # a row's pieces stay inside its tokens only when its length holds
+    row, depth, source, take = row[keep], depth[keep], source[keep], take[keep]
+    in_prompt = np.clip(p_len[row] - depth, 0, take)
+    in_response = take - in_prompt
+    prompt_equal = equal_ranges(forest.tokens, source, p_val, p_off[row] + depth, in_prompt)
+    response_at = r_off[row] + np.maximum(depth + in_prompt - p_len[row], 0)
+    response_equal = equal_ranges(
+        forest.tokens, source + in_prompt, r_val, response_at, in_response
+    )
+    broken[row[~(prompt_equal & response_equal)]] = True
+    return Finding.of(steps["step_key"].filter(pl.Series(broken)), steps.height)
 
 
 def trees_are_minimal(forest: PrefixForest) -> Finding:
@@ -151,9 +161,11 @@ def trees_are_minimal(forest: PrefixForest) -> Finding:
     return Finding.of(repeated["segment"].cast(pl.String), len(nonempty))
 
 
-def steps_in_one_partition(step_keys: pl.Series) -> Finding:
-    """No step appears in two partitions (or twice) of a dataset."""
-    return step_keys_are_unique(step_keys)
+def steps_in_one_partition(dataset_keys: pl.Series, partition_keys: pl.Series) -> Finding:
+    """No step of a partition appears twice in its dataset (in another partition, or twice in
+    its own): the dataset's keys probed for the partition's, not counted whole."""
+    held = dataset_keys.filter(dataset_keys.is_in(partition_keys.implode()))
+    return dataclasses.replace(step_keys_are_unique(held), checked=partition_keys.len())
 
 
 def groups_are_complete(spec: CurationSpec, steps: pl.DataFrame) -> Finding:

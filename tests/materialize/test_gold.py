@@ -3,6 +3,8 @@ partition rewrites, lineage and time travel, and the Dagster partitions and sens
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import math
 import time
@@ -40,7 +42,12 @@ from claw_pipelines.materialize.failing import SENSORS, FailingBuild, failing_bu
 from claw_pipelines.materialize.gold import build_partition, partition_findings, source_versions
 from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.transforms.prefix_tree import build_forest
-from claw_pipelines.transforms.quality import trees_are_minimal
+from claw_pipelines.transforms.quality import (
+    Finding,
+    steps_in_one_partition,
+    trees_are_minimal,
+    trees_rebuild_steps,
+)
 from tests.support.dagster_runs import materialize_gold_partition
 from tests.support.lakes import completion, feedback, group_of, land, rebuilt_sequences, step
 
@@ -207,9 +214,8 @@ def test_forest_rebuilds_every_sequence_and_holds_exactly_u_tokens(plan):
     forest = build_forest(np.array(trees), pa.array(sequences, pa.list_(pa.int32())))
     assert forest.tree_tokens == distinct_prefixes(sequences, trees)
     assert forest.raw_tokens == sum(len(s) for s in sequences)
-    segments, paths = forest.segment_of_row(), forest.paths()
-    for row, sequence in enumerate(sequences):
-        assert forest.rebuild(segments[row], paths[segments[row]]).tolist() == sequence
+    offsets, tokens = forest.sequences()
+    assert [tokens[a:b].tolist() for a, b in itertools.pairwise(offsets)] == sequences
     assert trees_are_minimal(forest).passed
 
 
@@ -227,6 +233,47 @@ def test_the_minimality_check_catches_a_token_stored_twice():
         tokens=np.array([1, 2, 1, 3], dtype=np.int32),
     )
     assert not trees_are_minimal(broken).passed
+
+
+def test_the_rebuild_check_names_the_steps_a_tree_does_not_hold():
+    prompts = [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 9], [7] * 3_000]
+    responses = [[4], [6], [], [8] * 2_500]  # the last one long: compared in place
+    steps = pl.DataFrame(
+        {"step_key": ["a", "b", "c", "d"], "prompt_ids": prompts, "response_ids": responses},
+        schema_overrides={"prompt_ids": pl.List(pl.Int32), "response_ids": pl.List(pl.Int32)},
+    )
+    sequences = pa.array(
+        [p + r for p, r in zip(prompts, responses, strict=True)], pa.list_(pa.int32())
+    )
+    forest = build_forest(np.array([0, 0, 0, 1]), sequences)
+    assert trees_rebuild_steps(forest, steps) == Finding(True, checked=4)
+    # a stored token changed: every step whose path runs through it is named
+    shared = int(np.flatnonzero(forest.tokens == 2)[0])
+    tokens = forest.tokens.copy()
+    tokens[shared] = 99
+    corrupted = dataclasses.replace(forest, tokens=tokens)
+    assert trees_rebuild_steps(corrupted, steps).sample == ["a", "b", "c"]
+    tokens = forest.tokens.copy()
+    tokens[-1] = 0  # the long response's last token
+    assert trees_rebuild_steps(dataclasses.replace(forest, tokens=tokens), steps).sample == ["d"]
+    # a step whose tokens differ from the tree's (its response one token longer)
+    longer = steps.with_columns(
+        pl.when(pl.col("step_key") == "b")
+        .then(pl.col("response_ids").list.concat(pl.lit([6], dtype=pl.List(pl.Int32))))
+        .otherwise(pl.col("response_ids"))
+        .alias("response_ids")
+    )
+    assert trees_rebuild_steps(forest, longer).sample == ["b"]
+
+
+def test_the_partition_check_names_its_steps_held_twice_in_the_dataset():
+    dataset = pl.Series("step_key", ["a", "b", "c", "x", "b", "y", "y"])
+    assert steps_in_one_partition(dataset, pl.Series("step_key", ["a", "c"])) == Finding(
+        True, checked=2
+    )
+    # "b" is also in another partition; "y" twice in another one is that one's finding
+    found = steps_in_one_partition(dataset, pl.Series("step_key", ["a", "b"]))
+    assert (found.passed, found.failures, found.sample, found.checked) == (False, 1, ["b"], 2)
 
 
 def test_trees_follow_the_merge_scope_and_rebuild_from_the_table(lake):
