@@ -599,12 +599,14 @@ class Lake:
         otherwise, or when one of its own writers committed since, WriteConflict."""
         base = guard.read_versions[spec.name]
         self.verify_store()
+        own = {*guard.app_ids, *guard.fences}
         with self._lock:
             latest = self._latest_tables.get(spec.name)
-            table = latest if latest is not None and latest.version() == base else None
-            if table is None:
+            if latest is not None and base is not None and rebase and latest.version() != base:
+                latest = self._on_top(guard, spec.name, latest)
+            table = latest if latest is not None and latest.version() >= (base or 0) else None
+            if table is None or (not rebase and table.version() != base):
                 table = self.open(spec.name, base)
-            own = {*guard.app_ids, *guard.fences}
             for _ in range(REBASES):
                 guard.check_fences(table, spec.name)
                 try:
@@ -627,6 +629,25 @@ class Lake:
             if table is latest:
                 self._latest_tables[spec.name] = self._renewed(spec.name, table)
             return table.version()  # the table object now stands at its own commit
+
+    def _on_top(self, guard: Guard, name: str, latest: DeltaTable) -> DeltaTable:
+        """The kept handle of `name` brought to or past the guard's base, for a rebasable
+        write to land on: what Delta would refuse and `_guarded` write again on the newer
+        state anyway, without opening the table at the base (a replay of its log from a
+        checkpoint). Fenced, or WriteConflict, when one of the guard's own writers or fences
+        committed since the base (or the entries are gone)."""
+        base = guard.read_versions[name]
+        if latest.version() < base:
+            self._wrote(name)
+        table = self._latest(name)
+        own = {*guard.app_ids, *guard.fences}
+        if (
+            table.version() > base
+            and self._transacted(name, base, table.version(), own) is not False
+        ):
+            guard.check_fences(table, name)
+            raise WriteConflict(f"{name}: its own writer committed since version {base}")
+        return table
 
     def _log_entry(self, name: str, version: int) -> list[dict[str, Any]] | None:
         """The actions of version `version` of table `name` (its log entry), or None when
