@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -93,10 +94,12 @@ class Dispatcher:
             headers = _headers(scope)
             try:
                 tenant = self._authenticate(scope["path"], headers)  # before anything else
-                refusal = self._refusal(headers) if scope["method"] in BODY_METHODS else None
-                if refusal is not None:
-                    raise refusal
                 matched = self.routes.match(scope["method"], scope["path"])
+                if scope["method"] in BODY_METHODS:
+                    media = matched[0].media_types if matched is not None else ()
+                    refusal = self._refusal(headers, media)
+                    if refusal is not None:
+                        raise refusal
             except ApiError as refused:  # no or a wrong key; a body refused; a bad uid
                 return await self._refuse(send_with_status, refused, scope["path"])
             if matched is None or self.services is None:
@@ -143,7 +146,9 @@ class Dispatcher:
             return
         await self.fallback(scope, receive, send)
 
-    def _refusal(self, headers: dict[str, str]) -> ApiError | None:
+    def _refusal(self, headers: dict[str, str], media: Sequence[str] = ()) -> ApiError | None:
+        """Why a body is refused before it is read (its declared length over the limit; not
+        JSON nor one of the route's `media` types), or None."""
         limit = self.max_body_bytes
         length = headers.get("content-length")
         if length is not None:
@@ -159,10 +164,12 @@ class Dispatcher:
                 )
         has_body = "transfer-encoding" in headers or length not in (None, "0")
         content_type = headers.get("content-type")
-        if has_body and not _is_json(content_type or ""):
+        given = (content_type or "").split(";", 1)[0].strip().lower()
+        if has_body and not _is_json(content_type or "") and given not in media:
+            allowed = " or ".join(["application/json", *media])
             return ApiError(
                 415,
-                f"Content-Type must be application/json, got {content_type!r}",
+                f"Content-Type must be {allowed}, got {content_type!r}",
                 param="Content-Type",
                 code="unsupported_media_type",
             )

@@ -35,7 +35,15 @@ SHARD_LEASES = "ops/shard_leases"
 # what one gold run writes: the keys of the gold multi-asset, which runs select whole
 GOLD_RUN_TABLES = (GOLD_DATASETS_PREFIX, GOLD_TREES_PREFIX, GOLD_REJECTIONS_PREFIX, GOLD_LINEAGE)
 
-RECORD_KINDS = ("step", "chat_completion", "completion", "feedback", "event", "trajectory_complete")
+RECORD_KINDS = (
+    "step",
+    "chat_completion",
+    "completion",
+    "feedback",
+    "event",
+    "trajectory_complete",
+    "span",  # an OpenTelemetry span as exported to /v1/traces
+)
 STEP_KINDS = ("step", "chat_completion", "completion")
 FACT_KINDS = ("feedback", "trajectory_complete")
 SOURCE_KINDS = ("white_box", "proxy", "claw_r1")

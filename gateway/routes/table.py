@@ -42,6 +42,7 @@ class Route:
     responses: dict[int | str, dict[str, Any]] = field(default_factory=dict)
     headers: Sequence[dict[str, Any]] = ()
     doc: str | None = None  # the summary, when not the handler's docstring
+    media_types: Sequence[str] = ()  # the body's media types beside JSON (the handler reads it)
 
     @property
     def params(self) -> list[str]:

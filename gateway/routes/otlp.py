@@ -1,0 +1,252 @@
+"""OTLP/HTTP trace ingestion (`POST /v1/traces`): every span lands in bronze as received.
+
+Agents already traced with OpenTelemetry (the GenAI semantic conventions, OpenInference)
+export their spans here unchanged: the official `opentelemetry-exporter-otlp-proto-http`
+exporter or a Collector's `otlphttp` exporter pointed at the gateway. A request is an
+`ExportTraceServiceRequest` in protobuf (`application/x-protobuf`) or in OTLP's JSON
+(`application/json`: trace and span ids in hex), optionally gzip-compressed; each span becomes
+one bronze record of kind `span` whose payload is the span with its resource and scope
+(docs/DESIGN.md §4), its event id `otel-<trace id>-<span id>`, so an exporter's retry lands
+nothing twice. Spans without a valid trace or span id are rejected and counted in the
+answer's `partial_success`; the others land. Durable as every write: a 200 means the spans
+survive a kill.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+from gateway.asgi import Answer
+from gateway.errors import ERROR_RESPONSES, ApiError
+from gateway.incoming import Incoming
+from gateway.landing import Overloaded
+from gateway.records import BronzeRecord, now_us
+from gateway.routes.table import Route
+
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+SPAN_KIND = "span"  # the bronze record kind of a span
+TRACE_ID_BYTES, SPAN_ID_BYTES = 16, 8
+SAMPLE_REASONS = 5  # rejections named in `error_message`
+
+
+def media_type(incoming: Incoming) -> str:
+    """The request's media type (415 unless protobuf or JSON)."""
+    given = incoming.headers.get("content-type", "")
+    media = given.split(";", 1)[0].strip().lower()
+    if media not in (PROTOBUF, JSON):
+        raise ApiError(
+            415,
+            f"Content-Type must be {PROTOBUF} or {JSON}, got {given!r}",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
+    return media
+
+
+def inflated(body: bytes, encoding: str, limit: int) -> bytes:
+    """The body with its Content-Encoding undone (gzip or none): 413 when it inflates past
+    `limit` bytes, 400 when it is not gzip, 415 for another encoding."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding != "gzip":
+        raise ApiError(
+            415,
+            f"Content-Encoding must be gzip or identity, got {encoding!r}",
+            param="Content-Encoding",
+            code="unsupported_encoding",
+        )
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise ApiError(400, f"body is not valid gzip: {exc}", code="invalid_body") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise ApiError(413, f"body inflates past the limit of {limit} bytes", code="body_too_large")
+    if not inflater.eof:
+        raise ApiError(400, "body is truncated gzip", code="invalid_body")
+    return out
+
+
+def decoded(body: bytes, media: str) -> ExportTraceServiceRequest:
+    """An ExportTraceServiceRequest from protobuf or OTLP JSON (400 when undecodable)."""
+    request = ExportTraceServiceRequest()
+    try:
+        if media == PROTOBUF:
+            request.ParseFromString(body)
+        else:
+            json_format.ParseDict(_ids_as_base64(json.loads(body)), request, True)
+    except (DecodeError, json_format.ParseError, ValueError, TypeError, AttributeError) as exc:
+        kind = "protobuf" if media == PROTOBUF else "OTLP JSON"
+        raise ApiError(
+            400, f"body is not an ExportTraceServiceRequest in {kind}: {exc}", code="invalid_body"
+        ) from None
+    return request
+
+
+def _ids_as_base64(document: Any) -> Any:
+    """OTLP JSON gives trace and span ids in hex where protobuf's JSON mapping reads base64:
+    the ids of every span and link turned into base64 (a bad hex id: ValueError)."""
+    for resource_spans in _list(document, "resourceSpans"):
+        for scope_spans in _list(resource_spans, "scopeSpans"):
+            for span in _list(scope_spans, "spans"):
+                _rewrite_ids(span, ("traceId", "spanId", "parentSpanId"))
+                for link in _list(span, "links"):
+                    _rewrite_ids(link, ("traceId", "spanId"))
+    return document
+
+
+def _list(document: Any, key: str) -> list:
+    value = document.get(key) if isinstance(document, dict) else None
+    return value if isinstance(value, list) else []
+
+
+def _rewrite_ids(item: Any, keys: tuple[str, ...]) -> None:
+    if not isinstance(item, dict):
+        return
+    for key in keys:
+        snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
+        for name in (key, snake):
+            value = item.get(name)
+            if isinstance(value, str):
+                item[name] = base64.b64encode(bytes.fromhex(value)).decode()
+
+
+def any_value(value: AnyValue) -> Any:
+    """An attribute value as JSON (bytes as base64)."""
+    which = value.WhichOneof("value")
+    if which is None:
+        return None
+    if which == "array_value":
+        return [any_value(v) for v in value.array_value.values]
+    if which == "kvlist_value":
+        return attributes(value.kvlist_value.values)
+    if which == "bytes_value":
+        return base64.b64encode(value.bytes_value).decode()
+    return getattr(value, which)
+
+
+def attributes(pairs: Any) -> dict[str, Any]:
+    """Key-value pairs as a JSON object (a repeated key: the last one)."""
+    return {pair.key: any_value(pair.value) for pair in pairs if isinstance(pair, KeyValue)}
+
+
+def span_payloads(request: ExportTraceServiceRequest) -> Iterator[tuple[dict | None, str]]:
+    """For every span of the request, in order: (its payload, "") when it can land, else
+    (None, why)."""
+    number = 0
+    for resource_spans in request.resource_spans:
+        resource = {"attributes": attributes(resource_spans.resource.attributes)}
+        for scope_spans in resource_spans.scope_spans:
+            scope = {"name": scope_spans.scope.name, "version": scope_spans.scope.version}
+            for span in scope_spans.spans:
+                number += 1
+                if len(span.trace_id) != TRACE_ID_BYTES or not any(span.trace_id):
+                    yield None, f"span {number}: trace_id must be {TRACE_ID_BYTES} bytes, not zero"
+                    continue
+                if len(span.span_id) != SPAN_ID_BYTES or not any(span.span_id):
+                    yield None, f"span {number}: span_id must be {SPAN_ID_BYTES} bytes, not zero"
+                    continue
+                yield _payload(span, resource, scope), ""
+
+
+def _payload(span: Any, resource: dict, scope: dict) -> dict:
+    """A span as its bronze payload: ids in hex, times in Unix nanoseconds, attributes and
+    events as JSON, with its resource and instrumentation scope."""
+    return {
+        "trace_id": span.trace_id.hex(),
+        "span_id": span.span_id.hex(),
+        "parent_span_id": span.parent_span_id.hex() or None,
+        "name": span.name,
+        "kind": int(span.kind),
+        "start_time_unix_nano": span.start_time_unix_nano,
+        "end_time_unix_nano": span.end_time_unix_nano,
+        "attributes": attributes(span.attributes),
+        "events": [
+            {
+                "name": event.name,
+                "time_unix_nano": event.time_unix_nano,
+                "attributes": attributes(event.attributes),
+            }
+            for event in span.events
+        ],
+        "links": [
+            {"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex()} for link in span.links
+        ],
+        "status": {"code": int(span.status.code), "message": span.status.message},
+        "resource": resource,
+        "scope": scope,
+    }
+
+
+def span_record(payload: dict, tenant: str, received_us: int) -> BronzeRecord:
+    """The bronze record of one span."""
+    event_id = f"otel-{payload['trace_id']}-{payload['span_id']}"
+    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+    return BronzeRecord(event_id, SPAN_KIND, tenant, received_us, body)
+
+
+def answer(media: str, rejected: int, reasons: list[str]) -> Answer:
+    """The ExportTraceServiceResponse (with `partial_success` when spans were rejected), in
+    the request's media type."""
+    response = ExportTraceServiceResponse()
+    if rejected:
+        response.partial_success.rejected_spans = rejected
+        shown = "; ".join(reasons[:SAMPLE_REASONS])
+        more = (
+            f" (and {len(reasons) - SAMPLE_REASONS} more)" if len(reasons) > SAMPLE_REASONS else ""
+        )
+        response.partial_success.error_message = shown + more
+    if media == PROTOBUF:
+        return Answer(200, response.SerializeToString(), media_type=PROTOBUF)
+    return Answer(200, json_format.MessageToJson(response, indent=None).encode())
+
+
+async def export_traces(incoming: Incoming) -> Answer:
+    """Export OpenTelemetry spans (OTLP/HTTP); a 200 means every accepted span is durable."""
+    tenant = incoming.tenant()
+    media = media_type(incoming)
+    limit = incoming.services.settings.max_body_bytes
+    body = inflated(await incoming.body(), incoming.headers.get("content-encoding", ""), limit)
+    request = decoded(body, media)
+    del body
+    received, records, reasons = now_us(), [], []
+    for payload, why in span_payloads(request):
+        if payload is None:
+            reasons.append(why)
+        else:
+            records.append(span_record(payload, tenant, received))
+    del request
+    if records:
+        try:
+            await incoming.services.landing.land(records)
+        except Overloaded as exc:
+            raise ApiError(
+                503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after)}
+            ) from None
+    return answer(media, len(reasons), reasons)
+
+
+ROUTES = [
+    Route(
+        "POST",
+        "/v1/traces",
+        export_traces,
+        "opentelemetry",
+        responses=ERROR_RESPONSES,
+        media_types=(JSON, PROTOBUF),
+    ),
+]
