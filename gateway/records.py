@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import polars as pl
 import pyarrow as pa
@@ -20,11 +21,13 @@ from claw_pipelines.contracts.tables import (
     SCHEMA_VERSION,
 )
 from claw_pipelines.contracts.wire import Step
+from claw_pipelines.contracts.wire_structs import FastStep
 
 TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "response_mask")
 _ARRAY_DTYPES = (np.dtype("<i4"), np.dtype("<i4"), np.dtype("<f4"), np.dtype("i1"))
 _STRUCT_CODES = ("i", "i", "f", "b")
 _US_PER_DAY = 86_400_000_000
+_PAYLOAD = msgspec.json.Encoder()  # a FastStep's payload (a Step's is the model's JSON)
 
 # Scalar step fields decoded from the (small) JSON payload into typed columns at flush time.
 _SCALAR_COLUMNS = [f for f in BRONZE_STEP_COLUMNS if f.name not in (*TOKEN_FIELDS, "token_source")]
@@ -93,14 +96,14 @@ def event_ids(count: int, idempotency_key: str | None) -> list[str]:
     return [f"{idempotency_key}:{i}" for i in range(count)]
 
 
-def event_ids_for(models: Sequence[BaseModel], idempotency_key: str | None) -> list[str]:
+def event_ids_for(models: Sequence[BaseModel | FastStep], idempotency_key: str | None) -> list[str]:
     """Each record's event_id: from the body, else from `event_ids`."""
     derived = event_ids(len(models), idempotency_key)
     return [getattr(m, "event_id", None) or d for m, d in zip(models, derived, strict=True)]
 
 
 def step_records(
-    steps: Sequence[Step],
+    steps: Sequence[Step | FastStep],
     tenant: str,
     idempotency_key: str | None = None,
     *,
@@ -118,7 +121,11 @@ def step_records(
         if step.policy_version is None and policy_version is not None:
             step.policy_version = policy_version
             step.metadata = {**step.metadata, "policy_version_via": "published"}
-        payload = step.model_dump_json(exclude=_TOKEN_FIELD_SET).encode()
+        payload = (
+            step.model_dump_json(exclude=_TOKEN_FIELD_SET).encode()
+            if isinstance(step, BaseModel)
+            else _PAYLOAD.encode(step.payload())
+        )
         arrays = typed_arrays([getattr(step, name) for name in TOKEN_FIELDS])
         records.append(
             BronzeRecord(event_id, kind, tenant, received, payload, token_source, *arrays)

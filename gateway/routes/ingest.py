@@ -15,6 +15,7 @@ from claw_pipelines.contracts.wire import (
     TrajectoryCompleted,
     TrajectoryCompletion,
 )
+from claw_pipelines.contracts.wire_structs import checked_steps
 from gateway.asgi import Answer
 from gateway.errors import ERROR_RESPONSES, ApiError
 from gateway.incoming import IDEMPOTENCY_HEADER_DOC, Incoming, parse_json
@@ -55,10 +56,15 @@ async def perform_write(
     return await accept(incoming.services.landing, records)
 
 
-def build_steps(body: Any, tenant: str, key: str | None, incoming: Incoming):
+def published_step_records(steps, tenant: str, key: str | None, incoming: Incoming):
     """Step records; a step naming no policy version gets the published one."""
     published = incoming.services.landing.policy_version
-    return step_records(body.steps, tenant, key, policy_version=published)
+    return step_records(steps, tenant, key, policy_version=published)
+
+
+def build_steps(body: Any, tenant: str, key: str | None, incoming: Incoming):
+    """The records of a body's steps (`published_step_records`)."""
+    return published_step_records(body.steps, tenant, key, incoming)
 
 
 def _fact(kind: str) -> Build:
@@ -73,7 +79,16 @@ def _completion(body: Any, tenant: str, key: str | None, incoming: Incoming):
 
 async def submit_steps(incoming: Incoming) -> Answer:
     """Submit token-level steps; a 200 means every step is durable."""
-    return await perform_write(incoming, StepBatch, build_steps)
+    tenant = incoming.tenant()
+    key = incoming.idempotency_key()
+    body = await incoming.body()
+    steps = checked_steps(body)  # the typed structs, at wire speed
+    if steps is None:  # the model decides, and names the field when it refuses
+        steps = parse_json(StepBatch, body).steps
+    del body
+    records = published_step_records(steps, tenant, key, incoming)
+    del steps
+    return await accept(incoming.services.landing, records)
 
 
 async def submit_feedback(incoming: Incoming) -> Answer:
