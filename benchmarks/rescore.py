@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.harness import emit  # noqa: E402
 from claw_pipelines.contracts.tables import BRONZE_EVENTS, SILVER_STEPS  # noqa: E402
 from claw_pipelines.lake.delta import Lake  # noqa: E402
+from claw_pipelines.lake.prompts import read_steps  # noqa: E402
 from claw_pipelines.lake.tokenizers import bundled_fingerprint  # noqa: E402
 from claw_pipelines.materialize.rescore import JUDGE_INPUT_COLUMNS, load_judge, rescore  # noqa: E402
 from claw_pipelines.materialize.silver import build_silver  # noqa: E402
@@ -134,9 +135,11 @@ def land(lake: Lake, rows: list[dict], batch: int, first_seq: int) -> int:
 
 
 def floor_seconds(lake: Lake) -> float:
-    """Read what a judge needs of every silver step."""
+    """Read what a judge needs of every silver step, prompts whole (silver stores a prompt
+    relative to its trajectory's earlier steps: a plain read of `prompt_ids` finds most of
+    them null, docs/DESIGN.md §18)."""
     started = time.perf_counter()
-    lake.read(SILVER_STEPS, columns=JUDGE_INPUT_COLUMNS)
+    read_steps(lake, SILVER_STEPS, columns=JUDGE_INPUT_COLUMNS)
     return time.perf_counter() - started
 
 
