@@ -107,11 +107,9 @@ def trees_rebuild_steps(forest: PrefixForest, steps: pl.DataFrame) -> Finding:
     p_off, p_val, _ = list_parts(steps["prompt_ids"].to_arrow())
     r_off, r_val, _ = list_parts(steps["response_ids"].to_arrow())
     p_len, r_len = np.diff(p_off), np.diff(r_off)
-    rows = np.arange(steps.height)
-    rebuilt = np.zeros(steps.height, dtype=np.int64)
+    rebuilt = np.full(steps.height, -1, dtype=np.int64)  # -1: the row has no segment
     rebuilt[forest.row] = forest.start + np.diff(forest.offsets)
-    broken = np.zeros(steps.height, dtype=bool)
-    broken[rows] = (rebuilt != p_len + r_len) | ~np.isin(rows, forest.row)
+    broken = rebuilt != p_len + r_len
     owner, depth, source, take = forest.pieces()
     row = forest.row[owner]
     broken[row[take < 0]] = True
