@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.asgi import send_answer, send_body
 from gateway.auth import KeyRing
 from gateway.errors import ApiError, error_body
-from gateway.incoming import Incoming, tenant_of
+from gateway.incoming import Incoming, media_of, tenant_of
 from gateway.metrics import GatewayMetrics, labelled
 from gateway.routes.table import RouteTable
 from gateway.services import GatewayServices
@@ -34,8 +34,7 @@ log = logging.getLogger(__name__)
 BODY_METHODS = {"POST", "PUT", "PATCH"}
 
 
-def _is_json(content_type: str) -> bool:
-    media = content_type.split(";", 1)[0].strip().lower()
+def _is_json(media: str) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
@@ -164,8 +163,8 @@ class Dispatcher:
                 )
         has_body = "transfer-encoding" in headers or length not in (None, "0")
         content_type = headers.get("content-type")
-        given = (content_type or "").split(";", 1)[0].strip().lower()
-        if has_body and not _is_json(content_type or "") and given not in media:
+        given = media_of(content_type)
+        if has_body and not _is_json(given) and given not in media:
             allowed = " or ".join(["application/json", *media])
             return ApiError(
                 415,

@@ -68,6 +68,11 @@ class Incoming:
         return parse_json(model, await self.body(), optional=optional)
 
 
+def media_of(content_type: str | None) -> str:
+    """The media type of a Content-Type header, lower case, without its parameters."""
+    return (content_type or "").split(";", 1)[0].strip().lower()
+
+
 def tenant_of(keys: KeyRing, headers: Mapping[str, str]) -> str:
     """The tenant of the presented API key (401 when missing or unknown)."""
     if not keys.enabled:

@@ -27,14 +27,21 @@ from gateway.routes.table import Route
 Build = Callable[[Any, str, str | None, Incoming], list[BronzeRecord]]
 
 
-async def accept(landing: Landing, records: list[BronzeRecord]) -> Answer:
-    """Land records durably; the `Accepted` answer. Overload becomes 503 with Retry-After."""
+async def land(landing: Landing, records: list[BronzeRecord]) -> int:
+    """Land records durably; how many were duplicates. Overload becomes 503 with
+    Retry-After."""
     try:
         _written, duplicates = await landing.land(records)
     except Overloaded as exc:
         raise ApiError(
             503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after)}
         ) from None
+    return duplicates
+
+
+async def accept(landing: Landing, records: list[BronzeRecord]) -> Answer:
+    """Land records durably (`land`); the `Accepted` answer."""
+    duplicates = await land(landing, records)
     # Accepted, serialized by hand on the hot path (event ids are validated, JSON-safe).
     ids = '","'.join(r.event_id for r in records)
     body = f'{{"accepted":{len(records)},"duplicates":{duplicates},"event_ids":["{ids}"]}}'

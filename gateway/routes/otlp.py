@@ -30,9 +30,9 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from gateway.asgi import Answer
 from gateway.errors import ERROR_RESPONSES, ApiError
-from gateway.incoming import Incoming
-from gateway.landing import Overloaded
+from gateway.incoming import Incoming, media_of
 from gateway.records import BronzeRecord, now_us
+from gateway.routes.ingest import land
 from gateway.routes.table import Route
 
 PROTOBUF = "application/x-protobuf"
@@ -45,7 +45,7 @@ SAMPLE_REASONS = 5  # rejections named in `error_message`
 def media_type(incoming: Incoming) -> str:
     """The request's media type (415 unless protobuf or JSON)."""
     given = incoming.headers.get("content-type", "")
-    media = given.split(";", 1)[0].strip().lower()
+    media = media_of(given)
     if media not in (PROTOBUF, JSON):
         raise ApiError(
             415,
@@ -231,12 +231,7 @@ async def export_traces(incoming: Incoming) -> Answer:
             records.append(span_record(payload, tenant, received))
     del request
     if records:
-        try:
-            await incoming.services.landing.land(records)
-        except Overloaded as exc:
-            raise ApiError(
-                503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after)}
-            ) from None
+        await land(incoming.services.landing, records)
     return answer(media, len(reasons), reasons)
 
 
