@@ -3,6 +3,7 @@
 import re
 
 INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: log-probs are stored as float32
 MAX_SEQUENCE_TOKENS = 1_048_576
 MAX_STEPS_PER_REQUEST = 4_096
 MAX_UID_CHARS = 256

@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from claw_pipelines.contracts.limits import (
+    FLOAT32_MAX,
     INT32_MAX,
     LABEL_PATTERN,
     MAX_LABEL_CHARS,
@@ -46,6 +47,7 @@ TokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(max_length=MAX_SEQUENCE_TOKENS)]
 MaskBit = Annotated[int, Strict(), Field(ge=0, le=1)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 Count = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 Metadata = dict[str, JsonValue]
 
@@ -88,7 +90,7 @@ class Step(WireModel):
     step_index: Count
     prompt_ids: Annotated[TokenIds, Field(min_length=1)]
     response_ids: TokenIds
-    rollout_log_probs: list[FiniteFloat] | None = Field(
+    rollout_log_probs: list[LogProb] | None = Field(
         None, max_length=MAX_SEQUENCE_TOKENS, description="one log-prob per response token"
     )
     response_mask: list[MaskBit] | None = Field(

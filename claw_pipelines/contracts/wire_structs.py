@@ -16,6 +16,7 @@ import msgspec
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from claw_pipelines.contracts.limits import (
+    FLOAT32_MAX,
     INT32_MAX,
     LABEL_PATTERN,
     MAX_LABEL_CHARS,
@@ -43,6 +44,7 @@ ShortText = Annotated[str, msgspec.Meta(max_length=MAX_UID_CHARS)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 TokenIds = Annotated[list[Count], msgspec.Meta(max_length=MAX_SEQUENCE_TOKENS)]
 MaskBit = Annotated[int, msgspec.Meta(ge=0, le=1)]
+LogProb = Annotated[float, msgspec.Meta(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 
 
 class StepStruct(msgspec.Struct, forbid_unknown_fields=True):
@@ -54,7 +56,7 @@ class StepStruct(msgspec.Struct, forbid_unknown_fields=True):
     response_ids: TokenIds
     prompt_uid: Uid | None = None
     rollout_log_probs: (
-        Annotated[list[float], msgspec.Meta(max_length=MAX_SEQUENCE_TOKENS)] | None
+        Annotated[list[LogProb], msgspec.Meta(max_length=MAX_SEQUENCE_TOKENS)] | None
     ) = None
     response_mask: Annotated[list[MaskBit], msgspec.Meta(max_length=MAX_SEQUENCE_TOKENS)] | None = (
         None

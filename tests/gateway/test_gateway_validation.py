@@ -37,6 +37,8 @@ STEP_CASES = [
     ({"rollout_log_probs": [-0.1]}, "steps[0].rollout_log_probs", "match"),
     ({"reward": 1e999}, "steps[0].reward", "finite"),
     ({"rollout_log_probs": [-1e999, 0.0, 0.0]}, "steps[0].rollout_log_probs[0]", "finite"),
+    # finite, but past what the float32 column holds
+    ({"rollout_log_probs": [0.0, -1e300, 0.0]}, "steps[0].rollout_log_probs[1]", "greater than"),
     ({"step_index": -1}, "steps[0].step_index", "greater than or equal to 0"),
     ({"trajectory_uid": "has space"}, "steps[0].trajectory_uid", "pattern"),
     ({"trajectory_uid": "x" * 300}, "steps[0].trajectory_uid", "at most 256"),

@@ -28,7 +28,9 @@ ints = st.one_of(
 )
 token_lists = st.lists(ints, max_size=6)
 floats = st.one_of(
-    st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3), st.sampled_from(["1", None])
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-3, 3),
+    st.sampled_from(["1", None, 1e300, -3.5e38, -3.4028234663852886e38]),
 )
 json_values = st.recursive(
     st.one_of(
