@@ -124,6 +124,11 @@ class ClawSettings(BaseSettings):
     redact_secrets: bool = Field(
         True, description="replace credential shapes in stored payloads by [REDACTED:kind]"
     )
+    otel_trajectory_from: str = Field(
+        "gen_ai.conversation.id,session.id,trace",
+        description="where a traced call's trajectory comes from when its span has no "
+        "claw.trajectory_uid: span attributes to try in order, `trace` for its trace",
+    )
 
     stitch_window_s: float = Field(
         3600.0, gt=0, description="longest gap between turns stitched into one trajectory"

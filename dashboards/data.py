@@ -73,6 +73,8 @@ SOURCE_OF_KIND = {
     "step": "white-box",
     "chat_completion": "black-box proxy",
     "completion": "black-box proxy",
+    "traced_call": "traced (OpenTelemetry)",
+    "span": "traced (OpenTelemetry)",
     "feedback": "services",
     "event": "services",
     "trajectory_complete": "services",

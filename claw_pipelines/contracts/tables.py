@@ -43,10 +43,11 @@ RECORD_KINDS = (
     "event",
     "trajectory_complete",
     "span",  # an OpenTelemetry span as exported to /v1/traces
+    "traced_call",  # a model call read from a span (its step)
 )
-STEP_KINDS = ("step", "chat_completion", "completion")
+STEP_KINDS = ("step", "chat_completion", "completion", "traced_call")
 FACT_KINDS = ("feedback", "trajectory_complete")
-SOURCE_KINDS = ("white_box", "proxy", "claw_r1")
+SOURCE_KINDS = ("white_box", "proxy", "claw_r1", "otel")
 TRAJECTORY_STATUSES = ("open", "complete", "abandoned")
 REWARD_STATUSES = ("final", "pending", "missing")
 # where a step's token ids come from: the server's (`upstream`), the client's own (`client`),

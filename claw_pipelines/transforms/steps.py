@@ -1,8 +1,9 @@
 """Bronze step records → silver steps: normalize, drop duplicates, keep conflicts out.
 
-Step records come from three sources, told apart by `source_kind`: white-box submissions
-(`kind = step`), proxied completions (`chat_completion`, `completion`) and the Claw-R1 proxy
-routes (proxied, `metadata.scope_via = claw_r1`). Unscoped proxied calls are placed by
+Step records come from four sources, told apart by `source_kind`: white-box submissions
+(`kind = step`), proxied completions (`chat_completion`, `completion`), the Claw-R1 proxy
+routes (proxied, `metadata.scope_via = claw_r1`) and model calls read from traced spans
+(`traced_call`, source `otel`). Unscoped proxied calls are placed by
 `stitching` before their step keys are final. A white-box step's key is its client's; a
 scoped proxied step's is the gateway's, so two records under it are two calls the gateway
 numbered alike (`renumber_clashes`), never one step sent twice.
@@ -56,13 +57,15 @@ def step_candidates(steps: pl.DataFrame) -> pl.DataFrame:
     via = _meta("scope_via")
     return steps.with_columns(
         metadata=pl.col("payload").str.json_path_match("$.metadata").fill_null("{}"),
-        unscoped=(pl.col("kind") != "step") & (_meta("scoped") == "false"),
+        unscoped=((pl.col("kind") != "step") & (_meta("scoped") == "false")).fill_null(False),
         group_from_client=_meta("prompt_group_via") == "client",
         client_retry=_meta("client_retry").cast(pl.Int64, strict=False).fill_null(0),
         source_kind=pl.when(pl.col("kind") == "step")
         .then(pl.lit("white_box"))
         .when(via == "claw_r1")
         .then(pl.lit("claw_r1"))
+        .when(pl.col("kind") == "traced_call")
+        .then(pl.lit("otel"))
         .otherwise(pl.lit("proxy")),
         created_at=pl.col("received_at"),
         received_us=pl.col("received_at").dt.epoch("us"),

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from claw_pipelines.contracts.ids import new_event_id
 from claw_pipelines.settings import ClawSettings
+from claw_pipelines.tokenization import ChatTokenizer
 from gateway.asgi import JSON, Answer
 from gateway.errors import ApiError
 from gateway.landing import Landing, Overloaded
@@ -432,7 +433,7 @@ class ProxyService:
             try:
                 tokens.append(
                     step_tokens(
-                        choice, call.body, kind, choice.index // call.n, self._local_tokenizer
+                        choice, call.body, kind, choice.index // call.n, self.local_tokenizer
                     )
                 )
                 kept.append(choice)
@@ -502,7 +503,8 @@ class ProxyService:
             labelled(self.steps, step.token_source).inc()
         return CallSteps(kept, records, places, uncaptured)
 
-    def _local_tokenizer(self):
+    def local_tokenizer(self) -> ChatTokenizer | None:
+        """The model's chat tokenizer when the gateway has one (loaded on first use)."""
         return self.capture.tokenizer
 
     def _tokenizer_named(self) -> dict[str, Any]:

@@ -59,15 +59,18 @@ def step_record(
     choice: CapturedChoice,
     tokens: StepTokens,
     extra: bytes | None = None,
+    reward: float | None = None,
+    is_last: bool = False,
 ) -> BronzeRecord:
-    """The bronze record of one choice of a proxied call (`extra`: more payload members)."""
+    """The bronze record of one choice of a proxied (or traced) call (`extra`: more payload
+    members)."""
     fields = {
         "trajectory_uid": place.trajectory_uid,
         "prompt_uid": place.prompt_uid,
         "step_index": place.step_index,
-        "reward": None,
+        "reward": reward,
         "policy_version": place.policy_version,
-        "is_last": False,
+        "is_last": is_last,
         "finish_reason": choice.finish_reason,
         "model": model,
         "metadata": metadata,

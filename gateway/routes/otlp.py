@@ -7,13 +7,15 @@ exporter or a Collector's `otlphttp` exporter pointed at the gateway. A request 
 (`application/json`: trace and span ids in hex), optionally gzip-compressed; each span becomes
 one bronze record of kind `span` whose payload is the span with its resource and scope
 (docs/DESIGN.md §4), its event id `otel-<trace id>-<span id>`, so an exporter's retry lands
-nothing twice. Spans without a valid trace or span id are rejected and counted in the
-answer's `partial_success`; the others land. Durable as every write: a 200 means the spans
-survive a kill.
+nothing twice; model calls, tool runs and rewards the spans tell of land beside them as
+steps, events and feedback (`gateway.traced`), in the same durable batch. Spans without a
+valid trace or span id are rejected and counted in the answer's `partial_success`; the others
+land. Durable as every write: a 200 means the spans survive a kill.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import zlib
@@ -30,10 +32,12 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from gateway.asgi import Answer
 from gateway.errors import ERROR_RESPONSES, ApiError
+from gateway.genai_spans import TRACE
 from gateway.incoming import Incoming, media_of
 from gateway.records import BronzeRecord, now_us
 from gateway.routes.ingest import land
 from gateway.routes.table import Route
+from gateway.traced import Tokenizer, derived_records
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -199,6 +203,27 @@ def span_record(payload: dict, tenant: str, received_us: int) -> BronzeRecord:
     return BronzeRecord(event_id, SPAN_KIND, tenant, received_us, body)
 
 
+def trajectory_sources(setting: str) -> tuple[str, ...]:
+    """CLAW_OTEL_TRAJECTORY_FROM as the attribute names (or `trace`) to try in order."""
+    return tuple(part.strip() for part in setting.split(",") if part.strip()) or (TRACE,)
+
+
+def span_records(
+    request: ExportTraceServiceRequest, tenant: str, tokenizer: Tokenizer, sources: tuple[str, ...]
+) -> tuple[list[BronzeRecord], list[str]]:
+    """Every span's record and the records derived from it (steps, tool turns, rewards), and
+    why the spans that cannot land were rejected."""
+    received, records, reasons = now_us(), [], []
+    for payload, why in span_payloads(request):
+        if payload is None:
+            reasons.append(why)
+            continue
+        record = span_record(payload, tenant, received)
+        records.append(record)
+        records += derived_records(payload, record.event_id, tenant, tokenizer, sources)
+    return records, reasons
+
+
 def answer(media: str, rejected: int, reasons: list[str]) -> Answer:
     """The ExportTraceServiceResponse (with `partial_success` when spans were rejected), in
     the request's media type."""
@@ -223,12 +248,11 @@ async def export_traces(incoming: Incoming) -> Answer:
     body = inflated(await incoming.body(), incoming.headers.get("content-encoding", ""), limit)
     request = decoded(body, media)
     del body
-    received, records, reasons = now_us(), [], []
-    for payload, why in span_payloads(request):
-        if payload is None:
-            reasons.append(why)
-        else:
-            records.append(span_record(payload, tenant, received))
+    services = incoming.services
+    sources = trajectory_sources(services.settings.otel_trajectory_from)
+    records, reasons = await asyncio.to_thread(
+        span_records, request, tenant, services.proxy.local_tokenizer, sources
+    )
     del request
     if records:
         await land(incoming.services.landing, records)

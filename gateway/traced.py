@@ -1,0 +1,186 @@
+"""Bronze records derived from a traced agent's spans (docs/DESIGN.md §4): a step per model
+call (kind `traced_call`), an event per tool run, feedback per reward.
+
+A model call's ids are the ones its span carries (`token_source` `client`), else computed
+here with the model's tokenizer from the span's messages and labelled against the span's
+token counts as the proxy labels its own (`local` when both counts agree, else
+`local_unverified`). A call with neither (no tokenizer, or no messages) lands as an
+`uncaptured_call` event, never as a step. Every derived record's event id is the span's
+with a suffix, so an exporter's retry lands each once.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from claw_pipelines.contracts.wire import Event, Feedback, StepTarget, TrajectoryTarget
+from claw_pipelines.tokenization import ChatTokenizer
+from gateway.genai_spans import (
+    Placement,
+    TracedCall,
+    is_llm_span,
+    is_tool_span,
+    placement,
+    span_rewards,
+    tool_turn,
+    traced_call,
+)
+from gateway.proxy.capture import (
+    CHAT_KIND,
+    CapturedChoice,
+    StepTokens,
+    Uncapturable,
+    step_tokens,
+    verified,
+)
+from gateway.proxy.steps import StepPlace, step_record
+from gateway.records import BronzeRecord, fact_record
+
+TRACED_KIND = "traced_call"  # the bronze record kind of a step read from an LLM span
+FEEDBACK_SOURCE = "trace"  # the `source` of the feedback a span's reward becomes
+
+Tokenizer = Callable[[], ChatTokenizer | None]
+
+
+def derived_records(
+    span: dict[str, Any], event_id: str, tenant: str, tokenizer: Tokenizer, sources: tuple[str, ...]
+) -> list[BronzeRecord]:
+    """The records a span's payload yields beside itself (`event_id`: the span record's)."""
+    place = placement(span, sources)
+    origin = {"trace_id": span["trace_id"], "span_id": span["span_id"]}
+    records: list[BronzeRecord] = []
+    rewards = span_rewards(span)
+    step_reward = None
+    if is_llm_span(span):
+        call = traced_call(span)
+        if call is not None:
+            if rewards and rewards[0][1] == "claw.reward":
+                step_reward, rewards = rewards[0][0], rewards[1:]
+            records.append(
+                _step(call, span, place, origin, event_id, tenant, tokenizer, step_reward)
+            )
+    elif is_tool_span(span):
+        turn = {k: v for k, v in tool_turn(span).items() if v is not None}
+        event = Event(
+            type="tool_turn",
+            trajectory_uid=place.trajectory_uid,
+            payload={**turn, "otel": origin},
+            event_id=f"{event_id}-tool",
+        )
+        records.append(fact_record(event, "event", tenant))
+    target = (
+        StepTarget(step_key=f"{place.trajectory_uid}:{place.step_index}")
+        if is_llm_span(span) and records and records[0].kind == TRACED_KIND
+        else TrajectoryTarget(trajectory_uid=place.trajectory_uid)
+    )
+    for number, (value, via) in enumerate(rewards):
+        feedback = Feedback(
+            target=target,
+            kind="reward",
+            value=value,
+            source=FEEDBACK_SOURCE,
+            metadata={"otel": origin, "via": via},
+            event_id=f"{event_id}-reward-{number}",
+        )
+        records.append(fact_record(feedback, "feedback", tenant))
+    return records
+
+
+def _step(
+    call: TracedCall,
+    span: dict[str, Any],
+    place: Placement,
+    origin: dict[str, str],
+    event_id: str,
+    tenant: str,
+    tokenizer: Tokenizer,
+    reward: float | None,
+) -> BronzeRecord:
+    """The step of a model call, or an `uncaptured_call` event when its ids cannot be had."""
+    request = (
+        {"messages": call.messages, "tools": call.tools}
+        if call.tools
+        else {"messages": call.messages}
+    )
+    try:
+        tokens, named = _tokens(call, request, tokenizer)
+    except Uncapturable as exc:
+        event = Event(
+            type="uncaptured_call",
+            trajectory_uid=place.trajectory_uid,
+            payload={
+                "reason": str(exc),
+                "model": call.model,
+                "output": call.output,
+                "otel": origin,
+            },
+            event_id=f"{event_id}-uncaptured",
+        )
+        return fact_record(event, "event", tenant)
+    metadata: dict[str, Any] = {"otel": {**origin, "scope": (span.get("scope") or {}).get("name")}}
+    metadata |= {"scoped": True, **named, **(tokens.metadata or {})}
+    if call.response_id is not None:
+        metadata["response_id"] = call.response_id
+    return step_record(
+        event_id=f"{event_id}-step",
+        kind=TRACED_KIND,
+        tenant=tenant,
+        place=StepPlace(
+            place.trajectory_uid, place.step_index, place.prompt_uid, place.policy_version
+        ),
+        model=call.model,
+        metadata=metadata,
+        request_json=json.dumps(request, ensure_ascii=False).encode(),
+        choice=_choice(call),
+        tokens=tokens,
+        reward=reward,
+        is_last=place.is_last,
+    )
+
+
+def _choice(call: TracedCall) -> CapturedChoice:
+    response = {"id": call.response_id, "model": call.model}
+    response["choices"] = [
+        {"index": 0, "message": call.output, "finish_reason": call.finish_reason}
+    ]
+    return CapturedChoice(
+        0,
+        call.prompt_ids,
+        call.response_ids,
+        call.log_probs,
+        call.finish_reason,
+        call.output,
+        response,
+    )
+
+
+def _tokens(
+    call: TracedCall, request: dict[str, Any], tokenizer: Tokenizer
+) -> tuple[StepTokens, dict[str, Any]]:
+    """The call's packed ids, their label, and what the metadata says of the tokenizer."""
+    if call.prompt_ids and call.response_ids is not None:
+        logprobs = None
+        if call.log_probs is not None:
+            logprobs = struct.pack(f"<{len(call.log_probs)}f", *call.log_probs)
+        packed = StepTokens(
+            struct.pack(f"<{len(call.prompt_ids)}i", *call.prompt_ids),
+            struct.pack(f"<{len(call.response_ids)}i", *call.response_ids),
+            logprobs,
+            "client",
+        )
+        return packed, {}
+    if not call.messages:
+        raise Uncapturable("the span holds neither token ids nor the messages sent")
+    choice = _choice(call)
+    tokens = step_tokens(choice, request, CHAT_KIND, 0, tokenizer)
+    if not tokens.prompt_ids:
+        raise Uncapturable("the span's messages cannot be rendered with the model's template")
+    (tokens,) = verified([tokens], [0], call.usage)
+    chat = tokenizer()
+    named = (
+        {} if chat is None else {"tokenizer": {"name": chat.name, "fingerprint": chat.fingerprint}}
+    )
+    return tokens, named
