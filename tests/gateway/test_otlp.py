@@ -186,6 +186,10 @@ def test_an_acknowledged_export_survives_kill_9_and_silver_passes_spans_by(tmp_p
     finally:
         server.stop()
     assert rows.height == 2
-    run = build_silver(Lake(str(lake)))  # spans are not steps yet: silver passes them by
+    # what the spans told of landed in the same acknowledged batch: the tool run, the reward
+    derived = bronze(lake).filter(pl.col("kind") != "span")
+    assert sorted(derived["kind"]) == ["event", "feedback"]
+    # a chat span without messages or ids is no step: silver passes the spans by
+    run = build_silver(Lake(str(lake)))
     assert run.bronze_version is not None and run.steps_added == 0
     assert Lake(str(lake)).read("silver/steps").height == 0
