@@ -58,10 +58,11 @@ def derived_records(
         call = traced_call(span)
         if call is not None:
             if rewards and rewards[0][1] == "claw.reward":
-                step_reward, rewards = rewards[0][0], rewards[1:]
-            records.append(
-                _step(call, span, place, origin, event_id, tenant, tokenizer, step_reward)
-            )
+                step_reward = rewards[0][0]
+            step = _step(call, span, place, origin, event_id, tenant, tokenizer, step_reward)
+            if step.kind == TRACED_KIND and step_reward is not None:
+                rewards = rewards[1:]  # the step carries it
+            records.append(step)
     elif is_tool_span(span):
         turn = {k: v for k, v in tool_turn(span).items() if v is not None}
         event = Event(
@@ -87,6 +88,20 @@ def derived_records(
         )
         records.append(fact_record(feedback, "feedback", tenant))
     return records
+
+
+def unread_record(
+    span: dict[str, Any], event_id: str, tenant: str, error: Exception
+) -> BronzeRecord:
+    """An `event` (type `span_unread`) for a span whose model call, tool run or rewards
+    could not be read: why, and which span (kept as received beside it)."""
+    origin = {"trace_id": span["trace_id"], "span_id": span["span_id"]}
+    event = Event(
+        type="span_unread",
+        payload={"error": f"{type(error).__name__}: {error}"[:1_000], "otel": origin},
+        event_id=f"{event_id}-unread",
+    )
+    return fact_record(event, "event", tenant)
 
 
 def _step(

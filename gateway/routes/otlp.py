@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -37,7 +38,9 @@ from gateway.incoming import Incoming, media_of
 from gateway.records import BronzeRecord, now_us
 from gateway.routes.ingest import land
 from gateway.routes.table import Route
-from gateway.traced import Tokenizer, derived_records
+from gateway.traced import Tokenizer, derived_records, unread_record
+
+log = logging.getLogger(__name__)
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -220,7 +223,11 @@ def span_records(
             continue
         record = span_record(payload, tenant, received)
         records.append(record)
-        records += derived_records(payload, record.event_id, tenant, tokenizer, sources)
+        try:
+            records += derived_records(payload, record.event_id, tenant, tokenizer, sources)
+        except Exception as exc:  # the span is kept as received: what it says can be read later
+            log.warning("span %s: not read into steps: %s", record.event_id, exc)
+            records.append(unread_record(payload, record.event_id, tenant, exc))
     return records, reasons
 
 

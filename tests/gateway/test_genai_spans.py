@@ -14,6 +14,7 @@ from gateway.genai_spans import (
     tool_turn,
     traced_call,
 )
+from gateway.traced import derived_records, unread_record
 
 TRACE = "5b8efff798038103d269b633813fc60c"
 ASKED = [
@@ -221,3 +222,20 @@ def test_kinds_tool_turns_and_rewards():
     lightning = span({"reward": 0.25}, name="agentlightning.reward")
     assert span_rewards(lightning) == [(0.25, "agentlightning.reward")]
     assert span_rewards(span({"claw.reward": float("nan")})) == []
+
+
+def test_a_call_that_cannot_be_a_step_keeps_its_reward_as_feedback():
+    messages = '[{"role":"user","parts":[{"type":"text","content":"hi"}]}]'
+    answer = '[{"role":"assistant","parts":[{"type":"text","content":"yo"}]}]'
+    attrs = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.input.messages": messages,
+        "gen_ai.output.messages": answer,
+        "claw.reward": 1.0,
+    }
+    records = derived_records(span(attrs), "otel-x", "tenant-a", lambda: None, ("trace",))
+    assert [r.kind for r in records] == ["event", "feedback"]  # no tokenizer: no step
+    feedback = json.loads(records[1].payload)
+    assert feedback["value"] == 1.0 and feedback["target"] == {"trajectory_uid": f"trace-{TRACE}"}
+    unread = unread_record(span(attrs), "otel-x", "tenant-a", ValueError("odd"))
+    assert json.loads(unread.payload)["payload"]["error"] == "ValueError: odd"
