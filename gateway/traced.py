@@ -137,6 +137,7 @@ def _step(
         return fact_record(event, "event", tenant)
     metadata: dict[str, Any] = {"otel": {**origin, "scope": (span.get("scope") or {}).get("name")}}
     metadata |= {"scoped": True, **named, **(tokens.metadata or {})}
+    metadata["log_probs"] = tokens.rollout_log_probs is not None
     if call.response_id is not None:
         metadata["response_id"] = call.response_id
     return step_record(

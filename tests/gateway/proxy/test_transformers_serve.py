@@ -32,7 +32,7 @@ from claw_pipelines.materialize.gold import build_partition
 from claw_pipelines.materialize.silver import build_silver
 from claw_pipelines.simulation.model_folders import tiny_model_folder
 from claw_pipelines.tokenization import server_messages
-from tests.support.servers import REPO, GatewayProcess, bronze, wait_landed
+from tests.support.servers import REPO, GatewayProcess, bronze, wait_landed, wait_until
 from tests.support.upstreams import proxy_env
 
 pytestmark = pytest.mark.slow
@@ -311,3 +311,50 @@ def test_a_messages_call_reaches_the_real_server_and_lands_its_ids(gateway, serv
     assert final.stop_reason in ("end_turn", "max_tokens")
     usages.append(_server_counts(final.usage.input_tokens, final.usage.output_tokens))
     _check_translated(gateway, truth, keys, usages, "messages")
+
+
+def test_a_traced_call_lands_the_ids_the_model_gives_its_messages(gateway, served, truth):
+    """An agent instrumented with OpenInference, its spans exported to the gateway: the step
+    read from its span carries the ids the model's own tokenizer gives its messages (the same
+    the proxy computed for the same call), labelled as the proxy labels them."""
+    from openinference.instrumentation.openai import OpenAIInstrumentor
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    exporter = OTLPSpanExporter(
+        endpoint=f"{gateway.url}/v1/traces", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    instrumentor = OpenAIInstrumentor()
+    instrumentor.instrument(tracer_provider=provider)
+    key = f"traced-{uuid.uuid4().hex}"
+    tracer = provider.get_tracer("agent")
+    try:
+        with tracer.start_as_current_span("invoke_agent") as root:
+            answer = _client(gateway).chat.completions.create(
+                model=served.model,
+                messages=QUESTION,
+                max_tokens=8,
+                extra_headers={"Idempotency-Key": key},
+            )
+            trace = f"trace-{root.get_span_context().trace_id:032x}"
+    finally:
+        instrumentor.uninstrument()
+        provider.shutdown()
+    proxied = _rows(gateway, [key]).row(0, named=True)
+
+    def traced():
+        rows = bronze(gateway.lake).filter(
+            (pl.col("kind") == "traced_call") & (pl.col("trajectory_uid") == trace)
+        )
+        return rows if rows.height else None
+
+    (step,) = wait_until(traced, 20, interval=0.1, what="the traced step").rows(named=True)
+    expected = truth.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=False)
+    assert step["prompt_ids"] == list(expected) == proxied["prompt_ids"]
+    assert step["response_ids"] == proxied["response_ids"]
+    metadata = json.loads(step["payload"])["metadata"]
+    assert metadata["response_id"] == answer.id
+    _check_labels(step, answer.usage)
