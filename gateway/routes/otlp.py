@@ -35,6 +35,7 @@ from gateway.asgi import Answer
 from gateway.errors import ERROR_RESPONSES, ApiError
 from gateway.genai_spans import TRACE
 from gateway.incoming import Incoming, media_of
+from gateway.otlp_json import json_span_payloads
 from gateway.records import BronzeRecord, now_us
 from gateway.routes.ingest import land
 from gateway.routes.table import Route
@@ -116,8 +117,16 @@ def _ids_as_base64(document: Any) -> Any:
     return document
 
 
+def _snake(key: str) -> str:
+    """A lowerCamelCase key's snake_case spelling."""
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
+
+
 def _list(document: Any, key: str) -> list:
-    value = document.get(key) if isinstance(document, dict) else None
+    """The list under `key`, lowerCamelCase or snake_case (protobuf's mapping reads both)."""
+    if not isinstance(document, dict):
+        return []
+    value = document.get(key, document.get(_snake(key)))
     return value if isinstance(value, list) else []
 
 
@@ -125,8 +134,7 @@ def _rewrite_ids(item: Any, keys: tuple[str, ...]) -> None:
     if not isinstance(item, dict):
         return
     for key in keys:
-        snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
-        for name in (key, snake):
+        for name in (key, _snake(key)):
             value = item.get(name)
             if isinstance(value, str):
                 item[name] = base64.b64encode(bytes.fromhex(value)).decode()
@@ -151,6 +159,15 @@ def attributes(pairs: Any) -> dict[str, Any]:
     return {pair.key: any_value(pair.value) for pair in pairs if isinstance(pair, KeyValue)}
 
 
+def rejection(number: int, trace_id: bytes, span_id: bytes) -> str:
+    """Why span `number` cannot land ("" when it can): its ids."""
+    if len(trace_id) != TRACE_ID_BYTES or not any(trace_id):
+        return f"span {number}: trace_id must be {TRACE_ID_BYTES} bytes, not zero"
+    if len(span_id) != SPAN_ID_BYTES or not any(span_id):
+        return f"span {number}: span_id must be {SPAN_ID_BYTES} bytes, not zero"
+    return ""
+
+
 def span_payloads(request: ExportTraceServiceRequest) -> Iterator[tuple[dict | None, str]]:
     """For every span of the request, in order: (its payload, "") when it can land, else
     (None, why)."""
@@ -161,13 +178,19 @@ def span_payloads(request: ExportTraceServiceRequest) -> Iterator[tuple[dict | N
             scope = {"name": scope_spans.scope.name, "version": scope_spans.scope.version}
             for span in scope_spans.spans:
                 number += 1
-                if len(span.trace_id) != TRACE_ID_BYTES or not any(span.trace_id):
-                    yield None, f"span {number}: trace_id must be {TRACE_ID_BYTES} bytes, not zero"
-                    continue
-                if len(span.span_id) != SPAN_ID_BYTES or not any(span.span_id):
-                    yield None, f"span {number}: span_id must be {SPAN_ID_BYTES} bytes, not zero"
-                    continue
-                yield _payload(span, resource, scope), ""
+                why = rejection(number, span.trace_id, span.span_id)
+                yield (None, why) if why else (_payload(span, resource, scope), "")
+
+
+def payloads_of(body: bytes, media: str) -> list[tuple[dict | None, str]]:
+    """Every span's payload (or why it cannot land) of a request body: OTLP JSON by the
+    msgspec structs when they can (`gateway.otlp_json`), else through protobuf (400 when the
+    body does not decode)."""
+    if media == JSON:
+        fast = json_span_payloads(body, rejection)
+        if fast is not None:
+            return fast
+    return list(span_payloads(decoded(body, media)))
 
 
 def _payload(span: Any, resource: dict, scope: dict) -> dict:
@@ -212,12 +235,15 @@ def trajectory_sources(setting: str) -> tuple[str, ...]:
 
 
 def span_records(
-    request: ExportTraceServiceRequest, tenant: str, tokenizer: Tokenizer, sources: tuple[str, ...]
+    payloads: list[tuple[dict | None, str]],
+    tenant: str,
+    tokenizer: Tokenizer,
+    sources: tuple[str, ...],
 ) -> tuple[list[BronzeRecord], list[str]]:
     """Every span's record and the records derived from it (steps, tool turns, rewards), and
     why the spans that cannot land were rejected."""
     received, records, reasons = now_us(), [], []
-    for payload, why in span_payloads(request):
+    for payload, why in payloads:
         if payload is None:
             reasons.append(why)
             continue
@@ -253,14 +279,15 @@ async def export_traces(incoming: Incoming) -> Answer:
     media = media_type(incoming)
     limit = incoming.services.settings.max_body_bytes
     body = inflated(await incoming.body(), incoming.headers.get("content-encoding", ""), limit)
-    request = decoded(body, media)
-    del body
     services = incoming.services
     sources = trajectory_sources(services.settings.otel_trajectory_from)
-    records, reasons = await asyncio.to_thread(
-        span_records, request, tenant, services.proxy.local_tokenizer, sources
-    )
-    del request
+
+    def read() -> tuple[list[BronzeRecord], list[str]]:  # off the event loop: decode, tokenize
+        return span_records(
+            payloads_of(body, media), tenant, services.proxy.local_tokenizer, sources
+        )
+
+    records, reasons = await asyncio.to_thread(read)
     if records:
         await land(incoming.services.landing, records)
     return answer(media, len(reasons), reasons)
