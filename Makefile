@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast soak bench up lint format clean real-servers
+.PHONY: demo test test-fast soak bench up lint format clean real-servers docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,12 +38,15 @@ bench: $(STAMP)
 	  $(BIN)/python $$script || exit 1; \
 	done
 
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) lake .claw .pytest_cache
+	rm -rf $(VENV) lake .claw .pytest_cache .site
 
 # Real third-party parts the conformance and adapter tests check against, installed beside the
 # test extra without their GPU stacks (vLLM's protocol modules, verl's DataProto), then those

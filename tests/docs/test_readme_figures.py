@@ -1,5 +1,5 @@
-"""The figures the README states that are numbers in the code: each read from the code and
-found in the README's text (a changed constant fails here until the README says it)."""
+"""The figures the docs state that are numbers in the code: each read from the code and found
+in the README's or the docs pages' text (a changed constant fails here until the docs say it)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from claw_pipelines.materialize import live
 from claw_pipelines.settings import ClawSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+# the README and every page of the docs site, as one text
+README = "\n".join(
+    path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+)
 
 
 def constant(path: str, name: str) -> float:
