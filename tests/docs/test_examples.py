@@ -1,7 +1,8 @@
-"""The README's Python examples run as written: an unchanged OpenAI client records a step
-through a started gateway (the simulated model behind it), the bronze read finds it, and the
-batch example pulls from a lake with rewarded groups. Only the gateway's address and the
-lake's path are the test's own."""
+"""The docs' Python examples run as written: the README's (an unchanged OpenAI client records
+a step through a started gateway, the simulated model behind it; the bronze read finds it;
+the batch example pulls from a lake with rewarded groups) and the recording tutorial's (chat,
+Responses and Messages through the official SDKs, an OpenTelemetry exporter). Only the
+gateway's address and the lake's path are the test's own."""
 
 from __future__ import annotations
 
@@ -19,13 +20,22 @@ from tests.support.servers import GatewayProcess, bronze, wait_until
 from tests.support.upstreams import SimProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def blocks(page: str) -> list[str]:
+    """The Python code blocks of a docs page, in order."""
+    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+
+
+BLOCKS = blocks("README.md")
 
 
 def run(block: str, url: str, lake: Path) -> str:
-    """Run a README block with the test's gateway and lake; what it printed."""
+    """Run a docs block with the test's gateway and lake; what it printed."""
     printed: list[str] = []
-    code = block.replace("http://127.0.0.1:8080", url).replace("./lake", str(lake))
+    code = block.replace("./lake", str(lake))
+    for address in ("http://127.0.0.1:8080", "http://localhost:8080"):
+        code = code.replace(address, url)
     exec(code, {"print": lambda *a, **k: printed.append(" ".join(map(str, a)))})
     return "\n".join(printed)
 
@@ -68,3 +78,25 @@ def test_the_readme_pulls_a_batch(tmp_path):
         build_partition(lake, DEFAULT_SPEC, version)
     printed = run(BLOCKS[2], "", lake_path)
     assert "'tokens':" in printed and "'over_budget': False" in printed
+
+
+def test_the_recording_tutorial_runs_against_a_gateway(tmp_path):
+    lake = tmp_path / "lake"
+    examples = blocks("docs/tutorials/record-an-agent.md")
+    assert len(examples) == 4
+    with (
+        SimProcess(tmp_path) as sim,
+        GatewayProcess(lake, CLAW_UPSTREAM_URL=sim.url, CLAW_FLUSH_INTERVAL_MS="50") as gw,
+    ):
+        for example in examples:
+            run(example, gw.url, lake)
+
+        def landed():
+            rows = bronze(lake)
+            if "trajectory_uid" not in rows.columns:
+                return None
+            steps = rows.filter(pl.col("kind") == "chat_completion")
+            found = set(steps["trajectory_uid"])
+            return found if {"traj-42", "traj-43", "traj-44"} <= found else None
+
+        wait_until(landed, 20, interval=0.1, what="a step of each protocol")
