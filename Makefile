@@ -6,16 +6,25 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast soak bench up lint format clean real-servers docs
 
+BASE_STAMP := $(VENV)/.installed-base
+
+# the base install runs the demo and the stack (no test tools, browsers or torch)
+$(BASE_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(BASE_STAMP)
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	touch $(STAMP) $(BASE_STAMP)
 
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	$(BIN)/claw demo
 
-up: $(STAMP)
+up: $(BASE_STAMP)
 	$(BIN)/claw up
 
 lint: $(STAMP)
