@@ -98,6 +98,10 @@ def run_demo(
                 sim.url, gateway.url, rng, tally, progress=True, compact_every=compact_every
             )
             say("  the online loop: agents -> live gold -> trainer -> next policy version")
+            say(
+                "    (pg loss: the policy-gradient loss of a round's batch; its sign follows "
+                "the groups' advantages, it is no score)"
+            )
             rounds = online_loop(lake, sim.url, gateway.url, rng, tally)
             say("  stopping the gateway: it lands every acknowledged record in bronze")
     wait_for_bronze(lake, tally)
@@ -414,7 +418,8 @@ def summary_lines(s: DemoSummary) -> list[tuple[str, str]]:
         (
             "",
             f"by source {_parts(s.steps_by_source)}; policy versions "
-            f"{', '.join(map(str, s.policy_versions))}; {s.prompt_groups} prompt groups; "
+            f"{', '.join(map(str, s.policy_versions))} ({_versions_told()}); "
+            f"{s.prompt_groups} prompt groups; "
             f"{s.prompt_tokens} prompt + {s.response_tokens} response tokens",
         ),
         (
@@ -430,7 +435,8 @@ def summary_lines(s: DemoSummary) -> list[tuple[str, str]]:
         (
             "",
             f"bronze named {s.bronze_trajectory_ids} trajectory ids: {s.stitched_calls} "
-            f"unscoped calls (a fresh id each) were stitched into {s.stitched_trajectories} "
+            "calls sent without a trajectory (unscoped: a fresh id each) were joined by their "
+            f"shared token prefixes (stitched) into {s.stitched_trajectories} "
             f"trajectories ({s.bronze_trajectory_ids} - {s.stitched_calls} + "
             f"{s.stitched_trajectories} = {s.trajectories})",
         ),
@@ -458,7 +464,10 @@ def summary_lines(s: DemoSummary) -> list[tuple[str, str]]:
         rows.append(
             (
                 "consumed",
-                "; ".join(f"{c} pulled {b} batches ({n} steps)" for c, (b, n) in s.consumed.items())
+                "; ".join(
+                    f"{c}{CONSUMERS_TOLD.get(c, '')} pulled {b} batches ({n} steps)"
+                    for c, (b, n) in s.consumed.items()
+                )
                 + " (gold/consumption)",
             )
         )
@@ -466,6 +475,33 @@ def summary_lines(s: DemoSummary) -> list[tuple[str, str]]:
         rows.append(("checks", f"{s.checks[0]}/{s.checks[1]} Dagster asset checks passed"))
     rows += [(f"online round {i}", line) for i, line in enumerate(s.rounds, 1)]
     return rows
+
+
+# who the demo's two consumers are (gold/consumption names them)
+CONSUMERS_TOLD = {
+    "claw-demo": " (a reader pulling one batch per version of `default`)",
+    "claw-demo-trainer": " (the online loop's trainer, on `live-grpo`)",
+}
+# why a dataset leaves steps out, for the reasons the demo's datasets give
+REASONS_TOLD = {
+    "stale": "made by an older policy than the dataset trains",
+    "incomplete": "their group or trajectory was not finished yet",
+    "zero_variance": "every rollout of the group earned the same reward",
+    "reward": "no usable reward",
+}
+
+
+def _versions_told() -> str:
+    first, last = min(POLICY_VERSIONS), max(POLICY_VERSIONS)
+    return f"{first}-{last}: the agents' rollout rounds; later: published by the online loop"
+
+
+def _told(by_reason: dict[str, int]) -> str:
+    """Rejections by reason, each with what it means when the demo knows."""
+    return ", ".join(
+        f"{reason} {n}" + (f": {REASONS_TOLD[reason]}" if reason in REASONS_TOLD else "")
+        for reason, n in by_reason.items()
+    )
 
 
 def _acknowledged(s: DemoSummary) -> str:
@@ -481,7 +517,7 @@ def _curation_rows(s: DemoSummary) -> list[tuple[str, str]]:
     rows = []
     for name, d in s.datasets.items():
         versions = ", ".join(f"v{v} {n}" for v, n in d.kept_by_version.items())
-        reasons = f" ({_parts(d.rejected_by_reason)})" if d.rejected else ""
+        reasons = f" ({_told(d.rejected_by_reason)})" if d.rejected else ""
         rows.append(
             (
                 "curation" if not rows else "",
