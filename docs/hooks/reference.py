@@ -52,22 +52,24 @@ def http() -> str:
 
     with tempfile.TemporaryDirectory() as lake:
         document = create_app(ClawSettings(lake_uri=lake)).openapi()
-    out = [
-        "# HTTP API reference",
-        "",
-        "Every gateway route, from its OpenAPI document (`GET /openapi.json` on a running",
-        "gateway; `/docs` renders it). Errors use the OpenAI envelope",
-        '(`{"error": {"message", "type", "param", "code"}}`).',
-        "",
-        "| method | path | what it does | statuses |",
-        "|---|---|---|---|",
+    rows = [
+        (
+            method.upper(),
+            f"`{path}`",
+            operation.get("summary") or "",
+            ", ".join(sorted(operation.get("responses", {}))),
+        )
+        for path, methods in document["paths"].items()
+        for method, operation in methods.items()
     ]
-    for path, methods in document["paths"].items():
-        for method, operation in methods.items():
-            summary = (operation.get("summary") or "").replace("|", "\\|")
-            statuses = ", ".join(sorted(operation.get("responses", {})))
-            out.append(f"| {method.upper()} | `{path}` | {summary} | {statuses} |")
-    return "\n".join(out) + "\n"
+    intro = (
+        "Every gateway route, from its OpenAPI document (`GET /openapi.json` on a running "
+        "gateway; `/docs` renders it). Errors use the OpenAI envelope "
+        '(`{"error": {"message", "type", "param", "code"}}`).'
+    )
+    return _table_page(
+        "HTTP API reference", intro, ("method", "path", "what it does", "statuses"), rows
+    )
 
 
 def settings() -> str:
@@ -75,14 +77,7 @@ def settings() -> str:
 
     from claw_pipelines.settings import ClawSettings
 
-    out = [
-        "# Settings reference",
-        "",
-        "Environment variables (prefix `CLAW_`, also read from `.env`), from `ClawSettings`.",
-        "",
-        "| variable | default | meaning |",
-        "|---|---|---|",
-    ]
+    rows = []
     for name, field in ClawSettings.model_fields.items():
         default = field.default
         if default is PydanticUndefined or field.default_factory is not None:
@@ -91,8 +86,17 @@ def settings() -> str:
             shown = "unset"
         else:
             shown = f"`{default}`"
-        meaning = (field.description or "").replace("|", "\\|")
-        out.append(f"| `CLAW_{name.upper()}` | {shown} | {meaning} |")
+        rows.append((f"`CLAW_{name.upper()}`", shown, field.description or ""))
+    intro = "Environment variables (prefix `CLAW_`, also read from `.env`), from `ClawSettings`."
+    return _table_page("Settings reference", intro, ("variable", "default", "meaning"), rows)
+
+
+def _table_page(title: str, intro: str, columns: tuple[str, ...], rows: list[tuple]) -> str:
+    """A page of one Markdown table (cells' pipes escaped)."""
+    out = [f"# {title}", "", intro, "", "| " + " | ".join(columns) + " |"]
+    out.append("|" + "---|" * len(columns))
+    for row in rows:
+        out.append("| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |")
     return "\n".join(out) + "\n"
 
 
