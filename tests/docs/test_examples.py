@@ -6,7 +6,9 @@ gateway's address and the lake's path are the test's own."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 from pathlib import Path
 
 import polars as pl
@@ -100,3 +102,39 @@ def test_the_recording_tutorial_runs_against_a_gateway(tmp_path):
             return found if {"traj-42", "traj-43", "traj-44"} <= found else None
 
         wait_until(landed, 20, interval=0.1, what="a step of each protocol")
+
+
+def curl_blocks(page: str) -> list[str]:
+    """The shell blocks of a docs page that call the gateway with curl."""
+    found = re.findall(r"```bash\n(.*?)```", (ROOT / page).read_text(), re.S)
+    return [block for block in found if block.lstrip().startswith("curl ")]
+
+
+def test_the_curl_examples_land_what_they_say(tmp_path):
+    """The white-box step and the feedback, event and completion after it, as the tutorials
+    show them, against a started gateway: each answer is the one shown (the event ids
+    aside), and silver holds the step with its rating and its trajectory's reward."""
+    blocks = curl_blocks("docs/tutorials/white-box-steps.md")
+    blocks += curl_blocks("docs/tutorials/rewards-and-feedback.md")
+    assert len(blocks) == 2
+    lake = tmp_path / "lake"
+    with GatewayProcess(lake, CLAW_FLUSH_INTERVAL_MS="50") as gw:
+        port = gw.url.rsplit(":", 1)[1]
+        answers = []
+        for block in blocks:
+            script = block.replace("localhost:8080", f"127.0.0.1:{port}")
+            done = subprocess.run(
+                ["bash", "-c", script + "\necho"], capture_output=True, text=True, timeout=30
+            )
+            assert done.returncode == 0, done.stderr
+            lines = done.stdout.replace("}{", "}\n{").splitlines()  # answers lack a newline
+            answers += [json.loads(line) for line in lines if line.strip()]
+        shown = json.loads(re.search(r"# (\{.*\})", blocks[0])[1].replace("01a2…", "x"))
+        assert answers[0].keys() == shown.keys() and answers[0]["accepted"] == 1
+        assert [a["accepted"] for a in answers] == [1, 1, 1, 1]
+        wait_until(lambda: bronze(lake).height >= 4, 20, interval=0.1, what="4 records")
+    build_silver(Lake(str(lake)))
+    steps = Lake(str(lake)).read("silver/steps")
+    assert steps["step_key"].to_list() == ["traj-1:0"]
+    trajectory = Lake(str(lake)).read("silver/trajectories").row(0, named=True)
+    assert trajectory["status"] == "complete"
