@@ -8,11 +8,11 @@ STAMP := $(VENV)/.installed
 
 BASE_STAMP := $(VENV)/.installed-base
 
-# the base install runs the demo and the stack (no test tools, browsers or torch)
+# the package with its stack extra runs the demo and `claw up` (no test tools, browsers or torch)
 $(BASE_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e '.[stack]'
 	touch $(BASE_STAMP)
 
 $(STAMP): pyproject.toml

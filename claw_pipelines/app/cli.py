@@ -752,9 +752,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = f"CLAW_{where.upper()}" if exc.title == "ClawSettings" else where
         print(f"claw: error: {name}: {first['msg']}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in STACK_MODULES:
+            return _unexpected(exc)
+        print(
+            f"claw: error: `claw {args.verb}` needs the stack extra ({exc.name} is not "
+            "installed): pip install 'claw-lakehouse[stack]'",
+            file=sys.stderr,
+        )
+        return 1
     except Exception as exc:  # one clear line for users; the traceback goes to a log file
         return _unexpected(exc)
     return 0
+
+
+STACK_MODULES = ("dagster", "dagster_webserver", "dagster_graphql", "streamlit")
 
 
 def _unexpected(exc: Exception) -> int:
