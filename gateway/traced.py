@@ -5,8 +5,9 @@ A model call's ids are the ones its span carries (`token_source` `client`), else
 here with the model's tokenizer from the span's messages and labelled against the span's
 token counts as the proxy labels its own (`local` when both counts agree, else
 `local_unverified`). A call with neither (no tokenizer, or no messages) lands as an
-`uncaptured_call` event, never as a step. Every derived record's event id is the span's
-with a suffix, so an exporter's retry lands each once.
+`uncaptured_call` event, never as a step. A call this gateway proxied lands once: its span
+joins the proxied step (`gateway.proxy.proxied_calls`). Every derived record's event id is
+the span's with a suffix, so an exporter's retry lands each once.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from gateway.proxy.capture import (
     step_tokens,
     verified,
 )
+from gateway.proxy.proxied_calls import ProxiedCalls
 from gateway.proxy.steps import StepPlace, step_record
 from gateway.records import BronzeRecord, fact_record
 
@@ -46,37 +48,55 @@ Tokenizer = Callable[[], ChatTokenizer | None]
 
 
 def derived_records(
-    span: dict[str, Any], event_id: str, tenant: str, tokenizer: Tokenizer, sources: tuple[str, ...]
+    span: dict[str, Any],
+    event_id: str,
+    tenant: str,
+    tokenizer: Tokenizer,
+    sources: tuple[str, ...],
+    calls: ProxiedCalls | None = None,
 ) -> list[BronzeRecord]:
-    """The records a span's payload yields beside itself (`event_id`: the span record's)."""
+    """The records a span's payload yields beside itself (`event_id`: the span record's). A
+    model call this gateway proxied (`calls`, by response id) is not landed again: the span
+    yields a `traced_twin` event naming the proxied step, and its rewards go to that step and
+    its trajectory's to the proxied trajectory."""
     place = placement(span, sources)
     origin = {"trace_id": span["trace_id"], "span_id": span["span_id"]}
     records: list[BronzeRecord] = []
     rewards = span_rewards(span)
-    step_reward = None
-    if is_llm_span(span):
-        call = traced_call(span)
-        if call is not None:
-            if rewards and rewards[0][1] == "claw.reward":
-                step_reward = rewards[0][0]
-            step = _step(call, span, place, origin, event_id, tenant, tokenizer, step_reward)
-            if step.kind == TRACED_KIND and step_reward is not None:
+    target: StepTarget | TrajectoryTarget | None = None
+    call = traced_call(span) if is_llm_span(span) else None
+    twin = calls.step_of(tenant, call.response_id) if calls is not None and call else None
+    if call is not None and twin is not None and calls is not None:
+        calls.join(tenant, place.trajectory_uid, twin)
+        event = Event(
+            type="traced_twin",
+            trajectory_uid=twin.rsplit(":", 1)[0],
+            payload={"step_key": twin, "response_id": call.response_id, "otel": origin},
+            event_id=f"{event_id}-twin",
+        )
+        records.append(fact_record(event, "event", tenant))
+        target = StepTarget(step_key=twin)
+    elif call is not None:
+        step_reward = rewards[0][0] if rewards and rewards[0][1] == "claw.reward" else None
+        step = _step(call, span, place, origin, event_id, tenant, tokenizer, step_reward)
+        if step.kind == TRACED_KIND:
+            target = StepTarget(step_key=f"{place.trajectory_uid}:{place.step_index}")
+            if step_reward is not None:
                 rewards = rewards[1:]  # the step carries it
-            records.append(step)
-    elif is_tool_span(span):
+        records.append(step)
+    trajectory = place.trajectory_uid
+    if calls is not None:
+        trajectory = calls.trajectory_of(tenant, trajectory)
+    if is_tool_span(span):
         turn = {k: v for k, v in tool_turn(span).items() if v is not None}
         event = Event(
             type="tool_turn",
-            trajectory_uid=place.trajectory_uid,
+            trajectory_uid=trajectory,
             payload={**turn, "otel": origin},
             event_id=f"{event_id}-tool",
         )
         records.append(fact_record(event, "event", tenant))
-    target = (
-        StepTarget(step_key=f"{place.trajectory_uid}:{place.step_index}")
-        if is_llm_span(span) and records and records[0].kind == TRACED_KIND
-        else TrajectoryTarget(trajectory_uid=place.trajectory_uid)
-    )
+    target = target or TrajectoryTarget(trajectory_uid=trajectory)
     for number, (value, via) in enumerate(rewards):
         feedback = Feedback(
             target=target,

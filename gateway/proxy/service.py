@@ -41,6 +41,7 @@ from gateway.proxy.capture_mode import CaptureMode
 from gateway.proxy.chat_from_tokens import chat_chunks
 from gateway.proxy.dialects import DialectCall, Responses, open_messages
 from gateway.proxy.dialects.response_store import ResponseStore, reply_message
+from gateway.proxy.proxied_calls import ProxiedCalls
 from gateway.proxy.relay import StreamRelay
 from gateway.proxy.replicas import Replica, Replicas, routing_key
 from gateway.proxy.scope import Scope, TrajectoryBook
@@ -88,6 +89,7 @@ class ProxyService:
         self.book = TrajectoryBook(recorded=recorded)
         self.token_in = TokenIn(settings, landing, self.book, self.capture)
         self.responses = Responses(ResponseStore(settings.resolved_wal_dir, landing.lake))
+        self.proxied_calls = ProxiedCalls()  # a traced span of one joins its step
         self._overloaded_until = 0.0
         self.failures = Counter(
             "claw_gateway_upstream_failures",
@@ -393,6 +395,9 @@ class ProxyService:
         gateway could not."""
         if not await self.land([*steps.records, *steps.uncaptured, *(also or ())]):
             return False
+        for choice, place in zip(steps.captured, steps.places, strict=False):
+            key = f"{place.trajectory_uid}:{place.step_index}"
+            self.proxied_calls.add(call.tenant, choice.response.get("id"), key)
         if call.token_in_plan is not None:
             self.token_in.remember(call.token_in_plan, steps.captured, steps.records, steps.places)
         if call.dialect is not None:

@@ -33,9 +33,10 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from gateway.asgi import Answer
 from gateway.errors import ERROR_RESPONSES, ApiError
-from gateway.genai_spans import TRACE
+from gateway.genai_spans import TRACE, is_llm_span
 from gateway.incoming import Incoming, media_of
 from gateway.otlp_json import json_span_payloads
+from gateway.proxy.proxied_calls import ProxiedCalls
 from gateway.records import BronzeRecord, now_us
 from gateway.routes.ingest import land
 from gateway.routes.table import Route
@@ -239,18 +240,19 @@ def span_records(
     tenant: str,
     tokenizer: Tokenizer,
     sources: tuple[str, ...],
+    calls: ProxiedCalls | None = None,
 ) -> tuple[list[BronzeRecord], list[str]]:
     """Every span's record and the records derived from it (steps, tool turns, rewards), and
-    why the spans that cannot land were rejected."""
+    why the spans that cannot land were rejected. Model calls are read first, so that a call
+    joined to a proxied step (`calls`) takes its trace's other facts along in one export."""
     received, records, reasons = now_us(), [], []
-    for payload, why in payloads:
-        if payload is None:
-            reasons.append(why)
-            continue
+    landing = [p for p, _ in payloads if p is not None]
+    reasons = [why for p, why in payloads if p is None]
+    for payload in sorted(landing, key=lambda p: not is_llm_span(p)):
         record = span_record(payload, tenant, received)
         records.append(record)
         try:
-            records += derived_records(payload, record.event_id, tenant, tokenizer, sources)
+            records += derived_records(payload, record.event_id, tenant, tokenizer, sources, calls)
         except Exception as exc:  # the span is kept as received: what it says can be read later
             log.warning("span %s: not read into steps: %s", record.event_id, exc)
             records.append(unread_record(payload, record.event_id, tenant, exc))
@@ -283,9 +285,9 @@ async def export_traces(incoming: Incoming) -> Answer:
     sources = trajectory_sources(services.settings.otel_trajectory_from)
 
     def read() -> tuple[list[BronzeRecord], list[str]]:  # off the event loop: decode, tokenize
-        return span_records(
-            payloads_of(body, media), tenant, services.proxy.local_tokenizer, sources
-        )
+        proxy = services.proxy
+        payloads = payloads_of(body, media)
+        return span_records(payloads, tenant, proxy.local_tokenizer, sources, proxy.proxied_calls)
 
     records, reasons = await asyncio.to_thread(read)
     if records:

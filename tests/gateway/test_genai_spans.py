@@ -14,6 +14,7 @@ from gateway.genai_spans import (
     tool_turn,
     traced_call,
 )
+from gateway.proxy.proxied_calls import ProxiedCalls
 from gateway.traced import derived_records, unread_record
 
 TRACE = "5b8efff798038103d269b633813fc60c"
@@ -239,3 +240,31 @@ def test_a_call_that_cannot_be_a_step_keeps_its_reward_as_feedback():
     assert feedback["value"] == 1.0 and feedback["target"] == {"trajectory_uid": f"trace-{TRACE}"}
     unread = unread_record(span(attrs), "otel-x", "tenant-a", ValueError("odd"))
     assert json.loads(unread.payload)["payload"]["error"] == "ValueError: odd"
+
+
+def test_a_call_the_gateway_proxied_joins_its_step_and_takes_the_traces_facts_along():
+    calls = ProxiedCalls(capacity=2)
+    calls.add("tenant-a", "chatcmpl-1", "traj-p:3")
+    calls.add("tenant-a", "chatcmpl-1", "traj-p:4")  # a later choice of the call: the first stays
+    llm = span(
+        {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.response.id": "chatcmpl-1",
+            "claw.prompt_ids": [1],
+            "claw.response_ids": [2],
+            "claw.reward": 0.5,
+        }
+    )
+    records = derived_records(llm, "otel-a", "tenant-a", lambda: None, ("trace",), calls)
+    assert [r.kind for r in records] == ["event", "feedback"]  # no second step
+    twin = json.loads(records[0].payload)
+    assert twin["type"] == "traced_twin" and twin["payload"]["step_key"] == "traj-p:3"
+    assert json.loads(records[1].payload)["target"] == {"step_key": "traj-p:3"}
+    root = span({"claw.reward": 1.0}, span_id="00000000000000b1")  # the agent's span, later
+    (feedback,) = derived_records(root, "otel-b", "tenant-a", lambda: None, ("trace",), calls)
+    assert json.loads(feedback.payload)["target"] == {"trajectory_uid": "traj-p"}
+    other = derived_records(llm, "otel-c", "tenant-b", lambda: None, ("trace",), calls)
+    assert other[0].kind == "traced_call"  # another tenant's call is never joined
+    calls.add("tenant-a", "chatcmpl-2", "traj-q:0")
+    calls.add("tenant-a", "chatcmpl-3", "traj-r:0")  # past capacity: the oldest is forgotten
+    assert calls.step_of("tenant-a", "chatcmpl-1") is None

@@ -42,6 +42,16 @@ def stack(tmp_path_factory):
             yield gateway
 
 
+@pytest.fixture(scope="module")
+def tracer(tmp_path_factory):
+    """A second gateway that only takes traces (the calls were not proxied by it): it
+    tokenizes their messages with the simulated model's own tokenizer."""
+    lake = tmp_path_factory.mktemp("traces-only") / "lake"
+    env = {"CLAW_API_KEYS": KEYS, "CLAW_TOKENIZER": "bundled"}
+    with GatewayProcess(lake, CLAW_FLUSH_INTERVAL_MS="50", **env) as gateway:
+        yield gateway
+
+
 def instrumented(which: str, provider: TracerProvider, monkeypatch):
     """The openai module instrumented by `which`; call `.uninstrument()` when done."""
     if which == "genai":
@@ -126,13 +136,15 @@ def proxied_twins(lake: Path, traced: pl.DataFrame) -> pl.DataFrame:
 
 
 @pytest.mark.parametrize("which", ["genai", "openinference"])
-def test_an_instrumented_agent_lands_its_calls_tools_and_reward(stack, which, monkeypatch):
+def test_an_instrumented_agent_lands_its_calls_tools_and_reward(stack, tracer, which, monkeypatch):
+    """The agent calls the model through `stack`'s proxy and exports its spans to `tracer`,
+    which never saw the calls: the traced steps, tokenized there, against the proxy's."""
     seed = 11 if which == "genai" else 12
     # the group is the rollout worker's, on its resource: every span of it carries it (a
     # span's ancestors are never consulted: children end, and are exported, first)
     resource = Resource.create({"service.name": "calculator", "claw.prompt_uid": f"pg-{seed}"})
     provider = TracerProvider(resource=resource)
-    provider.add_span_processor(SimpleSpanProcessor(exporter(stack.url)))
+    provider.add_span_processor(SimpleSpanProcessor(exporter(tracer.url)))
     instrumentor = instrumented(which, provider, monkeypatch)
     try:
         trace, calls = agent(stack.url, provider, seed)
@@ -140,7 +152,7 @@ def test_an_instrumented_agent_lands_its_calls_tools_and_reward(stack, which, mo
         instrumentor.uninstrument()
         provider.shutdown()
     assert calls >= 2  # a tool call, then the answer
-    steps = landed_steps(stack.lake, trace, calls)
+    steps = landed_steps(tracer.lake, trace, calls)
     assert set(steps["tenant"]) == {"tenant-a"} and set(steps["prompt_uid"]) == {f"pg-{seed}"}
     twins = proxied_twins(stack.lake, steps)
     # every call's reply is the model's own tokens; the prompts too where the span holds all
@@ -157,18 +169,18 @@ def test_an_instrumented_agent_lands_its_calls_tools_and_reward(stack, which, mo
             assert check["prompt_tokens"][0] != check["prompt_tokens"][1]
     if which == "openinference":
         assert set(steps["token_source"]) == {"local"}
-    events = bronze(stack.lake).filter(pl.col("kind") == "event")
+    events = bronze(tracer.lake).filter(pl.col("kind") == "event")
     turns = [json.loads(p) for p in events["payload"]]
     turns = [
         t for t in turns if t["type"] == "tool_turn" and t["trajectory_uid"] == f"trace-{trace}"
     ]
     assert len(turns) == calls - 1 and turns[0]["payload"]["name"] == "calculator"
-    feedback = bronze(stack.lake).filter(pl.col("kind") == "feedback")
+    feedback = bronze(tracer.lake).filter(pl.col("kind") == "feedback")
     rewards = [json.loads(p) for p in feedback["payload"]]
     (reward,) = [r for r in rewards if r["target"].get("trajectory_uid") == f"trace-{trace}"]
     assert reward["kind"] == "reward" and reward["source"] == "trace"
 
-    lake = Lake(str(stack.lake))
+    lake = Lake(str(tracer.lake))
     build_silver(lake)
     silver = lake.read("silver/steps").filter(pl.col("trajectory_uid") == f"trace-{trace}")
     assert silver.height == calls and set(silver["source_kind"]) == {"otel"}
@@ -176,6 +188,55 @@ def test_an_instrumented_agent_lands_its_calls_tools_and_reward(stack, which, mo
     trajectories = lake.read("silver/trajectories")
     (mine,) = trajectories.filter(pl.col("trajectory_uid") == f"trace-{trace}").rows(named=True)
     assert mine["num_steps"] == calls
+
+
+def test_a_call_both_proxied_and_traced_lands_once_with_the_traces_facts(stack, monkeypatch):
+    """The agent calls through the proxy and exports its spans to the same gateway: each call
+    is its proxied step, once, with the proxy's exact ids; its span names that step (a
+    `traced_twin` event), and the trace's tool runs and reward go to the proxied trajectory,
+    which silver resolves through stitching."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter(stack.url)))
+    instrumentor = instrumented("openinference", provider, monkeypatch)
+    try:
+        trace, calls = agent(stack.url, provider, seed=31)
+    finally:
+        instrumentor.uninstrument()
+        provider.shutdown()
+
+    def twins():
+        events = bronze(stack.lake).filter(pl.col("kind") == "event")
+        found = [json.loads(p) for p in events["payload"]]
+        found = [e for e in found if e["type"] == "traced_twin"]
+        mine = [e for e in found if e["payload"]["otel"]["trace_id"] == trace]
+        return mine if len(mine) == calls else None
+
+    joined = wait_until(twins, 20, interval=0.1, what="a traced_twin event per call")
+    rows = bronze(stack.lake)
+    traced = rows.filter(
+        (pl.col("kind") == "traced_call") & (pl.col("trajectory_uid") == f"trace-{trace}")
+    )
+    assert traced.is_empty()  # no second step of any call
+    proxied = rows.filter(pl.col("kind") == "chat_completion")
+    keys = {f"{t}:{i}" for t, i in proxied.select("trajectory_uid", "step_index").iter_rows()}
+    assert {e["payload"]["step_key"] for e in joined} <= keys
+    feedback = [json.loads(p) for p in rows.filter(pl.col("kind") == "feedback")["payload"]]
+    (reward,) = [f for f in feedback if f["metadata"]["otel"]["trace_id"] == trace]
+    last = max(joined, key=lambda e: e["payload"]["step_key"])  # (uuid7 ids: in time order)
+    assert reward["target"] == {"trajectory_uid": last["trajectory_uid"]}
+
+    lake = Lake(str(stack.lake))
+    build_silver(lake)
+    steps = lake.read("silver/steps")
+    origin = {e["payload"]["step_key"] for e in joined}
+    mine = steps.filter(
+        pl.col("origin_step_key").is_in(list(origin)) | pl.col("step_key").is_in(list(origin))
+    )
+    assert mine.height == calls and set(mine["source_kind"]) == {"proxy"}
+    assert set(mine["token_source"]) == {"upstream"}  # the proxy's exact ids
+    (stitched,) = mine["trajectory_uid"].unique().to_list()  # one conversation, stitched
+    trajectory = lake.read("silver/trajectories").filter(pl.col("trajectory_uid") == stitched)
+    assert trajectory["resolved_return"].to_list() == [reward["value"]]
 
 
 def collector_json(spans) -> bytes:

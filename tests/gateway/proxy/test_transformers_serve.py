@@ -313,45 +313,50 @@ def test_a_messages_call_reaches_the_real_server_and_lands_its_ids(gateway, serv
     _check_translated(gateway, truth, keys, usages, "messages")
 
 
-def test_a_traced_call_lands_the_ids_the_model_gives_its_messages(gateway, served, truth):
-    """An agent instrumented with OpenInference, its spans exported to the gateway: the step
-    read from its span carries the ids the model's own tokenizer gives its messages (the same
-    the proxy computed for the same call), labelled as the proxy labels them."""
+def test_a_traced_call_lands_the_ids_the_model_gives_its_messages(gateway, served, truth, tmp_path):
+    """An agent instrumented with OpenInference calls through the proxy and exports its spans
+    to a gateway that takes traces only (with the model's tokenizer): the step read from its
+    span carries the ids the model's own tokenizer gives its messages (the same the proxy
+    computed for the same call), labelled as the proxy labels them."""
     from openinference.instrumentation.openai import OpenAIInstrumentor
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    exporter = OTLPSpanExporter(
-        endpoint=f"{gateway.url}/v1/traces", headers={"Authorization": f"Bearer {KEY}"}
+    traces_only = GatewayProcess(
+        tmp_path / "traces", CLAW_TOKENIZER=served.model, CLAW_API_KEYS=f"{KEY}=t"
     )
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    instrumentor = OpenAIInstrumentor()
-    instrumentor.instrument(tracer_provider=provider)
-    key = f"traced-{uuid.uuid4().hex}"
-    tracer = provider.get_tracer("agent")
-    try:
-        with tracer.start_as_current_span("invoke_agent") as root:
-            answer = _client(gateway).chat.completions.create(
-                model=served.model,
-                messages=QUESTION,
-                max_tokens=8,
-                extra_headers={"Idempotency-Key": key},
-            )
-            trace = f"trace-{root.get_span_context().trace_id:032x}"
-    finally:
-        instrumentor.uninstrument()
-        provider.shutdown()
-    proxied = _rows(gateway, [key]).row(0, named=True)
-
-    def traced():
-        rows = bronze(gateway.lake).filter(
-            (pl.col("kind") == "traced_call") & (pl.col("trajectory_uid") == trace)
+    with traces_only as traces:
+        exporter = OTLPSpanExporter(
+            endpoint=f"{traces.url}/v1/traces", headers={"Authorization": f"Bearer {KEY}"}
         )
-        return rows if rows.height else None
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        instrumentor = OpenAIInstrumentor()
+        instrumentor.instrument(tracer_provider=provider)
+        key = f"traced-{uuid.uuid4().hex}"
+        tracer = provider.get_tracer("agent")
+        try:
+            with tracer.start_as_current_span("invoke_agent") as root:
+                answer = _client(gateway).chat.completions.create(
+                    model=served.model,
+                    messages=QUESTION,
+                    max_tokens=8,
+                    extra_headers={"Idempotency-Key": key},
+                )
+                trace = f"trace-{root.get_span_context().trace_id:032x}"
+        finally:
+            instrumentor.uninstrument()
+            provider.shutdown()
+        proxied = _rows(gateway, [key]).row(0, named=True)
 
-    (step,) = wait_until(traced, 20, interval=0.1, what="the traced step").rows(named=True)
+        def traced():
+            rows = bronze(traces.lake).filter(
+                (pl.col("kind") == "traced_call") & (pl.col("trajectory_uid") == trace)
+            )
+            return rows if rows.height else None
+
+        (step,) = wait_until(traced, 20, interval=0.1, what="the traced step").rows(named=True)
     expected = truth.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=False)
     assert step["prompt_ids"] == list(expected) == proxied["prompt_ids"]
     assert step["response_ids"] == proxied["response_ids"]
