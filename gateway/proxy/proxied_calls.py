@@ -6,7 +6,7 @@ the step with its exact ids before it answers, and seconds later (its span proce
 batch) as a span. The span then adds what the proxy could not know (its rewards, its
 trace's other spans) to the proxied step and its trajectory. Kept in memory, bounded: a
 span of a call proxied by another gateway, or longer ago than the book holds, lands as its
-own step (the limit DESIGN §4 states).
+own step (the limit docs/DESIGN.md §4 states).
 """
 
 from __future__ import annotations
