@@ -13,8 +13,8 @@ the span's with a suffix, so an exporter's retry lands each once.
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from claw_pipelines.contracts.wire import Event, Feedback, StepTarget, TrajectoryTarget
@@ -42,6 +42,7 @@ from gateway.proxy.steps import StepPlace, step_record
 from gateway.records import BronzeRecord, fact_record
 
 TRACED_KIND = "traced_call"  # the bronze record kind of a step read from an LLM span
+CLIENT = "client"  # the label of ids the span itself carries
 FEEDBACK_SOURCE = "trace"  # the `source` of the feedback a span's reward becomes
 
 Tokenizer = Callable[[], ChatTokenizer | None]
@@ -196,24 +197,16 @@ def _choice(call: TracedCall) -> CapturedChoice:
 def _tokens(
     call: TracedCall, request: dict[str, Any], tokenizer: Tokenizer
 ) -> tuple[StepTokens, dict[str, Any]]:
-    """The call's packed ids, their label, and what the metadata says of the tokenizer."""
-    if call.prompt_ids and call.response_ids is not None:
-        logprobs = None
-        if call.log_probs is not None:
-            logprobs = struct.pack(f"<{len(call.log_probs)}f", *call.log_probs)
-        packed = StepTokens(
-            struct.pack(f"<{len(call.prompt_ids)}i", *call.prompt_ids),
-            struct.pack(f"<{len(call.response_ids)}i", *call.response_ids),
-            logprobs,
-            "client",
-        )
-        return packed, {}
-    if not call.messages:
+    """The call's packed ids, their label, and what the metadata says of the tokenizer: the
+    proxy's own packing and local tokenization (`capture.step_tokens`); ids all carried on
+    the span are the client's."""
+    if not call.prompt_ids and not call.messages:
         raise Uncapturable("the span holds neither token ids nor the messages sent")
-    choice = _choice(call)
-    tokens = step_tokens(choice, request, CHAT_KIND, 0, tokenizer)
+    tokens = step_tokens(_choice(call), request, CHAT_KIND, 0, tokenizer)
     if not tokens.prompt_ids:
         raise Uncapturable("the span's messages cannot be rendered with the model's template")
+    if not tokens.local:
+        return replace(tokens, token_source=CLIENT), {}
     (tokens,) = verified([tokens], [0], call.usage)
     chat = tokenizer()
     named = (
