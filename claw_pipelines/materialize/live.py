@@ -77,6 +77,7 @@ from claw_pipelines.materialize.silver import (
     SilverOptions,
     SilverRun,
     build_silver,
+    ensure_silver,
     earliest_marker,
     share_view,
     silver_state,
@@ -316,6 +317,9 @@ class LiveMaterializer:
         bounded = self.history_path is not None and self.hot_steps > 0
         view = self.at_hand.silver
         if view is None and (bounded or state.bronze_version is not None):
+            if state.bronze_version is None:  # a new lake: its tables made before the view
+                ensure_silver(self.lake)  # (which would go stale at their creation)
+                state = silver_state(self.lake, slot=self.slot)
             self.at_hand.silver = self._open_view(state.versions)  # a (re)start
         elif (
             bounded
