@@ -44,7 +44,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	for script in benchmarks/[a-z]*.py; do \
 	  case $$script in */harness.py|*/loadgen.py|*/baseline_app.py|*/relay_floor.py) continue;; esac; \
-	  $(BIN)/python $$script || exit 1; \
+	  CLAW_BENCH_RECORD=benchmarks/results $(BIN)/python $$script || exit 1; \
 	done
 
 docs: $(STAMP)

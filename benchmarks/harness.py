@@ -68,10 +68,20 @@ def result_line(
     return line | figures
 
 
+RECORD_ENV = "CLAW_BENCH_RECORD"  # a folder: every run's line is appended to <benchmark>.jsonl
+
+
 def emit(benchmark: str, **fields: Any) -> dict:
-    """Print the one JSON line (see `result_line`) and return it."""
+    """Print the one JSON line (see `result_line`) and return it; with `CLAW_BENCH_RECORD`
+    set (`make bench` sets it to `benchmarks/results`), also append it to that folder's
+    `<benchmark>.jsonl`: every run kept, the docs include their figures from there."""
     line = result_line(benchmark, **fields)
     print(json.dumps(line), flush=True)
+    folder = os.environ.get(RECORD_ENV)
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with (Path(folder) / f"{benchmark}.jsonl").open("a") as record:
+            record.write(json.dumps(line) + "\n")
     return line
 
 

@@ -77,8 +77,8 @@ from claw_pipelines.materialize.silver import (
     SilverOptions,
     SilverRun,
     build_silver,
-    ensure_silver,
     earliest_marker,
+    ensure_silver,
     share_view,
     silver_state,
 )
