@@ -1,12 +1,14 @@
 """The docs' Python examples run as written: the README's (an unchanged OpenAI client records
 a step through a started gateway, the simulated model behind it; the bronze read finds it;
 the batch example pulls from a lake with rewarded groups) and the recording tutorial's (chat,
-Responses and Messages through the official SDKs, an OpenTelemetry exporter). Only the
-gateway's address and the lake's path are the test's own."""
+Responses and Messages through the official SDKs, an OpenTelemetry exporter) and the training
+tutorial's first (a gradient step on each tree batch). Only the gateway's address and the
+lake's path are the test's own."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -138,3 +140,18 @@ def test_the_curl_examples_land_what_they_say(tmp_path):
     assert steps["step_key"].to_list() == ["traj-1:0"]
     trajectory = Lake(str(lake)).read("silver/trajectories").row(0, named=True)
     assert trajectory["status"] == "complete"
+
+
+def test_the_training_tutorial_trains_on_the_lakes_batches(tmp_path):
+    """The first example of the training tutorial, as written: a policy takes a gradient step
+    on each tree batch of a policy version's partition, and the loss is finite."""
+    (example, *_) = blocks("docs/tutorials/train.md")
+    lake_path = tmp_path / "lake"
+    lake = Lake(str(lake_path))
+    land(lake, group_of("g3", [5, 6, 7], [1.0, 0.0, 0.5], version=3, turns=2))
+    build_silver(lake)
+    build_partition(lake, DEFAULT_SPEC, 3)
+    printed = run(example, "", lake_path).splitlines()
+    assert printed[0].endswith("[3]")  # the dataset's version, its one policy version
+    assert printed[1].startswith("batch 0: 6 steps, loss ")
+    assert math.isfinite(float(printed[1].rsplit(" ", 1)[1]))
