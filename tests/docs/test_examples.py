@@ -2,7 +2,8 @@
 a step through a started gateway, the simulated model behind it; the bronze read finds it;
 the batch example pulls from a lake with rewarded groups) and the recording tutorial's (chat,
 Responses and Messages through the official SDKs, an OpenTelemetry exporter) and the training
-tutorial's first (a gradient step on each tree batch). Only the gateway's address and the
+tutorial's first (a gradient step on each tree batch); the curation tutorial's spec files
+validate and build. Only the gateway's address and the
 lake's path are the test's own."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import polars as pl
 
 from claw_pipelines.contracts.specs import DEFAULT_SPEC
 from claw_pipelines.lake.delta import Lake
+from claw_pipelines.lake.specs import read_specs
 from claw_pipelines.materialize.gold import build_partition
 from claw_pipelines.materialize.silver import build_silver
 from tests.support.lakes import group_of, land
@@ -32,6 +34,7 @@ def blocks(page: str) -> list[str]:
 
 
 BLOCKS = blocks("README.md")
+CURATE = (ROOT / "docs/tutorials/curate.md").read_text()
 
 
 def run(block: str, url: str, lake: Path) -> str:
@@ -155,3 +158,30 @@ def test_the_training_tutorial_trains_on_the_lakes_batches(tmp_path):
     assert printed[0].endswith("[3]")  # the dataset's version, its one policy version
     assert printed[1].startswith("batch 0: 6 steps, loss ")
     assert math.isfinite(float(printed[1].rsplit(" ", 1)[1]))
+
+
+def test_the_curation_tutorials_specs_validate_and_build(tmp_path):
+    """The spec files the curation tutorial shows, written where their first line says: each
+    validates, and they build: GRPO keeps the group with a learning signal and drops the
+    one whose returns are equal, which the SFT spec re-admits (its best trajectory)."""
+    specs = re.findall(r"```yaml\n# (lake/specs/[\w-]+\.yaml)\n(.*?)```", CURATE, re.S)
+    assert [path for path, _ in specs] == [
+        "lake/specs/math-grpo.yaml",
+        "lake/specs/sft-from-grpo.yaml",
+    ]
+    lake_path = tmp_path / "lake"
+    lake = Lake(str(lake_path))
+    land(lake, group_of("signal", [1, 2, 3], [1.0, 0.0], version=3))
+    land(lake, group_of("flat", [4, 5, 6], [1.0, 1.0], version=3))
+    build_silver(lake)
+    for path, text in specs:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    shelf = read_specs(lake)
+    assert not shelf.errors and {"math-grpo", "sft-from-grpo"} <= set(shelf.specs)
+    grpo = build_partition(lake, shelf.specs["math-grpo"], 3)
+    sft = build_partition(lake, shelf.specs["sft-from-grpo"], 3)
+    kept = pl.read_delta(str(lake_path / "gold/datasets/math-grpo"))
+    readmitted = pl.read_delta(str(lake_path / "gold/datasets/sft-from-grpo"))
+    assert set(kept["prompt_uid"]) == {"signal"} and grpo.steps.height == kept.height == 2
+    assert set(readmitted["trajectory_uid"]) == {"flat-r0"} and sft.steps.height == 1
