@@ -267,6 +267,9 @@ def _read_rows(
     rows, mode = None, "changes"
     if after is not None and after >= 0:
         rows = lake.changes(BRONZE_EVENTS, after, until, columns, where, prune_only)
+    elif after is None:  # all of it: as the files its log added, when it only appended (a
+        mode = "full"  # local lake's then read with no Python call a read)
+        rows = lake.appended(BRONZE_EVENTS, -1, until, columns, where, prune_only)
     if rows is None:
         table = lake.open(BRONZE_EVENTS, until).to_pyarrow_dataset()
         if where is not None and prune_only:
